@@ -1,0 +1,396 @@
+//! The seam between the runtime and a backend: [`Broker`] and [`Receiver`].
+//!
+//! A backend implements a few small primitives, each mapped to its broker's native
+//! mechanism (see the backend crate's docs for the mapping). Everything else — handling,
+//! classification, the retry decision, the dead-letter record, metrics, tracing,
+//! shutdown — lives once, in [`crate::consumer`].
+//!
+//! Rules every backend keeps (the conformance suite checks them):
+//! - `publish` returns only after the broker confirmed the message (a confirm, a PubAck,
+//!   a delivery report, a 200); an unroutable destination is an error.
+//! - `retry` and `dead_letter` make the copy durable (confirmed) *before* they settle the
+//!   source delivery; when they fail, the source is left unsettled — the runtime then
+//!   calls `release`.
+//! - `receive` never hands out more than [`Subscription::prefetch`] unsettled deliveries.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::classify::{BoxError, DecodeError};
+use crate::envelope::Envelope;
+use crate::headers::{self, Origin};
+use crate::message::{Headers, Message, MessageId};
+
+/// Errors a backend reports.
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    /// The destination does not exist / nothing is bound to receive the message.
+    #[error("destination `{0}` is unroutable (does not exist or nothing is bound to it)")]
+    Unroutable(String),
+    /// The broker refused the message (negative confirm, rejected publish, quota).
+    #[error("broker rejected the message: {0}")]
+    Rejected(String),
+    /// No confirmation arrived in time.
+    #[error("timed out after {0:?} waiting for the broker")]
+    Timeout(Duration),
+    /// The connection or channel is gone.
+    #[error("connection lost: {0}")]
+    Connection(String),
+    /// The receiver was closed.
+    #[error("receiver closed")]
+    Closed,
+    /// The backend cannot do this.
+    #[error("not supported by the {backend} backend: {what}")]
+    Unsupported {
+        /// The backend.
+        backend: &'static str,
+        /// The operation.
+        what: &'static str,
+    },
+    /// Invalid configuration or URL; names the field.
+    #[error("invalid configuration `{field}`: {reason}")]
+    Config {
+        /// The setting or URL part.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Any other client error.
+    #[error(transparent)]
+    Other(BoxError),
+}
+
+/// Where a producer sends a message: a topic / exchange / stream / queue, plus an
+/// optional route (AMQP routing key, NATS subject suffix).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Destination {
+    /// Topic, exchange, stream or queue.
+    pub topic: String,
+    /// Routing key / subject, where the broker routes by one.
+    pub route: Option<String>,
+}
+
+impl Destination {
+    /// A destination without a route.
+    pub fn new(topic: impl Into<String>) -> Self {
+        Self {
+            topic: topic.into(),
+            route: None,
+        }
+    }
+
+    /// Add a route (routing key / subject).
+    pub fn with_route(mut self, route: impl Into<String>) -> Self {
+        self.route = Some(route.into());
+        self
+    }
+}
+
+impl From<&str> for Destination {
+    fn from(topic: &str) -> Self {
+        Self::new(topic)
+    }
+}
+
+impl fmt::Display for Destination {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.route {
+            Some(r) => write!(f, "{}/{}", self.topic, r),
+            None => f.write_str(&self.topic),
+        }
+    }
+}
+
+/// What a consumer asks a backend for: one consumer (group) reading one source.
+///
+/// Backends derive every name they declare from it (retry queues/topics, the DLQ), so
+/// two consumers of one source never share a retry route or a DLQ.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Subscription {
+    /// Consumer / group name.
+    pub consumer: String,
+    /// Topic / exchange / stream / queue to read.
+    pub source: String,
+    /// Routing-key pattern / subject filter (`*` one word, `#` any number), if any.
+    pub filter: Option<String>,
+    /// Most unsettled deliveries this receiver may hold (basic.qos, max_ack_pending …).
+    pub prefetch: u32,
+    /// Delay tiers the retry policy can ask for (brokers with fixed delay queues declare
+    /// one per tier).
+    pub retry_tiers: Vec<Duration>,
+    /// The broker-side delivery limit (crash-loop safety net), above the policy's attempts.
+    pub delivery_limit: u32,
+    /// How long a delivery stays leased to this receiver before the broker may hand it
+    /// out again (ack wait / visibility timeout); handlers longer than this are kept
+    /// leased by the backend where it can extend leases.
+    pub lease: Duration,
+}
+
+impl Subscription {
+    /// A subscription with defaults: prefetch 64, no retry tiers, delivery limit 20,
+    /// lease 30 s.
+    pub fn new(consumer: impl Into<String>, source: impl Into<String>) -> Self {
+        Self {
+            consumer: consumer.into(),
+            source: source.into(),
+            filter: None,
+            prefetch: 64,
+            retry_tiers: Vec::new(),
+            delivery_limit: 20,
+            lease: Duration::from_secs(30),
+        }
+    }
+
+    /// Set the filter.
+    pub fn with_filter(mut self, filter: impl Into<String>) -> Self {
+        self.filter = Some(filter.into());
+        self
+    }
+
+    /// Conventional name of this consumer's dead-letter queue: `<source>.<consumer>.dlq`.
+    pub fn dead_letter_name(&self) -> String {
+        format!("{}.{}.dlq", self.source, self.consumer)
+    }
+
+    /// Conventional name of this consumer's retry route for `tier`:
+    /// `<source>.<consumer>.retry.<delay in ms>`.
+    pub fn retry_name(&self, delay: Duration) -> String {
+        format!(
+            "{}.{}.retry.{}ms",
+            self.source,
+            self.consumer,
+            delay.as_millis()
+        )
+    }
+}
+
+/// What a backend can and cannot do. A flag documents a broker limitation; it is never a
+/// way to hide a failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Publishing to a destination nobody declared fails (false where the broker
+    /// auto-creates destinations, e.g. Kafka with `auto.create.topics.enable`).
+    pub rejects_unroutable: bool,
+    /// Retries wait for the exact requested delay (true), or for the nearest fixed tier
+    /// (false: Kafka topics, RabbitMQ TTL queues).
+    pub exact_retry_delay: bool,
+    /// The broker enforces a delivery limit that catches crash loops.
+    pub delivery_limit: bool,
+    /// [`Broker::send_to_consumer`] is supported (replay goes to one consumer only).
+    pub consumer_redelivery: bool,
+}
+
+/// Opaque, backend-specific settlement handle carried by a [`Delivery`].
+pub struct DeliveryToken {
+    /// A number the backend uses to find the delivery (delivery tag, offset, slot).
+    pub tag: u64,
+    /// A second number (partition, channel generation), if the backend needs one.
+    pub lane: i64,
+    /// Anything else (ack subject, receipt handle).
+    pub extra: Option<Box<dyn Any + Send + Sync>>,
+}
+
+impl DeliveryToken {
+    /// A token with just a tag.
+    pub fn tag(tag: u64) -> Self {
+        Self {
+            tag,
+            lane: 0,
+            extra: None,
+        }
+    }
+}
+
+impl fmt::Debug for DeliveryToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeliveryToken")
+            .field("tag", &self.tag)
+            .field("lane", &self.lane)
+            .finish_non_exhaustive()
+    }
+}
+
+struct DeliveryInner {
+    message: Message,
+    attempt: u32,
+    origin: Origin,
+    token: DeliveryToken,
+}
+
+/// One delivery of a message to a consumer: the message, its attempt number, where it
+/// came from, and the backend's settlement token. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct Delivery(Arc<DeliveryInner>);
+
+impl fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Delivery")
+            .field("id", self.id())
+            .field("attempt", &self.0.attempt)
+            .field("origin", &self.0.origin)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Delivery {
+    /// Built by backends.
+    pub fn new(message: Message, attempt: u32, origin: Origin, token: DeliveryToken) -> Self {
+        Self(Arc::new(DeliveryInner {
+            message,
+            attempt: attempt.max(1),
+            origin,
+            token,
+        }))
+    }
+
+    /// The message.
+    pub fn message(&self) -> &Message {
+        &self.0.message
+    }
+
+    /// The stable message id.
+    pub fn id(&self) -> &MessageId {
+        self.0.message.id()
+    }
+
+    /// The message key.
+    pub fn key(&self) -> Option<&str> {
+        self.0.message.key()
+    }
+
+    /// The payload bytes.
+    pub fn payload(&self) -> &[u8] {
+        self.0.message.payload()
+    }
+
+    /// The headers.
+    pub fn headers(&self) -> &Headers {
+        self.0.message.headers()
+    }
+
+    /// The 1-based delivery attempt (1 = first delivery).
+    pub fn attempt(&self) -> u32 {
+        self.0.attempt
+    }
+
+    /// Where the message was consumed from.
+    pub fn origin(&self) -> &Origin {
+        &self.0.origin
+    }
+
+    /// The backend's settlement token.
+    pub fn token(&self) -> &DeliveryToken {
+        &self.0.token
+    }
+
+    /// The payload as UTF-8 text; invalid UTF-8 is poison.
+    pub fn text(&self) -> Result<&str, DecodeError> {
+        Ok(std::str::from_utf8(self.payload())?)
+    }
+
+    /// The payload decoded as JSON; a decode error is poison.
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, DecodeError> {
+        Ok(serde_json::from_slice(self.payload())?)
+    }
+
+    /// The payload decoded as an [`Envelope`] with `data: T`, checking the schema's
+    /// major version; any failure is poison.
+    pub fn envelope<T: serde::de::DeserializeOwned>(
+        &self,
+        supported_major: u32,
+    ) -> Result<Envelope<T>, DecodeError> {
+        Envelope::decode(self.payload(), supported_major)
+    }
+
+    /// The W3C `traceparent` header, if any.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.headers().get(headers::TRACEPARENT)
+    }
+}
+
+/// A retry: the copy to deliver later (same id, next attempt, failure headers) and how
+/// long the broker must hold it.
+#[derive(Clone, Debug)]
+pub struct RetryRequest {
+    /// The copy to deliver later. Backends that retry in place (NATS `NakWithDelay`,
+    /// SQS visibility) ignore it and derive the attempt from the broker's count.
+    pub message: Message,
+    /// How long to wait.
+    pub delay: Duration,
+    /// Index into [`Subscription::retry_tiers`] (for tiered brokers).
+    pub tier: usize,
+}
+
+/// A message broker connection.
+#[async_trait]
+pub trait Broker: Send + Sync + 'static {
+    /// The backend's name: `memory`, `kafka`, `rabbit`, `nats`, `sqs`.
+    fn kind(&self) -> &'static str;
+
+    /// What this backend can and cannot do.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Publish and wait for the broker's confirmation.
+    async fn publish(&self, destination: &Destination, message: Message)
+    -> Result<(), BrokerError>;
+
+    /// Declare the subscription's topology (idempotently) and start receiving.
+    async fn subscribe(&self, subscription: &Subscription)
+    -> Result<Box<dyn Receiver>, BrokerError>;
+
+    /// Read this consumer's dead-letter queue (for replay and operator tools). Settling a
+    /// delivery from it with `ack` removes it from the DLQ; `release` leaves it there.
+    async fn dead_letters(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Receiver>, BrokerError>;
+
+    /// Deliver `message` to this consumer only (not to every consumer of its source),
+    /// confirmed. Used by replay. Backends without a per-consumer input return
+    /// [`BrokerError::Unsupported`].
+    async fn send_to_consumer(
+        &self,
+        subscription: &Subscription,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        let _ = (subscription, message);
+        Err(BrokerError::Unsupported {
+            backend: self.kind(),
+            what: "send_to_consumer",
+        })
+    }
+}
+
+/// A bounded stream of deliveries for one subscription, and how to settle them.
+///
+/// Each delivery is settled exactly once by the runtime: `ack`, `retry`, `dead_letter`,
+/// or `release`. When `retry`/`dead_letter` fail, the delivery is still unsettled.
+/// Dropping the receiver returns every unsettled delivery to the broker.
+#[async_trait]
+pub trait Receiver: Send + Sync {
+    /// The next delivery; waits. [`BrokerError::Closed`] once closed.
+    async fn receive(&self) -> Result<Delivery, BrokerError>;
+
+    /// The work is done: remove/commit.
+    async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError>;
+
+    /// Hold a copy for `retry.delay`, confirmed, *then* settle the source.
+    async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError>;
+
+    /// Put `dead` (the message with the dead-letter record in its headers) on this
+    /// consumer's DLQ, confirmed, *then* settle the source.
+    async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError>;
+
+    /// Give the delivery back unsettled, to be delivered again after about `delay`
+    /// (immediately where the broker cannot delay a release).
+    async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError>;
+
+    /// Stop receiving; unsettled deliveries go back to the broker.
+    async fn close(&self) -> Result<(), BrokerError> {
+        Ok(())
+    }
+}

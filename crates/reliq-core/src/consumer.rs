@@ -1,0 +1,884 @@
+//! The consumer runtime, written once for every backend:
+//! receive (bounded) → handle (timeout, panic capture) → classify → ack / retry /
+//! dead-letter.
+//!
+//! Guarantees:
+//! - The source delivery is settled only after the retry or dead-letter copy was
+//!   confirmed by the broker. If that publish fails, the delivery is *released* (the
+//!   broker delivers it again later) and the receive loop backs off — a message is never
+//!   dropped and never just logged.
+//! - At most `max_in_flight` deliveries are held (received, not yet settled); the broker
+//!   is asked for the same prefetch bound. At most `concurrency` handlers run at once.
+//! - With [`Ordering::PerKey`], deliveries with the same key are handled one after the
+//!   other in arrival order, while other keys run in parallel.
+//! - Shutdown stops receiving, lets in-flight work finish within `shutdown_timeout`, then
+//!   releases whatever is left. Nothing is lost and nothing is settled twice.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::Instrument;
+
+use crate::broker::{Broker, BrokerError, Delivery, Receiver, RetryRequest, Subscription};
+use crate::classify::{BoxError, Classifier, ErrorClass};
+use crate::headers::{self, DeadLetter, DeadLetterReason};
+use crate::inbox::{Claim, Inbox};
+use crate::retry::{Decision, Failure, PolicyError, RetryPolicy};
+use crate::telemetry::{Clock, ConsumerMetrics, SettleOp, TraceParent};
+
+/// How deliveries of one consumer are ordered relative to each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Ordering {
+    /// Any delivery may run beside any other (up to `concurrency`).
+    #[default]
+    Unordered,
+    /// Deliveries with the same key run one at a time, in arrival order; different keys
+    /// (and keyless messages) run in parallel.
+    PerKey,
+}
+
+/// Errors of the consumer builder and runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsumerError {
+    /// A setting is invalid; names it.
+    #[error("invalid consumer setting `{field}`: {reason}")]
+    Config {
+        /// The setting.
+        field: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The retry policy is invalid.
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    /// The broker refused the subscription.
+    #[error("subscribing failed: {0}")]
+    Subscribe(#[source] BrokerError),
+}
+
+/// A consumer under construction. Start with [`Consumer::builder`].
+pub struct ConsumerBuilder {
+    broker: Arc<dyn Broker>,
+    name: String,
+    source: Option<(String, Option<String>)>,
+    policy: RetryPolicy,
+    max_in_flight: u32,
+    concurrency: Option<usize>,
+    ordering: Ordering,
+    handler_timeout: Option<Duration>,
+    shutdown_timeout: Duration,
+    inbox: Option<Arc<dyn Inbox>>,
+    classifier: Classifier,
+    lease: Duration,
+    delivery_limit: Option<u32>,
+    settle_backoff: (Duration, Duration),
+}
+
+/// Entry point of the runtime.
+pub struct Consumer;
+
+impl Consumer {
+    /// A consumer named `name` (the consumer group) on `broker`.
+    pub fn builder(broker: Arc<dyn Broker>, name: impl Into<String>) -> ConsumerBuilder {
+        ConsumerBuilder {
+            broker,
+            name: name.into(),
+            source: None,
+            policy: RetryPolicy::default(),
+            max_in_flight: 64,
+            concurrency: None,
+            ordering: Ordering::Unordered,
+            handler_timeout: None,
+            shutdown_timeout: Duration::from_secs(30),
+            inbox: None,
+            classifier: Classifier::default(),
+            lease: Duration::from_secs(30),
+            delivery_limit: None,
+            settle_backoff: (Duration::from_millis(100), Duration::from_secs(10)),
+        }
+    }
+}
+
+impl ConsumerBuilder {
+    /// Read `source` (topic / exchange / stream / queue), optionally filtered by a routing
+    /// key pattern or subject (`*` one word, `#` any).
+    pub fn subscribe(mut self, source: impl Into<String>, filter: impl Into<Option<String>>) -> Self {
+        self.source = Some((source.into(), filter.into()));
+        self
+    }
+
+    /// The retry policy (default: [`RetryPolicy::default`]).
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Most deliveries held at once, received but not settled (default 64). Also the
+    /// prefetch asked of the broker.
+    pub fn max_in_flight(mut self, n: u32) -> Self {
+        self.max_in_flight = n;
+        self
+    }
+
+    /// Most handlers running at once (default: `max_in_flight`).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = Some(n);
+        self
+    }
+
+    /// Ordering between deliveries (default [`Ordering::Unordered`]).
+    pub fn ordering(mut self, ordering: Ordering) -> Self {
+        self.ordering = ordering;
+        self
+    }
+
+    /// A handler running longer fails with a transient timeout error.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = Some(timeout);
+        self
+    }
+
+    /// How long shutdown waits for in-flight handlers before releasing them (default 30 s).
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.shutdown_timeout = timeout;
+        self
+    }
+
+    /// Skip messages whose id this consumer already handled.
+    pub fn inbox(mut self, inbox: Arc<dyn Inbox>) -> Self {
+        self.inbox = Some(inbox);
+        self
+    }
+
+    /// How errors are classified (default: markers and built-in rules only).
+    pub fn classifier(mut self, classifier: Classifier) -> Self {
+        self.classifier = classifier;
+        self
+    }
+
+    /// Lease of a delivery before the broker may hand it out again (default 30 s).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The broker-side delivery limit (default: the policy's attempts + 5). Must be above
+    /// the policy's attempts, or the broker would dead-letter before the policy does.
+    pub fn delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = Some(limit);
+        self
+    }
+
+    /// Back-off bounds after a failed settlement (default 100 ms doubling to 10 s).
+    pub fn settle_backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.settle_backoff = (initial, max);
+        self
+    }
+
+    /// The subscription this consumer will ask the broker for.
+    pub fn subscription(&self) -> Result<Subscription, ConsumerError> {
+        let (source, filter) = self.source.clone().ok_or(ConsumerError::Config {
+            field: "subscribe",
+            reason: "no source: call .subscribe(source, filter)".into(),
+        })?;
+        let delivery_limit = self
+            .delivery_limit
+            .unwrap_or_else(|| self.policy.attempts().saturating_add(5));
+        Ok(Subscription {
+            consumer: self.name.clone(),
+            source,
+            filter,
+            prefetch: self.max_in_flight,
+            retry_tiers: self.policy.tier_delays(),
+            delivery_limit,
+            lease: self.lease,
+        })
+    }
+
+    fn validate(&self) -> Result<Subscription, ConsumerError> {
+        let config = |field, reason: &str| ConsumerError::Config {
+            field,
+            reason: reason.into(),
+        };
+        if self.name.trim().is_empty() {
+            return Err(config("name", "must not be empty"));
+        }
+        if self.max_in_flight == 0 {
+            return Err(config("max_in_flight", "must be at least 1"));
+        }
+        if self.concurrency == Some(0) {
+            return Err(config("concurrency", "must be at least 1"));
+        }
+        if self.lease.is_zero() {
+            return Err(config("lease", "must be longer than zero"));
+        }
+        self.policy.validate()?;
+        let subscription = self.subscription()?;
+        if subscription.delivery_limit <= self.policy.attempts() {
+            return Err(config(
+                "delivery_limit",
+                "must be greater than the retry policy's max attempts",
+            ));
+        }
+        Ok(subscription)
+    }
+
+    /// Subscribe and start consuming in the background; returns a handle to stop it.
+    pub async fn start<F, Fut>(self, handler: F) -> Result<ConsumerHandle, ConsumerError>
+    where
+        F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+    {
+        let subscription = self.validate()?;
+        let receiver: Arc<dyn Receiver> = Arc::from(
+            self.broker
+                .subscribe(&subscription)
+                .await
+                .map_err(ConsumerError::Subscribe)?,
+        );
+        let concurrency = self
+            .concurrency
+            .unwrap_or(self.max_in_flight as usize)
+            .min(Semaphore::MAX_PERMITS);
+        let shared = Arc::new(Shared {
+            metrics: ConsumerMetrics::new(&self.name),
+            name: self.name.into(),
+            receiver: receiver.clone(),
+            handler,
+            policy: self.policy,
+            classifier: self.classifier,
+            inbox: self.inbox,
+            handler_timeout: self.handler_timeout,
+            clock: Clock::new(),
+            concurrency: Arc::new(Semaphore::new(concurrency)),
+            stats: Arc::new(Stats::default()),
+            keyed: Mutex::new(HashMap::new()),
+            ordering: self.ordering,
+            backoff: SettleBackoff {
+                failures: AtomicU32::new(0),
+                initial: self.settle_backoff.0,
+                max: self.settle_backoff.1,
+            },
+            tracker: TaskTracker::new(),
+            hard_stop: CancellationToken::new(),
+            crash: CancellationToken::new(),
+        });
+        let stop = CancellationToken::new();
+        let in_flight = Arc::new(Semaphore::new(self.max_in_flight as usize));
+        let loop_task = tokio::spawn(receive_loop(shared.clone(), stop.clone(), in_flight));
+        tracing::info!(consumer = %shared.name, source = %subscription.source, "consumer started");
+        Ok(ConsumerHandle {
+            shared,
+            stop,
+            loop_task,
+            shutdown_timeout: self.shutdown_timeout,
+            receiver,
+        })
+    }
+
+    /// Start, run until `shutdown` completes, then shut down gracefully.
+    pub async fn run<F, Fut>(
+        self,
+        handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ShutdownReport, ConsumerError>
+    where
+        F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+    {
+        let handle = self.start(handler).await?;
+        shutdown.await;
+        Ok(handle.shutdown().await)
+    }
+}
+
+/// Counters of one consumer, readable while it runs (the same events as the metrics).
+#[derive(Debug, Default)]
+pub struct Stats {
+    received: AtomicU64,
+    processed: AtomicU64,
+    retried: AtomicU64,
+    dead_lettered: AtomicU64,
+    discarded: AtomicU64,
+    duplicates: AtomicU64,
+    released: AtomicU64,
+    settle_failures: AtomicU64,
+    panics: AtomicU64,
+    in_flight: AtomicU64,
+    max_in_flight: AtomicU64,
+    running: AtomicU64,
+    max_running: AtomicU64,
+}
+
+/// A snapshot of [`Stats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    /// Deliveries received.
+    pub received: u64,
+    /// Handled successfully and acknowledged.
+    pub processed: u64,
+    /// Sent to a retry (confirmed).
+    pub retried: u64,
+    /// Dead-lettered (confirmed).
+    pub dead_lettered: u64,
+    /// Dropped by [`crate::FinalRoute::Discard`].
+    pub discarded: u64,
+    /// Skipped as duplicates by the inbox.
+    pub duplicates: u64,
+    /// Released back to the broker unsettled (failed settlement, shutdown).
+    pub released: u64,
+    /// Settlements that failed.
+    pub settle_failures: u64,
+    /// Handler panics caught.
+    pub panics: u64,
+    /// Held right now (received, not settled).
+    pub in_flight: u64,
+    /// Most ever held at once.
+    pub max_in_flight: u64,
+    /// Most handlers ever running at once.
+    pub max_running: u64,
+}
+
+impl Stats {
+    fn bump(counter: &AtomicU64) {
+        counter.fetch_add(1, AtomicOrdering::Relaxed);
+    }
+
+    /// Read all counters.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        let r = |c: &AtomicU64| c.load(AtomicOrdering::Relaxed);
+        StatsSnapshot {
+            received: r(&self.received),
+            processed: r(&self.processed),
+            retried: r(&self.retried),
+            dead_lettered: r(&self.dead_lettered),
+            discarded: r(&self.discarded),
+            duplicates: r(&self.duplicates),
+            released: r(&self.released),
+            settle_failures: r(&self.settle_failures),
+            panics: r(&self.panics),
+            in_flight: r(&self.in_flight),
+            max_in_flight: r(&self.max_in_flight),
+            max_running: r(&self.max_running),
+        }
+    }
+}
+
+/// What shutdown did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShutdownReport {
+    /// True if every in-flight handler finished within the shutdown timeout.
+    pub drained: bool,
+    /// The counters at the end.
+    pub stats: StatsSnapshot,
+}
+
+/// A running consumer.
+pub struct ConsumerHandle {
+    shared: Arc<dyn Control>,
+    stop: CancellationToken,
+    loop_task: JoinHandle<()>,
+    shutdown_timeout: Duration,
+    receiver: Arc<dyn Receiver>,
+}
+
+impl ConsumerHandle {
+    /// Current counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.shared.stats().snapshot()
+    }
+
+    /// Stop receiving, wait up to the shutdown timeout for in-flight handlers, release
+    /// the rest, close the receiver.
+    pub async fn shutdown(self) -> ShutdownReport {
+        self.stop.cancel();
+        let _ = self.loop_task.await;
+        let tracker = self.shared.tracker();
+        tracker.close();
+        let drained = tokio::time::timeout(self.shutdown_timeout, tracker.wait())
+            .await
+            .is_ok();
+        if !drained {
+            tracing::warn!(
+                timeout = ?self.shutdown_timeout,
+                "in-flight handlers did not finish in time; releasing their deliveries"
+            );
+            self.shared.hard_stop().cancel();
+            tracker.wait().await;
+        }
+        if let Err(e) = self.receiver.close().await {
+            tracing::warn!(error = %e, "closing the receiver failed");
+        }
+        ShutdownReport {
+            drained,
+            stats: self.shared.stats().snapshot(),
+        }
+    }
+
+    /// Stop as if the process died: nothing in flight is settled or released; the
+    /// receiver is dropped without closing, so the broker redelivers what was unsettled
+    /// (after its lease / on connection loss). For tests of crash behaviour.
+    pub async fn crash(self) {
+        self.stop.cancel();
+        self.shared.crash().cancel();
+        let _ = self.loop_task.await;
+        let tracker = self.shared.tracker();
+        tracker.close();
+        tracker.wait().await;
+    }
+}
+
+/// The part of the shared state a handle needs, without the handler type.
+trait Control: Send + Sync {
+    fn stats(&self) -> &Stats;
+    fn tracker(&self) -> &TaskTracker;
+    fn hard_stop(&self) -> &CancellationToken;
+    fn crash(&self) -> &CancellationToken;
+}
+
+impl<F: Send + Sync> Control for Shared<F> {
+    fn stats(&self) -> &Stats {
+        &self.stats
+    }
+    fn tracker(&self) -> &TaskTracker {
+        &self.tracker
+    }
+    fn hard_stop(&self) -> &CancellationToken {
+        &self.hard_stop
+    }
+    fn crash(&self) -> &CancellationToken {
+        &self.crash
+    }
+}
+
+struct SettleBackoff {
+    failures: AtomicU32,
+    initial: Duration,
+    max: Duration,
+}
+
+impl SettleBackoff {
+    fn delay_for(&self, failures: u32) -> Duration {
+        if failures == 0 {
+            return Duration::ZERO;
+        }
+        let exp = (failures - 1).min(20);
+        self.initial.saturating_mul(1 << exp).min(self.max)
+    }
+
+    /// Record a failure; the delay before the failed delivery should come back.
+    fn failed(&self) -> Duration {
+        let n = self.failures.fetch_add(1, AtomicOrdering::Relaxed) + 1;
+        self.delay_for(n)
+    }
+
+    fn succeeded(&self) {
+        if self.failures.load(AtomicOrdering::Relaxed) != 0 {
+            self.failures.store(0, AtomicOrdering::Relaxed);
+        }
+    }
+
+    fn current(&self) -> Duration {
+        self.delay_for(self.failures.load(AtomicOrdering::Relaxed))
+    }
+}
+
+type Held = (Delivery, OwnedSemaphorePermit);
+
+struct Shared<F> {
+    name: Arc<str>,
+    receiver: Arc<dyn Receiver>,
+    handler: F,
+    policy: RetryPolicy,
+    classifier: Classifier,
+    inbox: Option<Arc<dyn Inbox>>,
+    handler_timeout: Option<Duration>,
+    clock: Clock,
+    concurrency: Arc<Semaphore>,
+    stats: Arc<Stats>,
+    metrics: ConsumerMetrics,
+    keyed: Mutex<HashMap<String, VecDeque<Held>>>,
+    ordering: Ordering,
+    backoff: SettleBackoff,
+    tracker: TaskTracker,
+    hard_stop: CancellationToken,
+    crash: CancellationToken,
+}
+
+async fn receive_loop<F, Fut>(shared: Arc<Shared<F>>, stop: CancellationToken, in_flight: Arc<Semaphore>)
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    let mut receive_errors: u32 = 0;
+    loop {
+        // After failed settlements, slow down instead of hammering a broken route.
+        let pause = shared.backoff.current();
+        if !pause.is_zero() {
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = stop.cancelled() => break,
+            }
+        }
+        let permit = tokio::select! {
+            p = in_flight.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            _ = stop.cancelled() => break,
+        };
+        let delivery = tokio::select! {
+            r = shared.receiver.receive() => r,
+            _ = stop.cancelled() => break,
+        };
+        let delivery = match delivery {
+            Ok(d) => {
+                receive_errors = 0;
+                d
+            }
+            Err(BrokerError::Closed) => {
+                tracing::info!(consumer = %shared.name, "receiver closed; consumer stops receiving");
+                break;
+            }
+            Err(e) => {
+                receive_errors = receive_errors.saturating_add(1);
+                let wait = shared.backoff.delay_for(receive_errors);
+                tracing::warn!(consumer = %shared.name, error = %e, retry_in = ?wait, "receive failed");
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => continue,
+                    _ = stop.cancelled() => break,
+                }
+            }
+        };
+        let stats = &shared.stats;
+        Stats::bump(&stats.received);
+        shared.metrics.received.increment(1);
+        let held = stats.in_flight.fetch_add(1, AtomicOrdering::Relaxed) + 1;
+        stats.max_in_flight.fetch_max(held, AtomicOrdering::Relaxed);
+        shared.metrics.in_flight.increment(1.0);
+        dispatch(&shared, (delivery, permit));
+    }
+}
+
+fn dispatch<F, Fut>(shared: &Arc<Shared<F>>, held: Held)
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    let key = match (shared.ordering, held.0.key()) {
+        (Ordering::PerKey, Some(k)) => k.to_owned(),
+        _ => {
+            shared.tracker.spawn(process(shared.clone(), held));
+            return;
+        }
+    };
+    {
+        let mut keyed = shared.keyed.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(queue) = keyed.get_mut(&key) {
+            // A delivery of this key is being handled: queue behind it.
+            queue.push_back(held);
+            return;
+        }
+        keyed.insert(key.clone(), VecDeque::new());
+    }
+    let shared = shared.clone();
+    shared.tracker.clone().spawn(async move {
+        let mut next = Some(held);
+        while let Some(held) = next {
+            process(shared.clone(), held).await;
+            let mut keyed = shared.keyed.lock().unwrap_or_else(|p| p.into_inner());
+            next = keyed.get_mut(&key).and_then(VecDeque::pop_front);
+            if next.is_none() {
+                keyed.remove(&key);
+            }
+        }
+    });
+}
+
+enum Outcome {
+    Done,
+    Failed(ErrorClass, String),
+}
+
+async fn process<F, Fut>(shared: Arc<Shared<F>>, (delivery, _permit): Held)
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    let span = tracing::info_span!(
+        "reliq.message",
+        consumer = %shared.name,
+        message_id = %delivery.id(),
+        attempt = delivery.attempt(),
+        trace_id = tracing::field::Empty,
+        parent_span_id = tracing::field::Empty,
+    );
+    if let Some(tp) = delivery.traceparent().and_then(TraceParent::parse) {
+        span.record("trace_id", tp.trace_id);
+        span.record("parent_span_id", tp.parent_id);
+    }
+    let s = shared.clone();
+    let d = delivery.clone();
+    async move {
+        let settled = tokio::select! {
+            biased;
+            _ = s.crash.cancelled() => {
+                // A crash rolls back an uncommitted inbox claim, as a transaction would.
+                s.abandon_claim(&d).await;
+                return;
+            }
+            _ = s.hard_stop.cancelled() => {
+                s.abandon_claim(&d).await;
+                s.release(&d, Duration::ZERO).await;
+                true
+            }
+            outcome = s.handle(&d) => match outcome {
+                None => true,
+                Some(outcome) => { s.settle(&d, outcome).await; true }
+            },
+        };
+        if settled {
+            s.stats.in_flight.fetch_sub(1, AtomicOrdering::Relaxed);
+            s.metrics.in_flight.decrement(1.0);
+        }
+    }
+    .instrument(span)
+    .await;
+}
+
+impl<F, Fut> Shared<F>
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    /// Run the handler. `None` means the delivery was already settled (duplicate, inbox
+    /// failure).
+    async fn handle(&self, d: &Delivery) -> Option<Outcome> {
+        let _slot = self.concurrency.acquire().await.ok()?;
+        if let Some(inbox) = &self.inbox {
+            match inbox.claim(&self.name, d.id()).await {
+                Ok(Claim::First) => {}
+                Ok(Claim::Duplicate) => {
+                    Stats::bump(&self.stats.duplicates);
+                    self.metrics.duplicates.increment(1);
+                    tracing::debug!("duplicate: already handled, acknowledging");
+                    self.ack(d).await;
+                    return None;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "inbox claim failed; releasing the delivery");
+                    let wait = self.backoff.failed();
+                    self.release(d, wait).await;
+                    return None;
+                }
+            }
+        }
+        let running = self.stats.running.fetch_add(1, AtomicOrdering::Relaxed) + 1;
+        self.stats.max_running.fetch_max(running, AtomicOrdering::Relaxed);
+        let started = Instant::now();
+        let call = AssertUnwindSafe(async {
+            match self.handler_timeout {
+                Some(limit) => match tokio::time::timeout(limit, (self.handler)(d.clone())).await {
+                    Ok(r) => r.map_err(|e| (self.classifier.classify(e.as_ref()), chain_text(e.as_ref()))),
+                    Err(_) => Err((
+                        ErrorClass::Transient,
+                        format!("handler timed out after {limit:?}"),
+                    )),
+                },
+                None => (self.handler)(d.clone())
+                    .await
+                    .map_err(|e| (self.classifier.classify(e.as_ref()), chain_text(e.as_ref()))),
+            }
+        })
+        .catch_unwind()
+        .await;
+        self.stats.running.fetch_sub(1, AtomicOrdering::Relaxed);
+        self.metrics
+            .handler_duration
+            .record(started.elapsed().as_secs_f64());
+        let outcome = match call {
+            Ok(Ok(())) => Outcome::Done,
+            Ok(Err((class, text))) => Outcome::Failed(class, text),
+            Err(panic) => {
+                Stats::bump(&self.stats.panics);
+                let text = panic_text(panic.as_ref());
+                tracing::error!(panic = %text, "handler panicked");
+                Outcome::Failed(ErrorClass::Panic, format!("panic: {text}"))
+            }
+        };
+        if let Outcome::Failed(..) = outcome {
+            self.abandon_claim(d).await;
+        }
+        Some(outcome)
+    }
+
+    /// Forget this delivery's inbox claim: its effect did not happen.
+    async fn abandon_claim(&self, d: &Delivery) {
+        if let Some(inbox) = &self.inbox {
+            if let Err(e) = inbox.abandon(&self.name, d.id()).await {
+                tracing::warn!(error = %e, "inbox abandon failed");
+            }
+        }
+    }
+
+    async fn settle(&self, d: &Delivery, outcome: Outcome) {
+        let (class, text) = match outcome {
+            Outcome::Done => {
+                if let Some(inbox) = &self.inbox {
+                    if let Err(e) = inbox.complete(&self.name, d.id()).await {
+                        tracing::warn!(error = %e, "inbox complete failed");
+                    }
+                }
+                if self.ack(d).await {
+                    Stats::bump(&self.stats.processed);
+                    self.metrics.processed.increment(1);
+                }
+                return;
+            }
+            Outcome::Failed(class, text) => (class, text),
+        };
+        let now = self.clock.now();
+        let first_failure = d
+            .headers()
+            .get(headers::FIRST_FAILURE_AT)
+            .and_then(|v| headers::parse_time(v).ok())
+            .unwrap_or(now);
+        let origin_time = d
+            .headers()
+            .get(headers::OCCURRED_AT)
+            .and_then(|v| headers::parse_time(v).ok())
+            .unwrap_or(first_failure);
+        let failure = Failure {
+            class,
+            attempt: d.attempt(),
+            age: now.duration_since(origin_time).unwrap_or_default(),
+        };
+        match self.policy.decide(&failure, fastrand::f64()) {
+            Decision::Retry {
+                delay,
+                tier,
+                next_attempt,
+            } => {
+                let mut copy = d.message().clone();
+                let h = copy.headers_mut();
+                h.insert(headers::ATTEMPT, next_attempt.to_string());
+                h.insert(headers::FIRST_FAILURE_AT, headers::format_time(first_failure));
+                h.insert(headers::LAST_FAILURE_AT, headers::format_time(now));
+                h.insert(headers::LAST_ERROR, headers::sanitize_error(&text));
+                h.insert(headers::ERROR_CLASS, class.as_str());
+                tracing::info!(class = %class, error = %text, ?delay, next_attempt, "retrying");
+                let request = RetryRequest {
+                    message: copy,
+                    delay,
+                    tier,
+                };
+                match self.receiver.retry(d, request).await {
+                    Ok(()) => {
+                        self.backoff.succeeded();
+                        Stats::bump(&self.stats.retried);
+                        self.metrics.retried(class).increment(1);
+                    }
+                    Err(e) => self.settle_failed(d, SettleOp::Retry, &e).await,
+                }
+            }
+            Decision::DeadLetter(reason) => {
+                let record = DeadLetter {
+                    reason,
+                    error_class: Some(class),
+                    error: Some(text.clone()),
+                    attempts: d.attempt(),
+                    first_failure_at: Some(first_failure),
+                    dead_lettered_at: now,
+                    consumer: self.name.to_string(),
+                    origin: d.origin().clone(),
+                };
+                let mut copy = d.message().clone();
+                record.write(copy.headers_mut());
+                tracing::warn!(%reason, class = %class, error = %text, "dead-lettering");
+                match self.receiver.dead_letter(d, copy).await {
+                    Ok(()) => {
+                        self.backoff.succeeded();
+                        Stats::bump(&self.stats.dead_lettered);
+                        self.metrics.dead_lettered(reason).increment(1);
+                    }
+                    Err(e) => self.settle_failed(d, SettleOp::DeadLetter, &e).await,
+                }
+            }
+            Decision::Discard(reason) => {
+                tracing::warn!(%reason, class = %class, error = %text, "discarding (final route = discard)");
+                if self.ack(d).await {
+                    Stats::bump(&self.stats.discarded);
+                    self.metrics.discarded(reason).increment(1);
+                }
+            }
+        }
+    }
+
+    async fn ack(&self, d: &Delivery) -> bool {
+        match self.receiver.ack(d).await {
+            Ok(()) => true,
+            Err(e) => {
+                // The effect is done; the broker will redeliver and the inbox absorbs it.
+                Stats::bump(&self.stats.settle_failures);
+                self.metrics.settle_failures[SettleOp::Ack as usize].increment(1);
+                tracing::warn!(error = %e, "ack failed; the message may be delivered again");
+                false
+            }
+        }
+    }
+
+    async fn settle_failed(&self, d: &Delivery, op: SettleOp, e: &BrokerError) {
+        Stats::bump(&self.stats.settle_failures);
+        self.metrics.settle_failures[op as usize].increment(1);
+        let wait = self.backoff.failed();
+        tracing::error!(operation = op.as_str(), error = %e, release_delay = ?wait,
+            "settlement failed; the source message is released, not acknowledged");
+        self.release(d, wait).await;
+    }
+
+    async fn release(&self, d: &Delivery, delay: Duration) {
+        match self.receiver.release(d, delay).await {
+            Ok(()) => Stats::bump(&self.stats.released),
+            Err(e) => {
+                Stats::bump(&self.stats.settle_failures);
+                self.metrics.settle_failures[SettleOp::Release as usize].increment(1);
+                tracing::warn!(error = %e, "release failed; the broker redelivers after the lease");
+            }
+        }
+    }
+}
+
+/// The error and its sources, `outer: inner: innermost`.
+fn chain_text(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut link = e.source();
+    while let Some(inner) = link {
+        let s = inner.to_string();
+        if !text.contains(&s) {
+            text.push_str(": ");
+            text.push_str(&s);
+        }
+        link = inner.source();
+    }
+    text
+}
+
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-text panic payload".to_owned()
+    }
+}
+
+/// The dead-letter reason reliq uses for a broker's own delivery-limit move, exposed for
+/// backends that translate native metadata (e.g. `x-death reason=delivery_limit`).
+pub const BROKER_LIMIT_REASON: DeadLetterReason = DeadLetterReason::MaxDeliveries;

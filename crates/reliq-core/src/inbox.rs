@@ -1,0 +1,132 @@
+//! Idempotent consumers: the inbox.
+//!
+//! The inbox records which message ids a consumer has already turned into an effect, so
+//! a redelivered or replayed copy is acknowledged and skipped instead of applied twice.
+//!
+//! A durable inbox (reliq-postgres, reliq-sqlite) claims the id **inside the business
+//! transaction** (`INSERT … ON CONFLICT DO NOTHING RETURNING 1`), so the claim and the
+//! effect commit or roll back together. The runtime-driven protocol below models the same
+//! thing for stores that cannot share the handler's transaction: `claim` before the
+//! handler, `complete` after it succeeded, `abandon` when it failed (the retry must be
+//! able to claim again).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+
+use crate::message::MessageId;
+
+/// Result of a claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Claim {
+    /// First time this consumer sees the id: apply the effect.
+    First,
+    /// Already applied (or being applied right now by another delivery of the same id):
+    /// acknowledge and skip.
+    Duplicate,
+}
+
+/// The inbox store failed.
+#[derive(Debug, thiserror::Error)]
+#[error("inbox store error: {0}")]
+pub struct InboxError(#[from] pub crate::classify::BoxError);
+
+/// An inbox store.
+#[async_trait]
+pub trait Inbox: Send + Sync + 'static {
+    /// Claim `(consumer, id)`.
+    async fn claim(&self, consumer: &str, id: &MessageId) -> Result<Claim, InboxError>;
+    /// The effect for a claimed id is durable.
+    async fn complete(&self, consumer: &str, id: &MessageId) -> Result<(), InboxError>;
+    /// The effect for a claimed id did not happen; forget the claim.
+    async fn abandon(&self, consumer: &str, id: &MessageId) -> Result<(), InboxError>;
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum State {
+    Pending,
+    Done,
+}
+
+/// An in-memory inbox, for tests and the embedded broker. Unbounded: it keeps every id
+/// it completed (purge by dropping it).
+#[derive(Default)]
+pub struct MemoryInbox {
+    seen: Mutex<HashMap<(String, MessageId), State>>,
+}
+
+impl MemoryInbox {
+    /// An empty inbox.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How many ids are recorded as done for `consumer`.
+    pub fn completed(&self, consumer: &str) -> usize {
+        self.lock()
+            .iter()
+            .filter(|((c, _), s)| c == consumer && **s == State::Done)
+            .count()
+    }
+
+    /// Is `id` recorded as done for `consumer`?
+    pub fn contains(&self, consumer: &str, id: &MessageId) -> bool {
+        self.lock().get(&(consumer.to_owned(), id.clone())) == Some(&State::Done)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, MessageId), State>> {
+        // A panic while holding this lock cannot leave the map half-updated (single
+        // insert/remove), so a poisoned lock is still consistent.
+        self.seen.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[async_trait]
+impl Inbox for MemoryInbox {
+    async fn claim(&self, consumer: &str, id: &MessageId) -> Result<Claim, InboxError> {
+        let mut seen = self.lock();
+        let key = (consumer.to_owned(), id.clone());
+        if seen.contains_key(&key) {
+            return Ok(Claim::Duplicate);
+        }
+        seen.insert(key, State::Pending);
+        Ok(Claim::First)
+    }
+
+    async fn complete(&self, consumer: &str, id: &MessageId) -> Result<(), InboxError> {
+        self.lock()
+            .insert((consumer.to_owned(), id.clone()), State::Done);
+        Ok(())
+    }
+
+    async fn abandon(&self, consumer: &str, id: &MessageId) -> Result<(), InboxError> {
+        let mut seen = self.lock();
+        let key = (consumer.to_owned(), id.clone());
+        if seen.get(&key) == Some(&State::Pending) {
+            seen.remove(&key);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn claim_complete_abandon() {
+        let inbox = MemoryInbox::new();
+        let id = MessageId::from("m1");
+        assert_eq!(inbox.claim("c", &id).await.unwrap(), Claim::First);
+        assert_eq!(inbox.claim("c", &id).await.unwrap(), Claim::Duplicate);
+        assert_eq!(inbox.claim("other", &id).await.unwrap(), Claim::First);
+        inbox.abandon("c", &id).await.unwrap();
+        assert_eq!(inbox.claim("c", &id).await.unwrap(), Claim::First);
+        inbox.complete("c", &id).await.unwrap();
+        inbox.abandon("c", &id).await.unwrap();
+        assert_eq!(inbox.claim("c", &id).await.unwrap(), Claim::Duplicate);
+        assert!(inbox.contains("c", &id));
+        assert_eq!(inbox.completed("c"), 1);
+    }
+}

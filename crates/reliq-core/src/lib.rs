@@ -1,0 +1,62 @@
+//! # reliq-core
+//!
+//! The broker-agnostic heart of reliq: what a message is, how failures are classified,
+//! what a retry policy decides, and the consumer runtime that turns a handler into a
+//! reliable consumer on any backend.
+//!
+//! Backends (reliq-memory, reliq-kafka, reliq-rabbit, reliq-nats, reliq-sqs) implement
+//! the small [`Broker`] / [`Receiver`] seam; everything else is here, written once.
+//!
+//! ```
+//! use std::time::Duration;
+//! use reliq_core::{Consumer, Delivery, RetryPolicy, BoxError, Permanent};
+//! # async fn demo(broker: std::sync::Arc<dyn reliq_core::Broker>) -> Result<(), Box<dyn std::error::Error>> {
+//! #[derive(serde::Deserialize)]
+//! struct OrderCreated { sku: String, qty: u32 }
+//!
+//! let handle = Consumer::builder(broker, "inventory")
+//!     .subscribe("orders", Some("order.created".to_string()))
+//!     .retry(RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)])
+//!         .max_age(Duration::from_secs(900))
+//!         .jitter(0.2))
+//!     .max_in_flight(64)
+//!     .start(|d: Delivery| async move {
+//!         let order: OrderCreated = d.json()?;            // undecodable ⇒ poison ⇒ DLQ at once
+//!         if order.qty == 0 {
+//!             return Err(Permanent::msg("qty must be positive").into());
+//!         }
+//!         let _ = order.sku;                               // … reserve stock …
+//!         Ok::<(), BoxError>(())
+//!     })
+//!     .await?;
+//! let report = handle.shutdown().await;
+//! # let _ = report; Ok(()) }
+//! ```
+
+pub mod broker;
+pub mod classify;
+pub mod consumer;
+pub mod envelope;
+pub mod headers;
+pub mod inbox;
+pub mod message;
+pub mod replay;
+pub mod retry;
+pub mod telemetry;
+
+pub use broker::{
+    Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, Receiver,
+    RetryRequest, Subscription,
+};
+pub use classify::{BoxError, Classifier, DecodeError, ErrorClass, Permanent, Poison, Transient};
+pub use consumer::{
+    Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, Ordering, ShutdownReport, Stats,
+    StatsSnapshot,
+};
+pub use envelope::{Aggregate, Envelope};
+pub use headers::{DeadLetter, DeadLetterReason, HeaderError, Origin};
+pub use inbox::{Claim, Inbox, InboxError, MemoryInbox};
+pub use message::{Headers, Message, MessageId};
+pub use replay::{Replay, ReplayEntry, ReplayFilter, ReplayReport, ReplayTarget};
+pub use retry::{Decision, Failure, FinalRoute, PanicAction, PolicyError, RetryPolicy, Schedule};
+pub use telemetry::Clock;

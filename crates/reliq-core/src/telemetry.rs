@@ -1,0 +1,218 @@
+//! Metric names (what the alert rules use), per-consumer metric handles, the W3C
+//! `traceparent` parser, and the clock the runtime reads.
+//!
+//! All metrics carry a `consumer` label. Names:
+//!
+//! | name | type | extra labels |
+//! |---|---|---|
+//! | `reliq_messages_received_total` | counter | |
+//! | `reliq_messages_processed_total` | counter | |
+//! | `reliq_messages_retried_total` | counter | `class` |
+//! | `reliq_messages_dead_lettered_total` | counter | `reason` |
+//! | `reliq_messages_discarded_total` | counter | `reason` |
+//! | `reliq_messages_duplicate_total` | counter | |
+//! | `reliq_handler_duration_seconds` | histogram | |
+//! | `reliq_in_flight` | gauge | |
+//! | `reliq_settle_failures_total` | counter | `operation` = `ack\|retry\|dead_letter\|release` (`dead_letter` = DLQ publish failures) |
+//! | `reliq_messages_replayed_total` | counter | |
+
+use std::time::{Duration, SystemTime};
+
+use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+
+use crate::classify::ErrorClass;
+use crate::headers::DeadLetterReason;
+
+/// `reliq_messages_received_total`
+pub const RECEIVED: &str = "reliq_messages_received_total";
+/// `reliq_messages_processed_total`
+pub const PROCESSED: &str = "reliq_messages_processed_total";
+/// `reliq_messages_retried_total`
+pub const RETRIED: &str = "reliq_messages_retried_total";
+/// `reliq_messages_dead_lettered_total`
+pub const DEAD_LETTERED: &str = "reliq_messages_dead_lettered_total";
+/// `reliq_messages_discarded_total`
+pub const DISCARDED: &str = "reliq_messages_discarded_total";
+/// `reliq_messages_duplicate_total`
+pub const DUPLICATES: &str = "reliq_messages_duplicate_total";
+/// `reliq_handler_duration_seconds`
+pub const HANDLER_DURATION: &str = "reliq_handler_duration_seconds";
+/// `reliq_in_flight`
+pub const IN_FLIGHT: &str = "reliq_in_flight";
+/// `reliq_settle_failures_total`
+pub const SETTLE_FAILURES: &str = "reliq_settle_failures_total";
+/// `reliq_messages_replayed_total`
+pub const REPLAYED: &str = "reliq_messages_replayed_total";
+
+/// A settlement operation, for `reliq_settle_failures_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SettleOp {
+    /// ack
+    Ack = 0,
+    /// retry
+    Retry = 1,
+    /// dead_letter
+    DeadLetter = 2,
+    /// release
+    Release = 3,
+}
+
+impl SettleOp {
+    const NAMES: [&'static str; 4] = ["ack", "retry", "dead_letter", "release"];
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        Self::NAMES[self as usize]
+    }
+}
+
+/// Metric handles registered once per consumer, so the per-message path does no label
+/// allocation or registry lookup.
+#[derive(Clone)]
+pub(crate) struct ConsumerMetrics {
+    pub received: Counter,
+    pub processed: Counter,
+    pub retried: [Counter; 5],
+    pub dead_lettered: [Counter; 6],
+    pub discarded: [Counter; 6],
+    pub duplicates: Counter,
+    pub handler_duration: Histogram,
+    pub in_flight: Gauge,
+    pub settle_failures: [Counter; 4],
+}
+
+impl ConsumerMetrics {
+    pub fn new(consumer: &str) -> Self {
+        let c = consumer.to_owned();
+        Self {
+            received: counter!(RECEIVED, "consumer" => c.clone()),
+            processed: counter!(PROCESSED, "consumer" => c.clone()),
+            retried: ErrorClass::ALL
+                .map(|k| counter!(RETRIED, "consumer" => c.clone(), "class" => k.as_str())),
+            dead_lettered: DeadLetterReason::ALL.map(
+                |r| counter!(DEAD_LETTERED, "consumer" => c.clone(), "reason" => r.as_str()),
+            ),
+            discarded: DeadLetterReason::ALL
+                .map(|r| counter!(DISCARDED, "consumer" => c.clone(), "reason" => r.as_str())),
+            duplicates: counter!(DUPLICATES, "consumer" => c.clone()),
+            handler_duration: histogram!(HANDLER_DURATION, "consumer" => c.clone()),
+            in_flight: gauge!(IN_FLIGHT, "consumer" => c.clone()),
+            settle_failures: SettleOp::NAMES
+                .map(|op| counter!(SETTLE_FAILURES, "consumer" => c.clone(), "operation" => op)),
+        }
+    }
+
+    pub fn retried(&self, class: ErrorClass) -> &Counter {
+        &self.retried[ErrorClass::ALL.iter().position(|c| *c == class).unwrap_or(0)]
+    }
+
+    pub fn dead_lettered(&self, reason: DeadLetterReason) -> &Counter {
+        &self.dead_lettered[reason_index(reason)]
+    }
+
+    pub fn discarded(&self, reason: DeadLetterReason) -> &Counter {
+        &self.discarded[reason_index(reason)]
+    }
+}
+
+fn reason_index(reason: DeadLetterReason) -> usize {
+    DeadLetterReason::ALL
+        .iter()
+        .position(|r| *r == reason)
+        .unwrap_or(0)
+}
+
+/// The parts of a W3C `traceparent` header (`00-<trace id>-<parent id>-<flags>`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TraceParent<'a> {
+    /// 32 hex digits.
+    pub trace_id: &'a str,
+    /// 16 hex digits.
+    pub parent_id: &'a str,
+    /// 2 hex digits.
+    pub flags: &'a str,
+}
+
+impl<'a> TraceParent<'a> {
+    /// Parse a `traceparent` value; `None` when it is malformed (never an error: a bad
+    /// trace header must not make a message poison).
+    pub fn parse(value: &'a str) -> Option<Self> {
+        let mut parts = value.trim().split('-');
+        let version = parts.next()?;
+        let trace_id = parts.next()?;
+        let parent_id = parts.next()?;
+        let flags = parts.next()?;
+        let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+        if !(hex(version, 2) && version != "ff" && hex(trace_id, 32) && hex(parent_id, 16))
+            || !hex(flags, 2)
+            || trace_id.bytes().all(|b| b == b'0')
+            || parent_id.bytes().all(|b| b == b'0')
+        {
+            return None;
+        }
+        Some(Self {
+            trace_id,
+            parent_id,
+            flags,
+        })
+    }
+}
+
+/// Wall-clock time that follows tokio's clock: `SystemTime` at creation plus the tokio
+/// time elapsed since. In production this is the wall clock; under
+/// `tokio::time::pause()` it advances with virtual time, so age-based policies (max age)
+/// are testable in milliseconds.
+#[derive(Clone, Copy, Debug)]
+pub struct Clock {
+    wall: SystemTime,
+    mono: tokio::time::Instant,
+}
+
+impl Clock {
+    /// Anchor a clock now (inside a tokio runtime).
+    pub fn new() -> Self {
+        Self {
+            wall: SystemTime::now(),
+            mono: tokio::time::Instant::now(),
+        }
+    }
+
+    /// The current time.
+    pub fn now(&self) -> SystemTime {
+        self.wall + self.mono.elapsed()
+    }
+
+    /// Time elapsed since `earlier` (zero if `earlier` is in the future).
+    pub fn since(&self, earlier: SystemTime) -> Duration {
+        self.now().duration_since(earlier).unwrap_or_default()
+    }
+}
+
+impl Default for Clock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traceparent_parses_valid_and_rejects_bad() {
+        let tp = TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").unwrap();
+        assert_eq!(tp.trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(tp.parent_id, "00f067aa0ba902b7");
+        assert!(TraceParent::parse("00-00000000000000000000000000000000-00f067aa0ba902b7-01").is_none());
+        assert!(TraceParent::parse("garbage").is_none());
+        assert!(TraceParent::parse("00-4bf92f35-00f067aa0ba902b7-01").is_none());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn clock_follows_virtual_time() {
+        let clock = Clock::new();
+        let t0 = clock.now();
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        let elapsed = clock.since(t0);
+        assert!(elapsed >= Duration::from_secs(3600) && elapsed < Duration::from_secs(3601));
+    }
+}
