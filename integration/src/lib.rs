@@ -1,1 +1,4 @@
+//! Backend factories for the conformance suite, and connection settings shared by the
+//! integration tests (read from `brokers.env`, overridable by environment variables).
 
+pub mod memory;

@@ -1,1 +1,96 @@
-//! placeholder
+//! # reliq-conformance
+//!
+//! One portable behaviour suite that every reliq backend must pass. A scenario is an
+//! async function over a [`Backend`] factory; [`conformance_suite!`] stamps out one
+//! named test per scenario for a backend, at the path
+//! `conformance::<backend>::<scenario>`, so
+//! `cargo nextest run -E 'test(/conformance::rabbit::/)'` selects one backend.
+//!
+//! The factory gives each test fresh, isolated names (tests run in parallel and leave
+//! nothing shared behind), declares the backend's [`Capabilities`](reliq_core::Capabilities),
+//! and offers the fault hooks scenarios need (DLQ unavailable, retry route broken).
+//! Time is virtual on the memory backend (`tokio::time::pause`) and real elsewhere, with
+//! short delay tiers and explicit tolerances; scenarios wait for conditions with a
+//! deadline, never for a fixed sleep.
+//!
+//! ```ignore
+//! reliq_conformance::conformance_suite!(memory, paused, || MemoryBackend::new());
+//! ```
+
+mod scenarios;
+pub mod support;
+
+pub use scenarios::*;
+pub use support::{Backend, Ctx};
+
+/// Stamp out one test per scenario for a backend.
+///
+/// `$backend` becomes the module name (`memory`, `kafka`, `rabbit`, `nats`, `sqs`);
+/// `paused` runs each test on a current-thread runtime with tokio's clock paused, `real`
+/// on a multi-thread runtime with the real clock; `$factory` is an expression that makes
+/// a fresh [`Backend`] for each test.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($backend:ident, $mode:ident, $factory:expr) => {
+        $crate::conformance_suite!(@tests $backend, $mode, $factory,
+            publish_consume_ack_keeps_payload_headers_and_id,
+            two_groups_each_get_every_message,
+            group_members_split_without_double_handling,
+            ack_only_after_success_nothing_redelivered_after_restart,
+            crash_before_ack_redelivers,
+            one_transient_failure_retried_after_its_delay,
+            k_transient_failures_processed_at_attempt_k_plus_one,
+            exhausted_budget_dead_letters_with_max_attempts,
+            max_age_dead_letters_as_expired_with_attempts_left,
+            permanent_failure_dead_letters_at_once,
+            poison_dead_letters_at_once,
+            panic_dead_letters_and_consumer_survives,
+            poison_does_not_block_following_messages,
+            dead_letter_metadata_complete_and_decodable,
+            retry_keeps_id_key_payload_and_headers,
+            dead_letter_unavailable_source_kept_nothing_lost,
+            retry_route_failure_keeps_source_and_makes_no_dlq_copy,
+            crash_loop_dead_letters_via_delivery_limit,
+            max_in_flight_never_exceeded,
+            graceful_shutdown_loses_nothing_and_settles_once,
+            per_key_order_kept_with_concurrency,
+            duplicate_delivery_with_inbox_has_one_effect,
+            replay_returns_to_consumer_with_same_id_and_marker,
+            replay_twice_with_inbox_has_one_effect,
+            non_blocking_retry_lets_later_messages_flow,
+            retry_never_fires_early,
+            backpressure_bounds_buffered_messages,
+            unroutable_publish_fails_loudly
+        );
+    };
+    (@tests $backend:ident, paused, $factory:expr, $($scenario:ident),+ $(,)?) => {
+        pub mod conformance {
+            pub mod $backend {
+                #[allow(unused_imports)]
+                use super::super::*;
+                $(
+                    #[tokio::test(start_paused = true)]
+                    async fn $scenario() -> ::anyhow::Result<()> {
+                        let backend = $factory;
+                        $crate::$scenario(&backend).await
+                    }
+                )+
+            }
+        }
+    };
+    (@tests $backend:ident, real, $factory:expr, $($scenario:ident),+ $(,)?) => {
+        pub mod conformance {
+            pub mod $backend {
+                #[allow(unused_imports)]
+                use super::super::*;
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $scenario() -> ::anyhow::Result<()> {
+                        let backend = $factory;
+                        $crate::$scenario(&backend).await
+                    }
+                )+
+            }
+        }
+    };
+}

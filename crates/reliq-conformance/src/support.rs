@@ -1,0 +1,288 @@
+//! What scenarios are built from: the [`Backend`] factory, a per-test [`Ctx`], a
+//! [`Recorder`] of handler calls, and condition waits with deadlines.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use async_trait::async_trait;
+use reliq_core::{
+    Broker, Consumer, ConsumerBuilder, DeadLetter, Delivery, Destination, Message, MessageId,
+    RetryPolicy, Subscription,
+};
+use tokio::time::Instant;
+
+/// A backend under test: a connection factory plus fault hooks.
+#[async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// `memory`, `kafka`, `rabbit`, `nats` or `sqs`.
+    fn name(&self) -> &'static str;
+
+    /// A connection (a new one per call where the backend has connections).
+    async fn connect(&self) -> anyhow::Result<Arc<dyn Broker>>;
+
+    /// Two short retry delay tiers: long enough to measure on this backend's clock,
+    /// short enough for CI.
+    fn tiers(&self) -> [Duration; 2];
+
+    /// How late a delayed retry may arrive and still count as on time.
+    fn tolerance(&self) -> Duration;
+
+    /// How long to wait for "nothing more arrives".
+    fn quiet_period(&self) -> Duration;
+
+    /// Create the source destination `topic` so publishes to it are routable even before
+    /// a consumer subscribed (a no-op where subscribing declares everything).
+    async fn declare_source(&self, broker: &Arc<dyn Broker>, topic: &str) -> anyhow::Result<()>;
+
+    /// Make the consumer's dead-letter queue unavailable (or available again).
+    async fn set_dead_letter_available(
+        &self,
+        broker: &Arc<dyn Broker>,
+        sub: &Subscription,
+        available: bool,
+    ) -> anyhow::Result<()>;
+
+    /// Break (or repair) the consumer's retry route.
+    async fn set_retry_available(
+        &self,
+        broker: &Arc<dyn Broker>,
+        sub: &Subscription,
+        available: bool,
+    ) -> anyhow::Result<()>;
+
+    /// Unsettled deliveries the broker has handed to this consumer right now, where the
+    /// backend can tell (`None` otherwise).
+    async fn unsettled(&self, broker: &Arc<dyn Broker>, sub: &Subscription) -> Option<usize>;
+}
+
+static UNIQUE: AtomicU64 = AtomicU64::new(0);
+
+/// Per-test context: a connection and fresh names.
+pub struct Ctx<'a> {
+    /// The backend.
+    pub backend: &'a dyn Backend,
+    /// A connection.
+    pub broker: Arc<dyn Broker>,
+    /// A fresh source name for this test.
+    pub topic: String,
+}
+
+impl<'a> Ctx<'a> {
+    /// Connect and pick fresh names.
+    pub async fn new(backend: &'a dyn Backend, test: &str) -> anyhow::Result<Self> {
+        let broker = backend.connect().await.context("connecting to the broker")?;
+        let topic = unique(test);
+        backend.declare_source(&broker, &topic).await?;
+        Ok(Self {
+            backend,
+            broker,
+            topic,
+        })
+    }
+
+    /// A consumer builder on this test's topic with the backend's short tiers.
+    pub fn consumer(&self, name: &str) -> ConsumerBuilder {
+        self.consumer_on(self.broker.clone(), name)
+    }
+
+    /// Same, on another connection.
+    pub fn consumer_on(&self, broker: Arc<dyn Broker>, name: &str) -> ConsumerBuilder {
+        let [t1, t2] = self.backend.tiers();
+        Consumer::builder(broker, name)
+            .subscribe(self.topic.clone(), None::<String>)
+            .retry(RetryPolicy::tiers([t1, t2]).max_attempts(3))
+            .max_in_flight(32)
+            .settle_backoff(Duration::from_millis(50), Duration::from_millis(500))
+            .shutdown_timeout(Duration::from_secs(10))
+    }
+
+    /// The subscription a builder made by [`Ctx::consumer`] uses.
+    pub fn subscription(&self, name: &str) -> Subscription {
+        self.consumer(name)
+            .subscription()
+            .unwrap_or_else(|_| Subscription::new(name, self.topic.clone()))
+    }
+
+    /// Publish (confirmed) to this test's topic.
+    pub async fn publish(&self, message: Message) -> anyhow::Result<()> {
+        self.broker
+            .publish(&Destination::new(self.topic.clone()), message)
+            .await
+            .context("publish")
+    }
+
+    /// Publish many, a few at a time (confirmed each).
+    pub async fn publish_all(&self, messages: Vec<Message>) -> anyhow::Result<()> {
+        let dest = Destination::new(self.topic.clone());
+        let mut iter = messages.into_iter();
+        loop {
+            let batch: Vec<Message> = iter.by_ref().take(64).collect();
+            if batch.is_empty() {
+                return Ok(());
+            }
+            let results = futures::future::join_all(
+                batch.into_iter().map(|m| self.broker.publish(&dest, m)),
+            )
+            .await;
+            for r in results {
+                r.context("publish")?;
+            }
+        }
+    }
+
+    /// Read `expected` dead letters of `consumer` (waiting up to `within`), acknowledge
+    /// (remove) them, and return them with their decoded records. Fails if fewer arrive
+    /// or if more are there.
+    pub async fn take_dead_letters(
+        &self,
+        consumer: &str,
+        expected: usize,
+        within: Duration,
+    ) -> anyhow::Result<Vec<(Delivery, DeadLetter)>> {
+        let sub = self.subscription(consumer);
+        let dlq = self.broker.dead_letters(&sub).await?;
+        let deadline = Instant::now() + within;
+        let mut out = Vec::new();
+        while out.len() < expected {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let d = match tokio::time::timeout(left, dlq.receive()).await {
+                Ok(d) => d?,
+                Err(_) => bail!(
+                    "expected {expected} dead letters for `{consumer}` within {within:?}, got {}",
+                    out.len()
+                ),
+            };
+            let record = DeadLetter::read(d.headers()).context("decoding the dead-letter record")?;
+            dlq.ack(&d).await?;
+            out.push((d, record));
+        }
+        if let Ok(extra) = tokio::time::timeout(self.backend.quiet_period(), dlq.receive()).await {
+            let extra = extra?;
+            let id = extra.id().clone();
+            dlq.release(&extra, Duration::ZERO).await?;
+            bail!("more dead letters than the {expected} expected (e.g. {id})");
+        }
+        dlq.close().await?;
+        Ok(out)
+    }
+
+    /// Assert the consumer's DLQ is empty (nothing arrives within the quiet period).
+    pub async fn assert_no_dead_letters(&self, consumer: &str) -> anyhow::Result<()> {
+        self.take_dead_letters(consumer, 0, Duration::ZERO).await.map(drop)
+    }
+}
+
+/// A fresh name: `<base>-<pid>-<counter>-<nanos>`, valid as a topic, queue, stream and
+/// consumer name on every backend.
+pub fn unique(base: &str) -> String {
+    let n = UNIQUE.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let base: String = base
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .take(32)
+        .collect();
+    format!("{base}-{}-{n}-{nanos}", std::process::id())
+}
+
+/// One handler call.
+#[derive(Clone, Debug)]
+pub struct Call {
+    /// Message id.
+    pub id: MessageId,
+    /// Attempt number.
+    pub attempt: u32,
+    /// When the handler started.
+    pub at: Instant,
+    /// Key.
+    pub key: Option<String>,
+    /// Payload.
+    pub payload: Vec<u8>,
+    /// Headers.
+    pub headers: Vec<(String, String)>,
+}
+
+/// Records handler calls and effects, shared between a test and its handler.
+#[derive(Clone, Default)]
+pub struct Recorder {
+    calls: Arc<Mutex<Vec<Call>>>,
+    effects: Arc<Mutex<HashMap<MessageId, u32>>>,
+}
+
+impl Recorder {
+    /// A new recorder.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Record a call.
+    pub fn call(&self, d: &Delivery) {
+        let call = Call {
+            id: d.id().clone(),
+            attempt: d.attempt(),
+            at: Instant::now(),
+            key: d.key().map(str::to_owned),
+            payload: d.payload().to_vec(),
+            headers: d
+                .headers()
+                .iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect(),
+        };
+        self.calls.lock().unwrap_or_else(|p| p.into_inner()).push(call);
+    }
+
+    /// Record that the business effect of `id` happened.
+    pub fn effect(&self, id: &MessageId) {
+        *self
+            .effects
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(id.clone())
+            .or_insert(0) += 1;
+    }
+
+    /// All calls so far.
+    pub fn calls(&self) -> Vec<Call> {
+        self.calls.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Calls for one id.
+    pub fn calls_for(&self, id: &MessageId) -> Vec<Call> {
+        self.calls().into_iter().filter(|c| &c.id == id).collect()
+    }
+
+    /// Effects per id.
+    pub fn effects(&self) -> HashMap<MessageId, u32> {
+        self.effects.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Number of ids with at least one effect.
+    pub fn effect_count(&self) -> usize {
+        self.effects.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+/// Wait until `cond` holds, polling; fail with `what` after `within`.
+pub async fn wait_until(
+    what: &str,
+    within: Duration,
+    mut cond: impl FnMut() -> bool,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        if cond() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!("timed out after {within:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
