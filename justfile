@@ -1,0 +1,77 @@
+# reliq tasks. `just --list` shows them.
+#
+# Builds share one target dir outside the clone (fast re-runs, also in CI).
+# Always build and test with --workspace and select with -E: `-p crate` re-resolves
+# features and rebuilds much of the dependency graph.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+set dotenv-load := false
+
+export CARGO_TARGET_DIR := env("CARGO_TARGET_DIR", home_directory() / ".cache/reliq-target")
+
+# Default URL per backend, from brokers.env (an environment variable of the same name wins).
+rabbit_url := env("RELIQ_RABBIT_URL", `grep '^RELIQ_RABBIT_URL=' brokers.env | cut -d= -f2-`)
+kafka_url := env("RELIQ_KAFKA_URL", `grep '^RELIQ_KAFKA_URL=' brokers.env | cut -d= -f2-`)
+nats_url := env("RELIQ_NATS_URL", `grep '^RELIQ_NATS_URL=' brokers.env | cut -d= -f2-`)
+sqs_url := env("RELIQ_SQS_URL", `grep '^RELIQ_SQS_URL=' brokers.env | cut -d= -f2-`)
+
+default:
+    @just --list
+
+# Install (when missing) and start every real broker on 127.0.0.1 (data in .brokers/).
+up-local:
+    scripts/brokers up
+
+# Stop what scripts/brokers started.
+down-local:
+    scripts/brokers down
+
+# Show which local brokers answer.
+status-local:
+    scripts/brokers status
+
+# Start the brokers with Docker instead (same ports as the local script).
+up:
+    docker compose up -d --wait
+
+# Stop the Docker brokers.
+down:
+    docker compose down
+
+# Start the brokers the tests need, run every test (unit, property, conformance,
+# real-broker, doc tests), stop the brokers this recipe started — also on failure.
+test:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    already_up=0
+    scripts/brokers status >/dev/null 2>&1 && already_up=1
+    if [ "$already_up" = 0 ]; then trap 'scripts/brokers down || true' EXIT; fi
+    scripts/brokers up
+    cargo nextest run --workspace --no-fail-fast
+    cargo test --workspace --doc --quiet
+
+# Formatting, clippy with warnings denied, and docs without warnings.
+lint:
+    cargo fmt --all -- --check
+    cargo clippy --workspace --all-targets -- -D warnings
+    RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+
+# Run the orders example on a backend: memory | rabbit | kafka | nats | sqs.
+example broker="memory":
+    #!/usr/bin/env bash
+    set -euo pipefail
+    case "{{broker}}" in
+      memory) url=memory://orders ;;
+      rabbit) url='{{rabbit_url}}' ;;
+      kafka)  url='{{kafka_url}}' ;;
+      nats)   url='{{nats_url}}' ;;
+      sqs)    url='{{sqs_url}}' ;;
+      *) echo "unknown broker '{{broker}}' (memory|rabbit|kafka|nats|sqs)" >&2; exit 2 ;;
+    esac
+    features=memory
+    [ "{{broker}}" = memory ] || features="memory,{{broker}}"
+    cargo run --release -p reliq-examples --example orders --features "$features" -- --url "$url"
+
+# Benchmarks (results go to BENCHMARKS.md by hand, with the command that made them).
+bench:
+    cargo run --release -p reliq-integration --bin bench-memory
