@@ -2,3 +2,4 @@
 //! integration tests (read from `brokers.env`, overridable by environment variables).
 
 pub mod memory;
+pub mod settings;

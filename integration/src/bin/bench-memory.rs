@@ -1,0 +1,183 @@
+//! Benchmark: the full consumer runtime on the memory backend (no-op handler) against a
+//! raw baseline (a tokio channel + manual ack bookkeeping), in the same run, on one core
+//! (current-thread runtime). Also counts heap allocations per message in steady state.
+//!
+//! ```sh
+//! cargo run --release -p reliq-integration --bin bench-memory -- --messages 1000000
+//! scripts/bench-callgrind        # instructions per message (valgrind --tool=callgrind)
+//! ```
+//!
+//! `--only runtime|raw` runs one side (for callgrind); `--repeat` repeats the pair.
+#![allow(unsafe_code)] // the counting allocator
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use reliq_core::{
+    BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy,
+};
+use reliq_memory::MemoryBroker;
+use tokio::sync::Notify;
+
+struct CountingAlloc;
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+
+// SAFETY: delegates every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: CountingAlloc = CountingAlloc;
+
+struct Run {
+    msgs_per_sec: f64,
+    allocs_per_msg: f64,
+}
+
+fn messages(n: usize) -> Vec<Message> {
+    (0..n).map(|i| Message::with_id_and_payload(format!("m-{i}"), "x")).collect()
+}
+
+/// The full runtime: pre-published queue, consumer with a no-op handler.
+async fn runtime(n: usize) -> anyhow::Result<Run> {
+    let broker = MemoryBroker::new();
+    let shared: Arc<dyn Broker> = Arc::new(broker.clone());
+    let topic = "bench";
+    let done = Arc::new(Notify::new());
+    let handled = Arc::new(AtomicU64::new(0));
+    let (d2, h2) = (done.clone(), handled.clone());
+    let target = n as u64;
+    let builder = Consumer::builder(shared.clone(), "bench")
+        .subscribe(topic, None::<String>)
+        .retry(RetryPolicy::tiers([Duration::from_secs(1)]))
+        .max_in_flight(256);
+    // Declare the group's queue, then fill it before the consumer starts.
+    let sub = builder.subscription()?;
+    drop(shared.subscribe(&sub).await?);
+    let dest = Destination::new(topic);
+    for m in messages(n) {
+        shared.publish(&dest, m).await?;
+    }
+    let allocs0 = ALLOCS.load(Ordering::Relaxed);
+    let t0 = Instant::now();
+    let handle = builder
+        .start(move |_d: Delivery| {
+            let (done, handled) = (d2.clone(), h2.clone());
+            async move {
+                if handled.fetch_add(1, Ordering::Relaxed) + 1 == target {
+                    done.notify_one();
+                }
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await?;
+    done.notified().await;
+    let elapsed = t0.elapsed();
+    let allocs = ALLOCS.load(Ordering::Relaxed) - allocs0;
+    while handle.stats().processed < target {
+        tokio::task::yield_now().await;
+    }
+    handle.shutdown().await;
+    Ok(Run {
+        msgs_per_sec: n as f64 / elapsed.as_secs_f64(),
+        allocs_per_msg: allocs as f64 / n as f64,
+    })
+}
+
+/// The raw baseline: a pre-filled tokio channel, a no-op handler future, and the
+/// bookkeeping any at-least-once consumer needs (a set of unacknowledged tags).
+async fn raw(n: usize) -> anyhow::Result<Run> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(u64, Message)>();
+    for (i, m) in messages(n).into_iter().enumerate() {
+        tx.send((i as u64, m))?;
+    }
+    drop(tx);
+    let allocs0 = ALLOCS.load(Ordering::Relaxed);
+    let t0 = Instant::now();
+    let mut unacked: HashSet<u64> = HashSet::with_capacity(256);
+    let handled = AtomicU64::new(0);
+    while let Some((tag, msg)) = rx.recv().await {
+        unacked.insert(tag);
+        let handler = async {
+            std::hint::black_box(&msg);
+            handled.fetch_add(1, Ordering::Relaxed);
+            Ok::<(), BoxError>(())
+        };
+        if handler.await.is_ok() {
+            unacked.remove(&tag);
+        }
+    }
+    let elapsed = t0.elapsed();
+    let allocs = ALLOCS.load(Ordering::Relaxed) - allocs0;
+    anyhow::ensure!(handled.load(Ordering::Relaxed) == n as u64 && unacked.is_empty());
+    Ok(Run {
+        msgs_per_sec: n as f64 / elapsed.as_secs_f64(),
+        allocs_per_msg: allocs as f64 / n as f64,
+    })
+}
+
+fn arg(name: &str) -> Option<String> {
+    let mut args = std::env::args();
+    while let Some(a) = args.next() {
+        if a == name {
+            return args.next();
+        }
+    }
+    None
+}
+
+fn main() -> anyhow::Result<()> {
+    let n: usize = arg("--messages").map(|v| v.parse()).transpose()?.unwrap_or(200_000);
+    let repeat: usize = arg("--repeat").map(|v| v.parse()).transpose()?.unwrap_or(3);
+    let only = arg("--only");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        match only.as_deref() {
+            Some("runtime") => {
+                runtime(n).await?;
+                return Ok(());
+            }
+            Some("raw") => {
+                raw(n).await?;
+                return Ok(());
+            }
+            Some(other) => anyhow::bail!("--only runtime|raw, not {other}"),
+            None => {}
+        }
+        // warm-up
+        runtime(n.min(20_000)).await?;
+        raw(n.min(20_000)).await?;
+        println!("messages per run: {n}, one core (current-thread runtime), no-op handler");
+        for i in 1..=repeat {
+            let r = runtime(n).await?;
+            let b = raw(n).await?;
+            println!(
+                "run {i}: reliq runtime {:>10.0} msg/s ({:.2} allocs/msg) | raw baseline {:>10.0} msg/s ({:.2} allocs/msg) | ratio {:.3}",
+                r.msgs_per_sec,
+                r.allocs_per_msg,
+                b.msgs_per_sec,
+                b.allocs_per_msg,
+                r.msgs_per_sec / b.msgs_per_sec
+            );
+        }
+        Ok(())
+    })
+}
