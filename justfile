@@ -47,8 +47,8 @@ test:
     scripts/brokers status >/dev/null 2>&1 && already_up=1
     if [ "$already_up" = 0 ]; then trap 'scripts/brokers down || true' EXIT; fi
     scripts/brokers up
-    cargo nextest run --workspace --no-fail-fast
     cargo test --workspace --doc --quiet
+    cargo nextest run --workspace --no-fail-fast
 
 # Formatting, clippy with warnings denied, and docs without warnings.
 lint:

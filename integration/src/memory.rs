@@ -55,7 +55,9 @@ impl Backend for MemoryBackend {
         sub: &Subscription,
         available: bool,
     ) -> anyhow::Result<()> {
-        self.broker.faults().set_dead_letter_available(sub, available);
+        self.broker
+            .faults()
+            .set_dead_letter_available(sub, available);
         Ok(())
     }
 

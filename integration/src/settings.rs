@@ -9,10 +9,10 @@ const BROKERS_ENV: &str = include_str!("../../brokers.env");
 /// # Panics
 /// When `key` is in neither — a typo in a test, not a runtime condition.
 pub fn get(key: &str) -> String {
-    if let Ok(v) = std::env::var(key) {
-        if !v.is_empty() {
-            return v;
-        }
+    if let Ok(v) = std::env::var(key)
+        && !v.is_empty()
+    {
+        return v;
     }
     file_value(key).unwrap_or_else(|| panic!("`{key}` is neither set nor in brokers.env"))
 }
@@ -54,8 +54,17 @@ mod tests {
     fn reads_the_file_and_parses_urls() {
         assert_eq!(file_value("RABBITMQ_PORT").as_deref(), Some("5672"));
         assert_eq!(authority("kafka://127.0.0.1:9092"), "127.0.0.1:9092");
-        assert_eq!(authority("amqp://guest:guest@127.0.0.1:5672/%2f"), "127.0.0.1:5672");
-        assert_eq!(authority("sqs://127.0.0.1:4566?region=us-east-1"), "127.0.0.1:4566");
-        assert_eq!(query_param("sqs://h:1?region=us-east-1", "region").as_deref(), Some("us-east-1"));
+        assert_eq!(
+            authority("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            "127.0.0.1:5672"
+        );
+        assert_eq!(
+            authority("sqs://127.0.0.1:4566?region=us-east-1"),
+            "127.0.0.1:4566"
+        );
+        assert_eq!(
+            query_param("sqs://h:1?region=us-east-1", "region").as_deref(),
+            Some("us-east-1")
+        );
     }
 }

@@ -33,10 +33,16 @@ mod smoke {
         ch.confirm_select(ConfirmSelectOptions::default()).await?;
         let queue = unique("smoke");
         let mut args = FieldTable::default();
-        args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
         ch.queue_declare(
             queue.as_str().into(),
-            QueueDeclareOptions { durable: true, ..Default::default() },
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
             args,
         )
         .await?;
@@ -44,7 +50,10 @@ mod smoke {
             .basic_publish(
                 "".into(),
                 queue.as_str().into(),
-                BasicPublishOptions { mandatory: true, ..Default::default() },
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
                 b"hello rabbit",
                 BasicProperties::default().with_message_id("m-1".into()),
             )
@@ -53,16 +62,30 @@ mod smoke {
         ensure!(confirm.is_ack(), "broker did not confirm: {confirm:?}");
         let deadline = tokio::time::Instant::now() + WAIT;
         let msg = loop {
-            if let Some(m) = ch.basic_get(queue.as_str().into(), BasicGetOptions::default()).await? {
+            if let Some(m) = ch
+                .basic_get(queue.as_str().into(), BasicGetOptions::default())
+                .await?
+            {
                 break m;
             }
-            ensure!(tokio::time::Instant::now() < deadline, "message never arrived");
+            ensure!(
+                tokio::time::Instant::now() < deadline,
+                "message never arrived"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
         ensure!(msg.delivery.data == b"hello rabbit");
-        ensure!(msg.delivery.properties.message_id().as_ref().map(|s| s.as_str()) == Some("m-1"));
+        ensure!(
+            msg.delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.as_str())
+                == Some("m-1")
+        );
         msg.delivery.ack(BasicAckOptions::default()).await?;
-        ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await?;
+        ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await?;
         conn.close(200, "done".into()).await?;
         Ok(())
     }
@@ -98,7 +121,10 @@ mod smoke {
             .set("message.timeout.ms", "30000")
             .create()?;
         let delivered = producer
-            .send(FutureRecord::to(&topic).key("k").payload("hello kafka"), WAIT)
+            .send(
+                FutureRecord::to(&topic).key("k").payload("hello kafka"),
+                WAIT,
+            )
             .await
             .map_err(|(e, _)| anyhow::anyhow!("produce: {e}"))?;
         ensure!(delivered.offset >= 0 && (0..3).contains(&delivered.partition));
@@ -137,7 +163,10 @@ mod smoke {
             ..Default::default()
         })
         .await?;
-        let ack = js.publish(subject.clone(), "hello nats".into()).await?.await?;
+        let ack = js
+            .publish(subject.clone(), "hello nats".into())
+            .await?
+            .await?;
         ensure!(ack.sequence == 1, "pub ack {ack:?}");
         let stream = js.get_stream(&name).await?;
         let consumer = stream
@@ -148,8 +177,17 @@ mod smoke {
                 ..Default::default()
             })
             .await?;
-        let mut batch = consumer.fetch().max_messages(1).expires(WAIT).messages().await?;
-        let msg = batch.next().await.context("no message fetched")?.map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(WAIT)
+            .messages()
+            .await?;
+        let msg = batch
+            .next()
+            .await
+            .context("no message fetched")?
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         ensure!(msg.payload.as_ref() == b"hello nats");
         msg.ack().await.map_err(|e| anyhow::anyhow!("ack: {e}"))?;
         js.delete_stream(&name).await?;
@@ -164,13 +202,17 @@ mod smoke {
         let endpoint = format!("http://{}", settings::authority(&url));
         let region = settings::query_param(&url, "region").unwrap_or_else(|| "us-east-1".into());
         let http = Builder::new()
-            .tls_provider(tls::Provider::Rustls(tls::rustls_provider::CryptoMode::Ring))
+            .tls_provider(tls::Provider::Rustls(
+                tls::rustls_provider::CryptoMode::Ring,
+            ))
             .build_https();
         let conf = aws_config::defaults(aws_config::BehaviorVersion::latest())
             .http_client(http)
             .endpoint_url(&endpoint)
             .region(aws_config::Region::new(region))
-            .credentials_provider(aws_sdk_sqs::config::Credentials::new("test", "test", None, None, "static"))
+            .credentials_provider(aws_sdk_sqs::config::Credentials::new(
+                "test", "test", None, None, "static",
+            ))
             .load()
             .await;
         let sqs = aws_sdk_sqs::Client::new(&conf);
@@ -181,7 +223,11 @@ mod smoke {
             .await
             .with_context(|| format!("SQS at {endpoint} (run scripts/brokers up)"))?;
         let queue_url = queue.queue_url().context("no queue url")?.to_owned();
-        sqs.send_message().queue_url(&queue_url).message_body("hello sqs").send().await?;
+        sqs.send_message()
+            .queue_url(&queue_url)
+            .message_body("hello sqs")
+            .send()
+            .await?;
         let got = sqs
             .receive_message()
             .queue_url(&queue_url)
@@ -209,21 +255,32 @@ mod smoke {
             .acquire_timeout(WAIT)
             .connect(&url)
             .await
-            .with_context(|| format!("PostgreSQL at {} (run scripts/brokers up)", settings::authority(&url)))?;
+            .with_context(|| {
+                format!(
+                    "PostgreSQL at {} (run scripts/brokers up)",
+                    settings::authority(&url)
+                )
+            })?;
         let mut tx = pool.begin().await?;
         sqlx::query("CREATE TEMP TABLE smoke (id text PRIMARY KEY) ON COMMIT DROP")
             .execute(&mut *tx)
             .await?;
-        let inserted = sqlx::query("INSERT INTO smoke VALUES ($1) ON CONFLICT DO NOTHING RETURNING 1")
-            .bind("m-1")
-            .fetch_optional(&mut *tx)
-            .await?;
+        let inserted =
+            sqlx::query("INSERT INTO smoke VALUES ($1) ON CONFLICT DO NOTHING RETURNING 1")
+                .bind("m-1")
+                .fetch_optional(&mut *tx)
+                .await?;
         let again = sqlx::query("INSERT INTO smoke VALUES ($1) ON CONFLICT DO NOTHING RETURNING 1")
             .bind("m-1")
             .fetch_optional(&mut *tx)
             .await?;
-        ensure!(inserted.is_some() && again.is_none(), "the inbox claim idiom works");
-        let row = sqlx::query("SELECT count(*) AS n FROM smoke").fetch_one(&mut *tx).await?;
+        ensure!(
+            inserted.is_some() && again.is_none(),
+            "the inbox claim idiom works"
+        );
+        let row = sqlx::query("SELECT count(*) AS n FROM smoke")
+            .fetch_one(&mut *tx)
+            .await?;
         ensure!(row.try_get::<i64, _>("n")? == 1);
         tx.commit().await?;
         Ok(())
@@ -238,7 +295,10 @@ mod compose {
 
     #[test]
     fn docker_compose_matches_the_local_script() -> anyhow::Result<()> {
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docker-compose.yml"))?;
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docker-compose.yml"
+        ))?;
         let docs = YamlLoader::load_from_str(&text)?;
         let services = &docs.first().context("empty compose file")?["services"];
         let expect = [
@@ -251,7 +311,10 @@ mod compose {
         for (name, port_keys) in expect {
             let svc = &services[name];
             ensure!(!svc.is_badvalue(), "service `{name}` missing");
-            ensure!(!svc["healthcheck"].is_badvalue(), "service `{name}` has no healthcheck");
+            ensure!(
+                !svc["healthcheck"].is_badvalue(),
+                "service `{name}` has no healthcheck"
+            );
             let published: Vec<String> = svc["ports"]
                 .as_vec()
                 .context("ports")?
@@ -264,8 +327,12 @@ mod compose {
                 })
                 .collect();
             for key in port_keys {
-                let port = settings::file_value(key).with_context(|| format!("{key} in brokers.env"))?;
-                ensure!(published.contains(&port), "`{name}` publishes {published:?}, brokers.env says {key}={port}");
+                let port =
+                    settings::file_value(key).with_context(|| format!("{key} in brokers.env"))?;
+                ensure!(
+                    published.contains(&port),
+                    "`{name}` publishes {published:?}, brokers.env says {key}={port}"
+                );
             }
         }
         Ok(())

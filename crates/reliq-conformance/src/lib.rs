@@ -13,7 +13,7 @@
 //! short delay tiers and explicit tolerances; scenarios wait for conditions with a
 //! deadline, never for a fixed sleep.
 //!
-//! ```ignore
+//! ```text
 //! reliq_conformance::conformance_suite!(memory, paused, || MemoryBackend::new());
 //! ```
 

@@ -35,7 +35,9 @@ fn order(n: u32) -> Message {
 }
 
 /// 1,000 messages published, consumed and acked with payload, key, headers and id intact.
-pub async fn publish_consume_ack_keeps_payload_headers_and_id(b: &dyn Backend) -> anyhow::Result<()> {
+pub async fn publish_consume_ack_keeps_payload_headers_and_id(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "pub-consume").await?;
     let rec = Recorder::new();
     let r = rec.clone();
@@ -66,16 +68,34 @@ pub async fn publish_consume_ack_keeps_payload_headers_and_id(b: &dyn Backend) -
     ensure!(calls.len() == 1000, "handler called {} times", calls.len());
     for c in &calls {
         let i = *sent.get(&c.id).context("an id that was never published")?;
-        ensure!(c.payload == format!("payload-{i}").as_bytes(), "payload changed");
-        ensure!(c.key.as_deref() == Some(format!("k{}", i % 7).as_str()), "key changed");
-        let hv = |n: &str| c.headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+        ensure!(
+            c.payload == format!("payload-{i}").as_bytes(),
+            "payload changed"
+        );
+        ensure!(
+            c.key.as_deref() == Some(format!("k{}", i % 7).as_str()),
+            "key changed"
+        );
+        let hv = |n: &str| {
+            c.headers
+                .iter()
+                .find(|(k, _)| k == n)
+                .map(|(_, v)| v.clone())
+        };
         ensure!(hv("x-seq") == Some(i.to_string()), "user header changed");
-        ensure!(hv(headers::CORRELATION_ID) == Some(format!("corr-{i}")), "correlation id changed");
+        ensure!(
+            hv(headers::CORRELATION_ID) == Some(format!("corr-{i}")),
+            "correlation id changed"
+        );
         ensure!(c.attempt == 1, "first delivery must be attempt 1");
     }
     ensure!(rec.effect_count() == 1000, "every id once");
     let report = h.shutdown().await;
-    ensure!(report.stats.settle_failures == 0, "no failed settlement: {:?}", report.stats);
+    ensure!(
+        report.stats.settle_failures == 0,
+        "no failed settlement: {:?}",
+        report.stats
+    );
     Ok(())
 }
 
@@ -115,7 +135,8 @@ pub async fn group_members_split_without_double_handling(b: &dyn Backend) -> any
     let rec = Recorder::new();
     let per_member = [Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0))];
     let mut handles = Vec::new();
-    for counter in per_member.iter().cloned() {
+    for counter in &per_member {
+        let counter = counter.clone();
         let rec = rec.clone();
         let broker = b.connect().await?;
         handles.push(
@@ -139,10 +160,19 @@ pub async fn group_members_split_without_double_handling(b: &dyn Backend) -> any
     for h in handles {
         h.shutdown().await;
     }
-    ensure!(rec.effects().values().all(|n| *n == 1), "a message was handled twice");
-    let counts: Vec<u32> = per_member.iter().map(|c| c.load(AtomicOrdering::Relaxed)).collect();
+    ensure!(
+        rec.effects().values().all(|n| *n == 1),
+        "a message was handled twice"
+    );
+    let counts: Vec<u32> = per_member
+        .iter()
+        .map(|c| c.load(AtomicOrdering::Relaxed))
+        .collect();
     ensure!(counts.iter().sum::<u32>() == 400, "calls {counts:?}");
-    ensure!(counts.iter().all(|c| *c > 0), "both members must get work: {counts:?}");
+    ensure!(
+        counts.iter().all(|c| *c > 0),
+        "both members must get work: {counts:?}"
+    );
     Ok(())
 }
 
@@ -168,7 +198,11 @@ pub async fn ack_only_after_success_nothing_redelivered_after_restart(
     let after = Recorder::new();
     let h = start(after.clone()).await?;
     tokio::time::sleep(b.quiet_period()).await;
-    ensure!(after.effect_count() == 0, "acked messages came back: {}", after.effect_count());
+    ensure!(
+        after.effect_count() == 0,
+        "acked messages came back: {}",
+        after.effect_count()
+    );
     h.shutdown().await;
     Ok(())
 }
@@ -192,7 +226,10 @@ pub async fn crash_before_ack_redelivers(b: &dyn Backend) -> anyhow::Result<()> 
     let m = order(1);
     let id = m.id().clone();
     ctx.publish(m).await?;
-    wait_until("handler entered", soon(b), || entered.load(AtomicOrdering::Relaxed) == 1).await?;
+    wait_until("handler entered", soon(b), || {
+        entered.load(AtomicOrdering::Relaxed) == 1
+    })
+    .await?;
     h.crash().await;
     let rec = Recorder::new();
     let r = rec.clone();
@@ -208,19 +245,31 @@ pub async fn crash_before_ack_redelivers(b: &dyn Backend) -> anyhow::Result<()> 
             }
         })
         .await?;
-    wait_until("redelivered after crash", soon(b), || rec.effect_count() == 1).await?;
-    ensure!(rec.calls_for(&id).len() == 1, "the crashed message must come back once");
+    wait_until("redelivered after crash", soon(b), || {
+        rec.effect_count() == 1
+    })
+    .await?;
+    ensure!(
+        rec.calls_for(&id).len() == 1,
+        "the crashed message must come back once"
+    );
     h.shutdown().await;
     Ok(())
 }
 
-fn fail_first(times: u32, rec: Recorder) -> impl Fn(Delivery) -> futures::future::BoxFuture<'static, HandlerResult> + Send + Sync + 'static {
+fn fail_first(
+    times: u32,
+    rec: Recorder,
+) -> impl Fn(Delivery) -> futures::future::BoxFuture<'static, HandlerResult> + Send + Sync + 'static
+{
     move |d: Delivery| {
         let r = rec.clone();
         Box::pin(async move {
             r.call(&d);
             if d.attempt() <= times {
-                return Err(Transient::msg(format!("flaky downstream, attempt {}", d.attempt())).into());
+                return Err(
+                    Transient::msg(format!("flaky downstream, attempt {}", d.attempt())).into(),
+                );
             }
             r.effect(d.id());
             Ok(())
@@ -236,21 +285,39 @@ pub async fn one_transient_failure_retried_after_its_delay(b: &dyn Backend) -> a
     let m = order(1);
     let id = m.id().clone();
     ctx.publish(m).await?;
-    wait_until("processed after one retry", soon(b), || rec.effect_count() == 1).await?;
+    wait_until("processed after one retry", soon(b), || {
+        rec.effect_count() == 1
+    })
+    .await?;
     let calls = rec.calls_for(&id);
     ensure!(calls.len() == 2, "expected 2 calls, got {}", calls.len());
-    ensure!(calls[0].attempt == 1 && calls[1].attempt == 2, "attempts {:?}", calls.iter().map(|c| c.attempt).collect::<Vec<_>>());
+    ensure!(
+        calls[0].attempt == 1 && calls[1].attempt == 2,
+        "attempts {:?}",
+        calls.iter().map(|c| c.attempt).collect::<Vec<_>>()
+    );
     let waited = calls[1].at - calls[0].at;
     let [t1, _] = b.tiers();
-    ensure!(waited >= t1, "retried after {waited:?}, before its {t1:?} delay");
-    ensure!(waited <= t1 + b.tolerance(), "retried after {waited:?}, later than {t1:?} + tolerance");
+    ensure!(
+        waited >= t1,
+        "retried after {waited:?}, before its {t1:?} delay"
+    );
+    ensure!(
+        waited <= t1 + b.tolerance(),
+        "retried after {waited:?}, later than {t1:?} + tolerance"
+    );
     let s = h.shutdown().await.stats;
-    ensure!(s.retried == 1 && s.processed == 1 && s.dead_lettered == 0, "{s:?}");
+    ensure!(
+        s.retried == 1 && s.processed == 1 && s.dead_lettered == 0,
+        "{s:?}"
+    );
     Ok(())
 }
 
 /// K transient failures, then success at attempt K+1.
-pub async fn k_transient_failures_processed_at_attempt_k_plus_one(b: &dyn Backend) -> anyhow::Result<()> {
+pub async fn k_transient_failures_processed_at_attempt_k_plus_one(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "k-transient").await?;
     let rec = Recorder::new();
     let [t1, t2] = b.tiers();
@@ -262,7 +329,10 @@ pub async fn k_transient_failures_processed_at_attempt_k_plus_one(b: &dyn Backen
     let m = order(1);
     let id = m.id().clone();
     ctx.publish(m).await?;
-    wait_until("processed at attempt 4", soon(b), || rec.effect_count() == 1).await?;
+    wait_until("processed at attempt 4", soon(b), || {
+        rec.effect_count() == 1
+    })
+    .await?;
     let attempts: Vec<u32> = rec.calls_for(&id).iter().map(|c| c.attempt).collect();
     ensure!(attempts == vec![1, 2, 3, 4], "attempts {attempts:?}");
     let s = h.shutdown().await.stats;
@@ -271,32 +341,51 @@ pub async fn k_transient_failures_processed_at_attempt_k_plus_one(b: &dyn Backen
 }
 
 /// The retry budget runs out: DLQ `exhausted` with attempts = max.
-pub async fn exhausted_budget_dead_letters_with_max_attempts(b: &dyn Backend) -> anyhow::Result<()> {
+pub async fn exhausted_budget_dead_letters_with_max_attempts(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "exhausted").await?;
     let rec = Recorder::new();
-    let h = ctx.consumer("c").start(fail_first(u32::MAX, rec.clone())).await?;
+    let h = ctx
+        .consumer("c")
+        .start(fail_first(u32::MAX, rec.clone()))
+        .await?;
     let m = order(1);
     let id = m.id().clone();
     ctx.publish(m).await?;
     let dead = ctx.take_dead_letters("c", 1, soon(b)).await?;
     let (d, record) = &dead[0];
     ensure!(d.id() == &id, "same id in the DLQ");
-    ensure!(record.reason == DeadLetterReason::Exhausted, "reason {}", record.reason);
+    ensure!(
+        record.reason == DeadLetterReason::Exhausted,
+        "reason {}",
+        record.reason
+    );
     ensure!(record.attempts == 3, "attempts {}", record.attempts);
     ensure!(record.error_class == Some(ErrorClass::Transient));
-    ensure!(rec.calls_for(&id).len() == 3, "handler called {} times", rec.calls_for(&id).len());
+    ensure!(
+        rec.calls_for(&id).len() == 3,
+        "handler called {} times",
+        rec.calls_for(&id).len()
+    );
     h.shutdown().await;
     Ok(())
 }
 
 /// Max age wins over remaining attempts: DLQ `expired`.
-pub async fn max_age_dead_letters_as_expired_with_attempts_left(b: &dyn Backend) -> anyhow::Result<()> {
+pub async fn max_age_dead_letters_as_expired_with_attempts_left(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "expired").await?;
     let rec = Recorder::new();
     let [t1, t2] = b.tiers();
     let h = ctx
         .consumer("c")
-        .retry(RetryPolicy::tiers([t1, t2]).max_attempts(10).max_age(t1 + t1 / 2))
+        .retry(
+            RetryPolicy::tiers([t1, t2])
+                .max_attempts(10)
+                .max_age(t1 + t1 / 2),
+        )
         .start(fail_first(u32::MAX, rec.clone()))
         .await?;
     let m = order(1);
@@ -304,8 +393,16 @@ pub async fn max_age_dead_letters_as_expired_with_attempts_left(b: &dyn Backend)
     ctx.publish(m).await?;
     let dead = ctx.take_dead_letters("c", 1, soon(b)).await?;
     let (_, record) = &dead[0];
-    ensure!(record.reason == DeadLetterReason::Expired, "reason {}", record.reason);
-    ensure!(record.attempts == 2, "expired after attempt {} (10 allowed)", record.attempts);
+    ensure!(
+        record.reason == DeadLetterReason::Expired,
+        "reason {}",
+        record.reason
+    );
+    ensure!(
+        record.attempts == 2,
+        "expired after attempt {} (10 allowed)",
+        record.attempts
+    );
     ensure!(rec.calls_for(&id).len() == 2);
     h.shutdown().await;
     Ok(())
@@ -330,7 +427,10 @@ pub async fn permanent_failure_dead_letters_at_once(b: &dyn Backend) -> anyhow::
     let dead = ctx.take_dead_letters("c", 1, soon(b)).await?;
     ensure!(dead[0].1.reason == DeadLetterReason::Permanent);
     ensure!(dead[0].1.attempts == 1);
-    ensure!(calls.load(AtomicOrdering::Relaxed) == 1, "handler called more than once");
+    ensure!(
+        calls.load(AtomicOrdering::Relaxed) == 1,
+        "handler called more than once"
+    );
     let s = h.shutdown().await.stats;
     ensure!(s.retried == 0 && s.dead_lettered == 1, "{s:?}");
     Ok(())
@@ -368,9 +468,20 @@ pub async fn poison_dead_letters_at_once(b: &dyn Backend) -> anyhow::Result<()> 
     let ids: HashSet<MessageId> = bad.iter().map(|m| m.id().clone()).collect();
     ctx.publish_all(bad.to_vec()).await?;
     let dead = ctx.take_dead_letters("c", 3, soon(b)).await?;
-    ensure!(dead.iter().all(|(_, r)| r.reason == DeadLetterReason::Poison && r.attempts == 1));
-    ensure!(dead.iter().map(|(d, _)| d.id().clone()).collect::<HashSet<_>>() == ids);
-    ensure!(calls.load(AtomicOrdering::Relaxed) == 3, "each poison message handled once");
+    ensure!(
+        dead.iter()
+            .all(|(_, r)| r.reason == DeadLetterReason::Poison && r.attempts == 1)
+    );
+    ensure!(
+        dead.iter()
+            .map(|(d, _)| d.id().clone())
+            .collect::<HashSet<_>>()
+            == ids
+    );
+    ensure!(
+        calls.load(AtomicOrdering::Relaxed) == 3,
+        "each poison message handled once"
+    );
     let utf8 = dead.iter().find(|(d, _)| d.payload() == [0xff, 0xfe, 0x00]);
     ensure!(utf8.is_some(), "binary payload kept byte for byte");
     h.shutdown().await;
@@ -403,7 +514,13 @@ pub async fn panic_dead_letters_and_consumer_survives(b: &dyn Backend) -> anyhow
     ctx.publish_all(msgs).await?;
     let dead = ctx.take_dead_letters("c", 1, soon(b)).await?;
     ensure!(dead[0].0.id() == &boom_id && dead[0].1.reason == DeadLetterReason::Panic);
-    ensure!(dead[0].1.error.as_deref().is_some_and(|e| e.contains("handler bug")));
+    ensure!(
+        dead[0]
+            .1
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("handler bug"))
+    );
     wait_until("others processed", soon(b), || rec.effect_count() == 20).await?;
     ctx.publish(order(99)).await?;
     wait_until("consumer still alive", soon(b), || rec.effect_count() == 21).await?;
@@ -429,7 +546,10 @@ pub async fn panic_dead_letters_and_consumer_survives(b: &dyn Backend) -> anyhow
         })
         .await?;
     ctx.publish(order(1)).await?;
-    wait_until("panic retried and processed", soon(b), || rec.effect_count() == 1).await?;
+    wait_until("panic retried and processed", soon(b), || {
+        rec.effect_count() == 1
+    })
+    .await?;
     let s = h.shutdown().await.stats;
     ensure!(s.retried == 1 && s.panics == 1, "{s:?}");
     Ok(())
@@ -456,7 +576,10 @@ pub async fn poison_does_not_block_following_messages(b: &dyn Backend) -> anyhow
     let mut msgs = vec![Message::new("garbage")];
     msgs.extend((0..30).map(order));
     ctx.publish_all(msgs).await?;
-    wait_until("30 valid processed behind the poison one", soon(b), || rec.effect_count() == 30).await?;
+    wait_until("30 valid processed behind the poison one", soon(b), || {
+        rec.effect_count() == 30
+    })
+    .await?;
     ctx.take_dead_letters("c", 1, soon(b)).await?;
     h.shutdown().await;
     Ok(())
@@ -475,7 +598,10 @@ pub async fn dead_letter_metadata_complete_and_decodable(b: &dyn Backend) -> any
     let m = Message::new("{\"n\":1}")
         .with_key("customer-9")
         .with_header("tenant", "acme")
-        .with_header(headers::TRACEPARENT, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        .with_header(
+            headers::TRACEPARENT,
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        );
     let id = m.id().clone();
     ctx.publish(m).await?;
     let dead = ctx.take_dead_letters("meta", 1, soon(b)).await?;
@@ -488,13 +614,19 @@ pub async fn dead_letter_metadata_complete_and_decodable(b: &dyn Backend) -> any
     ensure!(r.reason == DeadLetterReason::Permanent);
     ensure!(r.error_class == Some(ErrorClass::Permanent));
     let err = r.error.as_deref().unwrap_or_default();
-    ensure!(err.contains("quantity must be positive") && !err.contains('\n'), "error text {err:?}");
+    ensure!(
+        err.contains("quantity must be positive") && !err.contains('\n'),
+        "error text {err:?}"
+    );
     ensure!(r.attempts == 1);
     ensure!(r.consumer == "meta");
     ensure!(r.origin.destination == ctx.topic, "origin {:?}", r.origin);
     let first = r.first_failure_at.context("first failure time")?;
     ensure!(first <= r.dead_lettered_at);
-    ensure!(r.dead_lettered_at + Duration::from_secs(1) >= before, "timestamps are now-ish");
+    ensure!(
+        r.dead_lettered_at + Duration::from_secs(1) >= before,
+        "timestamps are now-ish"
+    );
     h.shutdown().await;
     Ok(())
 }
@@ -517,7 +649,13 @@ pub async fn retry_keeps_id_key_payload_and_headers(b: &dyn Backend) -> anyhow::
     let calls = rec.calls_for(&id);
     ensure!(calls.len() == 2);
     let second = &calls[1];
-    let hv = |n: &str| second.headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
+    let hv = |n: &str| {
+        second
+            .headers
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.as_str())
+    };
     ensure!(second.payload == b"payload");
     ensure!(second.key.as_deref() == Some("k-1"));
     ensure!(hv("tenant") == Some("acme"));
@@ -531,7 +669,9 @@ pub async fn retry_keeps_id_key_payload_and_headers(b: &dyn Backend) -> anyhow::
 
 /// DLQ unavailable: the source stays unacked (nothing lost); once the DLQ is back the
 /// message lands there exactly once.
-pub async fn dead_letter_unavailable_source_kept_nothing_lost(b: &dyn Backend) -> anyhow::Result<()> {
+pub async fn dead_letter_unavailable_source_kept_nothing_lost(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "dlq-down").await?;
     let sub = ctx.subscription("c");
     let calls = Arc::new(AtomicU32::new(0));
@@ -546,16 +686,26 @@ pub async fn dead_letter_unavailable_source_kept_nothing_lost(b: &dyn Backend) -
             }
         })
         .await?;
-    b.set_dead_letter_available(&ctx.broker, &sub, false).await?;
+    b.set_dead_letter_available(&ctx.broker, &sub, false)
+        .await?;
     let m = order(1);
     let id = m.id().clone();
     ctx.publish(m).await?;
-    wait_until("dead-lettering attempted and failed twice", soon(b), || h.stats().settle_failures >= 2).await?;
+    wait_until("dead-lettering attempted and failed twice", soon(b), || {
+        h.stats().settle_failures >= 2
+    })
+    .await?;
     let s = h.stats();
     ensure!(s.dead_lettered == 0 && s.processed == 0, "{s:?}");
-    ensure!(calls.load(AtomicOrdering::Relaxed) >= 2, "the released message must come back");
+    ensure!(
+        calls.load(AtomicOrdering::Relaxed) >= 2,
+        "the released message must come back"
+    );
     b.set_dead_letter_available(&ctx.broker, &sub, true).await?;
-    wait_until("dead-lettered once the DLQ is back", soon(b), || h.stats().dead_lettered == 1).await?;
+    wait_until("dead-lettered once the DLQ is back", soon(b), || {
+        h.stats().dead_lettered == 1
+    })
+    .await?;
     h.shutdown().await;
     let dead = ctx.take_dead_letters("c", 1, soon(b)).await?;
     ensure!(dead[0].0.id() == &id && dead[0].1.reason == DeadLetterReason::Permanent);
@@ -564,7 +714,9 @@ pub async fn dead_letter_unavailable_source_kept_nothing_lost(b: &dyn Backend) -
 
 /// Retry route broken: the source is not acked, no DLQ copy is made; when the route is
 /// repaired the retry goes through.
-pub async fn retry_route_failure_keeps_source_and_makes_no_dlq_copy(b: &dyn Backend) -> anyhow::Result<()> {
+pub async fn retry_route_failure_keeps_source_and_makes_no_dlq_copy(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "retry-down").await?;
     let sub = ctx.subscription("c");
     let rec = Recorder::new();
@@ -573,12 +725,24 @@ pub async fn retry_route_failure_keeps_source_and_makes_no_dlq_copy(b: &dyn Back
     let m = order(1);
     let id = m.id().clone();
     ctx.publish(m).await?;
-    wait_until("retry attempted and failed twice", soon(b), || h.stats().settle_failures >= 2).await?;
+    wait_until("retry attempted and failed twice", soon(b), || {
+        h.stats().settle_failures >= 2
+    })
+    .await?;
     let s = h.stats();
-    ensure!(s.retried == 0 && s.dead_lettered == 0 && s.processed == 0, "{s:?}");
-    ensure!(rec.calls_for(&id).iter().all(|c| c.attempt == 1), "released, not retried");
+    ensure!(
+        s.retried == 0 && s.dead_lettered == 0 && s.processed == 0,
+        "{s:?}"
+    );
+    ensure!(
+        rec.calls_for(&id).iter().all(|c| c.attempt == 1),
+        "released, not retried"
+    );
     b.set_retry_available(&ctx.broker, &sub, true).await?;
-    wait_until("processed after the route is back", soon(b), || rec.effect_count() == 1).await?;
+    wait_until("processed after the route is back", soon(b), || {
+        rec.effect_count() == 1
+    })
+    .await?;
     let s = h.shutdown().await.stats;
     ensure!(s.retried == 1 && s.dead_lettered == 0, "{s:?}");
     ctx.assert_no_dead_letters("c").await
@@ -625,10 +789,17 @@ pub async fn crash_loop_dead_letters_via_delivery_limit(b: &dyn Backend) -> anyh
         crashes += 1;
         ensure!(crashes <= limit + 1, "the delivery limit never kicked in");
     }
-    ensure!(crashes == limit, "delivered {crashes} times with a limit of {limit}");
+    ensure!(
+        crashes == limit,
+        "delivered {crashes} times with a limit of {limit}"
+    );
     let dead = ctx.take_dead_letters("c", 1, soon(b)).await?;
     ensure!(dead[0].0.id() == &id);
-    ensure!(dead[0].1.reason == DeadLetterReason::MaxDeliveries, "reason {}", dead[0].1.reason);
+    ensure!(
+        dead[0].1.reason == DeadLetterReason::MaxDeliveries,
+        "reason {}",
+        dead[0].1.reason
+    );
     Ok(())
 }
 
@@ -651,17 +822,26 @@ pub async fn max_in_flight_never_exceeded(b: &dyn Backend) -> anyhow::Result<()>
         })
         .await?;
     ctx.publish_all((0..1000).map(order).collect()).await?;
-    wait_until("1,000 processed", soon(b) * 2, || rec.effect_count() == 1000).await?;
+    wait_until("1,000 processed", soon(b) * 2, || {
+        rec.effect_count() == 1000
+    })
+    .await?;
     let s = h.shutdown().await.stats;
     ensure!(s.max_in_flight <= 16, "held {} at once", s.max_in_flight);
     ensure!(s.max_running <= 4, "ran {} handlers at once", s.max_running);
-    ensure!(s.max_running >= 2, "concurrency not used: {}", s.max_running);
+    ensure!(
+        s.max_running >= 2,
+        "concurrency not used: {}",
+        s.max_running
+    );
     Ok(())
 }
 
 /// Shutdown: stop receiving, finish or release in-flight work; a second consumer gets
 /// the rest; every message has exactly one effect and no settlement failed.
-pub async fn graceful_shutdown_loses_nothing_and_settles_once(b: &dyn Backend) -> anyhow::Result<()> {
+pub async fn graceful_shutdown_loses_nothing_and_settles_once(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "shutdown").await?;
     let rec = Recorder::new();
     let handler = |rec: Recorder| {
@@ -685,7 +865,11 @@ pub async fn graceful_shutdown_loses_nothing_and_settles_once(b: &dyn Backend) -
     ctx.publish_all(msgs).await?;
     wait_until("some processed", soon(b), || rec.effect_count() >= 8).await?;
     let first = h.shutdown().await;
-    ensure!(!first.drained && first.stats.released > 0, "the short deadline must release some: {:?}", first.stats);
+    ensure!(
+        !first.drained && first.stats.released > 0,
+        "the short deadline must release some: {:?}",
+        first.stats
+    );
     ensure!(first.stats.settle_failures == 0, "{:?}", first.stats);
     let h = ctx
         .consumer_on(b.connect().await?, "c")
@@ -694,12 +878,23 @@ pub async fn graceful_shutdown_loses_nothing_and_settles_once(b: &dyn Backend) -
         .await?;
     wait_until("all 40 processed", soon(b), || rec.effect_count() == 40).await?;
     let second = h.shutdown().await;
-    ensure!(second.drained && second.stats.settle_failures == 0, "{:?}", second.stats);
+    ensure!(
+        second.drained && second.stats.settle_failures == 0,
+        "{:?}",
+        second.stats
+    );
     let effects = rec.effects();
     ensure!(effects.keys().cloned().collect::<HashSet<_>>() == ids);
-    ensure!(effects.values().all(|n| *n == 1), "a message took effect twice");
-    ensure!(first.stats.processed + second.stats.processed == 40,
-        "acked {} + {}", first.stats.processed, second.stats.processed);
+    ensure!(
+        effects.values().all(|n| *n == 1),
+        "a message took effect twice"
+    );
+    ensure!(
+        first.stats.processed + second.stats.processed == 40,
+        "acked {} + {}",
+        first.stats.processed,
+        second.stats.processed
+    );
     Ok(())
 }
 
@@ -720,7 +915,11 @@ pub async fn per_key_order_kept_with_concurrency(b: &dyn Backend) -> anyhow::Res
                 // Later messages finish faster: without per-key ordering they overtake.
                 tokio::time::sleep(Duration::from_millis(u64::from(40 - o.n % 40))).await;
                 let key = d.key().unwrap_or_default().to_owned();
-                seen.lock().unwrap_or_else(|p| p.into_inner()).entry(key).or_default().push(o.n);
+                seen.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(key)
+                    .or_default()
+                    .push(o.n);
                 Ok::<(), BoxError>(())
             }
         })
@@ -733,15 +932,24 @@ pub async fn per_key_order_kept_with_concurrency(b: &dyn Backend) -> anyhow::Res
     }
     ctx.publish_all(msgs).await?;
     wait_until("200 handled", soon(b), || {
-        seen.lock().map(|m| m.values().map(Vec::len).sum::<usize>() == 200).unwrap_or(false)
+        seen.lock()
+            .map(|m| m.values().map(Vec::len).sum::<usize>() == 200)
+            .unwrap_or(false)
     })
     .await?;
     let s = h.shutdown().await.stats;
     let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
     for (k, v) in &seen {
-        ensure!(v == &(0..40).collect::<Vec<u32>>(), "key {k} out of order: {v:?}");
+        ensure!(
+            v == &(0..40).collect::<Vec<u32>>(),
+            "key {k} out of order: {v:?}"
+        );
     }
-    ensure!(s.max_running >= 2, "keys must run in parallel (max running {})", s.max_running);
+    ensure!(
+        s.max_running >= 2,
+        "keys must run in parallel (max running {})",
+        s.max_running
+    );
     Ok(())
 }
 
@@ -766,7 +974,11 @@ pub async fn duplicate_delivery_with_inbox_has_one_effect(b: &dyn Backend) -> an
     wait_until("first copy processed", soon(b), || h.stats().processed == 1).await?;
     ctx.publish(m.clone()).await?;
     wait_until("duplicate skipped", soon(b), || h.stats().duplicates == 1).await?;
-    ensure!(rec.effects().get(m.id()) == Some(&1), "effects {:?}", rec.effects());
+    ensure!(
+        rec.effects().get(m.id()) == Some(&1),
+        "effects {:?}",
+        rec.effects()
+    );
     h.shutdown().await;
     Ok(())
 }
@@ -802,7 +1014,10 @@ async fn dead_letter_then_fix(
     for _ in 0..copies {
         ctx.publish(m.clone()).await?;
     }
-    wait_until("dead-lettered", soon(b), || h.stats().dead_lettered == copies as u64).await?;
+    wait_until("dead-lettered", soon(b), || {
+        h.stats().dead_lettered == copies as u64
+    })
+    .await?;
     fixed.store(true, AtomicOrdering::SeqCst);
     // keep the consumer running: replay delivers to it
     std::mem::forget(h);
@@ -811,7 +1026,9 @@ async fn dead_letter_then_fix(
 
 /// Replay: back to the consumer with the same id and a replay marker; processed; the DLQ
 /// copy removed. A dry run moves nothing.
-pub async fn replay_returns_to_consumer_with_same_id_and_marker(b: &dyn Backend) -> anyhow::Result<()> {
+pub async fn replay_returns_to_consumer_with_same_id_and_marker(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "replay").await?;
     let (rec, id) = dead_letter_then_fix(b, &ctx, 1, None).await?;
     let sub = ctx.subscription("c");
@@ -819,21 +1036,43 @@ pub async fn replay_returns_to_consumer_with_same_id_and_marker(b: &dyn Backend)
         .idle_timeout(b.quiet_period())
         .dry_run()
         .await?;
-    ensure!(plan.matched.len() == 1 && plan.replayed.is_empty(), "dry run: {plan:?}");
+    ensure!(
+        plan.matched.len() == 1 && plan.replayed.is_empty(),
+        "dry run: {plan:?}"
+    );
     ensure!(rec.effect_count() == 0, "a dry run moved something");
     let done = Replay::new(ctx.broker.clone(), sub)
-        .filter(ReplayFilter::default().ids([id.clone()]).reasons([DeadLetterReason::Permanent]))
+        .filter(
+            ReplayFilter::default()
+                .ids([id.clone()])
+                .reasons([DeadLetterReason::Permanent]),
+        )
         .idle_timeout(b.quiet_period())
         .execute()
         .await?;
     ensure!(done.replayed == vec![id.clone()], "replay: {done:?}");
-    wait_until("replayed copy processed", soon(b), || rec.effect_count() == 1).await?;
+    wait_until("replayed copy processed", soon(b), || {
+        rec.effect_count() == 1
+    })
+    .await?;
     let calls = rec.calls_for(&id);
     let last = calls.last().context("a call")?;
-    let hv = |n: &str| last.headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.as_str());
-    ensure!(hv(headers::REPLAY_COUNT) == Some("1"), "replay marker {:?}", hv(headers::REPLAY_COUNT));
+    let hv = |n: &str| {
+        last.headers
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.as_str())
+    };
+    ensure!(
+        hv(headers::REPLAY_COUNT) == Some("1"),
+        "replay marker {:?}",
+        hv(headers::REPLAY_COUNT)
+    );
     ensure!(hv(headers::REPLAYED_AT).is_some());
-    ensure!(hv(headers::DEAD_LETTER_REASON).is_none(), "failure headers stripped");
+    ensure!(
+        hv(headers::DEAD_LETTER_REASON).is_none(),
+        "failure headers stripped"
+    );
     ensure!(last.attempt == 1, "a replay starts a fresh retry budget");
     ctx.assert_no_dead_letters("c").await
 }
@@ -853,7 +1092,11 @@ pub async fn replay_twice_with_inbox_has_one_effect(b: &dyn Backend) -> anyhow::
     })
     .await?;
     tokio::time::sleep(b.quiet_period()).await;
-    ensure!(rec.effects().get(&id) == Some(&1), "effects {:?}", rec.effects());
+    ensure!(
+        rec.effects().get(&id) == Some(&1),
+        "effects {:?}",
+        rec.effects()
+    );
     Ok(())
 }
 
@@ -871,7 +1114,10 @@ pub async fn non_blocking_retry_lets_later_messages_flow(b: &dyn Backend) -> any
     ctx.publish(a).await?;
     wait_until("A failed once", soon(b), || rec.calls_for(&a_id).len() == 1).await?;
     // fail_first fails every first attempt; make the later ones succeed at once instead
-    let later: Vec<Message> = (0..10).map(order).map(|m| m.with_header(headers::ATTEMPT, "2")).collect();
+    let later: Vec<Message> = (0..10)
+        .map(order)
+        .map(|m| m.with_header(headers::ATTEMPT, "2"))
+        .collect();
     let later_ids: Vec<MessageId> = later.iter().map(|m| m.id().clone()).collect();
     ctx.publish_all(later).await?;
     wait_until("A retried", soon(b), || rec.calls_for(&a_id).len() == 2).await?;
@@ -898,12 +1144,23 @@ pub async fn retry_never_fires_early(b: &dyn Backend) -> anyhow::Result<()> {
     let msgs: Vec<Message> = (0..20).map(order).collect();
     let ids: Vec<MessageId> = msgs.iter().map(|m| m.id().clone()).collect();
     ctx.publish_all(msgs).await?;
-    wait_until("20 processed at attempt 3", soon(b) * 2, || rec.effect_count() == 20).await?;
+    wait_until("20 processed at attempt 3", soon(b) * 2, || {
+        rec.effect_count() == 20
+    })
+    .await?;
     for id in &ids {
         let c = rec.calls_for(id);
         ensure!(c.len() == 3, "calls {}", c.len());
-        ensure!(c[1].at - c[0].at >= t1, "first retry early: {:?}", c[1].at - c[0].at);
-        ensure!(c[2].at - c[1].at >= t2, "second retry early: {:?}", c[2].at - c[1].at);
+        ensure!(
+            c[1].at - c[0].at >= t1,
+            "first retry early: {:?}",
+            c[1].at - c[0].at
+        );
+        ensure!(
+            c[2].at - c[1].at >= t2,
+            "second retry early: {:?}",
+            c[2].at - c[1].at
+        );
     }
     h.shutdown().await;
     Ok(())
@@ -929,7 +1186,10 @@ pub async fn backpressure_bounds_buffered_messages(b: &dyn Backend) -> anyhow::R
         })
         .await?;
     ctx.publish_all((0..10_000).map(order).collect()).await?;
-    wait_until("handling under way", soon(b), || started.load(AtomicOrdering::Relaxed) >= 20).await?;
+    wait_until("handling under way", soon(b), || {
+        started.load(AtomicOrdering::Relaxed) >= 20
+    })
+    .await?;
     for _ in 0..5 {
         let st = h.stats();
         ensure!(st.in_flight <= 16, "holding {} > prefetch 16", st.in_flight);
@@ -950,14 +1210,19 @@ pub async fn backpressure_bounds_buffered_messages(b: &dyn Backend) -> anyhow::R
 pub async fn unroutable_publish_fails_loudly(b: &dyn Backend) -> anyhow::Result<()> {
     let broker = b.connect().await?;
     let nowhere = crate::support::unique("nowhere");
-    let result = broker.publish(&Destination::new(nowhere), Message::new("x")).await;
+    let result = broker
+        .publish(&Destination::new(nowhere), Message::new("x"))
+        .await;
     if broker.capabilities().rejects_unroutable {
         ensure!(
             matches!(result, Err(BrokerError::Unroutable(_))),
             "expected Unroutable, got {result:?}"
         );
     } else {
-        ensure!(result.is_ok(), "a broker that auto-creates destinations accepts: {result:?}");
+        ensure!(
+            result.is_ok(),
+            "a broker that auto-creates destinations accepts: {result:?}"
+        );
     }
     Ok(())
 }

@@ -73,7 +73,10 @@ pub struct Ctx<'a> {
 impl<'a> Ctx<'a> {
     /// Connect and pick fresh names.
     pub async fn new(backend: &'a dyn Backend, test: &str) -> anyhow::Result<Self> {
-        let broker = backend.connect().await.context("connecting to the broker")?;
+        let broker = backend
+            .connect()
+            .await
+            .context("connecting to the broker")?;
         let topic = unique(test);
         backend.declare_source(&broker, &topic).await?;
         Ok(Self {
@@ -123,10 +126,9 @@ impl<'a> Ctx<'a> {
             if batch.is_empty() {
                 return Ok(());
             }
-            let results = futures::future::join_all(
-                batch.into_iter().map(|m| self.broker.publish(&dest, m)),
-            )
-            .await;
+            let results =
+                futures::future::join_all(batch.into_iter().map(|m| self.broker.publish(&dest, m)))
+                    .await;
             for r in results {
                 r.context("publish")?;
             }
@@ -155,7 +157,8 @@ impl<'a> Ctx<'a> {
                     out.len()
                 ),
             };
-            let record = DeadLetter::read(d.headers()).context("decoding the dead-letter record")?;
+            let record =
+                DeadLetter::read(d.headers()).context("decoding the dead-letter record")?;
             dlq.ack(&d).await?;
             out.push((d, record));
         }
@@ -171,7 +174,9 @@ impl<'a> Ctx<'a> {
 
     /// Assert the consumer's DLQ is empty (nothing arrives within the quiet period).
     pub async fn assert_no_dead_letters(&self, consumer: &str) -> anyhow::Result<()> {
-        self.take_dead_letters(consumer, 0, Duration::ZERO).await.map(drop)
+        self.take_dead_letters(consumer, 0, Duration::ZERO)
+            .await
+            .map(drop)
     }
 }
 
@@ -235,7 +240,10 @@ impl Recorder {
                 .map(|(k, v)| (k.to_owned(), v.to_owned()))
                 .collect(),
         };
-        self.calls.lock().unwrap_or_else(|p| p.into_inner()).push(call);
+        self.calls
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(call);
     }
 
     /// Record that the business effect of `id` happened.
@@ -260,7 +268,10 @@ impl Recorder {
 
     /// Effects per id.
     pub fn effects(&self) -> HashMap<MessageId, u32> {
-        self.effects.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.effects
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Number of ids with at least one effect.

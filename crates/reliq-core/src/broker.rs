@@ -339,8 +339,10 @@ pub trait Broker: Send + Sync + 'static {
     -> Result<(), BrokerError>;
 
     /// Declare the subscription's topology (idempotently) and start receiving.
-    async fn subscribe(&self, subscription: &Subscription)
-    -> Result<Box<dyn Receiver>, BrokerError>;
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Receiver>, BrokerError>;
 
     /// Read this consumer's dead-letter queue (for replay and operator tools). Settling a
     /// delivery from it with `ack` removes it from the DLQ; `release` leaves it there.

@@ -279,15 +279,24 @@ mod tests {
 
     #[test]
     fn markers_win() {
-        assert_eq!(classify(Box::new(Transient::msg("x"))), ErrorClass::Transient);
-        assert_eq!(classify(Box::new(Permanent::msg("x"))), ErrorClass::Permanent);
+        assert_eq!(
+            classify(Box::new(Transient::msg("x"))),
+            ErrorClass::Transient
+        );
+        assert_eq!(
+            classify(Box::new(Permanent::msg("x"))),
+            ErrorClass::Permanent
+        );
         assert_eq!(classify(Box::new(Poison::msg("x"))), ErrorClass::Poison);
     }
 
     #[test]
     fn outermost_recognised_link_wins() {
         let io = std::io::Error::new(std::io::ErrorKind::TimedOut, "t");
-        assert_eq!(classify(Box::new(Permanent::new(io))), ErrorClass::Permanent);
+        assert_eq!(
+            classify(Box::new(Permanent::new(io))),
+            ErrorClass::Permanent
+        );
     }
 
     #[test]
@@ -299,7 +308,10 @@ mod tests {
     #[test]
     fn text_is_never_used() {
         assert_eq!(classify(Box::new(Misleading)), ErrorClass::Unknown);
-        assert_eq!(classify("permanent poison transient".into()), ErrorClass::Unknown);
+        assert_eq!(
+            classify("permanent poison transient".into()),
+            ErrorClass::Unknown
+        );
     }
 
     #[test]
@@ -308,7 +320,10 @@ mod tests {
         assert_eq!(classify(Box::new(json)), ErrorClass::Poison);
         let bytes = std::hint::black_box([0xffu8]);
         let utf8 = std::str::from_utf8(&bytes).unwrap_err();
-        assert_eq!(classify(Box::new(DecodeError::from(utf8))), ErrorClass::Poison);
+        assert_eq!(
+            classify(Box::new(DecodeError::from(utf8))),
+            ErrorClass::Poison
+        );
     }
 
     #[test]

@@ -111,7 +111,11 @@ impl Consumer {
 impl ConsumerBuilder {
     /// Read `source` (topic / exchange / stream / queue), optionally filtered by a routing
     /// key pattern or subject (`*` one word, `#` any).
-    pub fn subscribe(mut self, source: impl Into<String>, filter: impl Into<Option<String>>) -> Self {
+    pub fn subscribe(
+        mut self,
+        source: impl Into<String>,
+        filter: impl Into<Option<String>>,
+    ) -> Self {
         self.source = Some((source.into(), filter.into()));
         self
     }
@@ -514,8 +518,11 @@ struct Shared<F> {
     crash: CancellationToken,
 }
 
-async fn receive_loop<F, Fut>(shared: Arc<Shared<F>>, stop: CancellationToken, in_flight: Arc<Semaphore>)
-where
+async fn receive_loop<F, Fut>(
+    shared: Arc<Shared<F>>,
+    stop: CancellationToken,
+    in_flight: Arc<Semaphore>,
+) where
     F: Fn(Delivery) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
 {
@@ -680,12 +687,16 @@ where
             }
         }
         let running = self.stats.running.fetch_add(1, AtomicOrdering::Relaxed) + 1;
-        self.stats.max_running.fetch_max(running, AtomicOrdering::Relaxed);
+        self.stats
+            .max_running
+            .fetch_max(running, AtomicOrdering::Relaxed);
         let started = Instant::now();
         let call = AssertUnwindSafe(async {
             match self.handler_timeout {
                 Some(limit) => match tokio::time::timeout(limit, (self.handler)(d.clone())).await {
-                    Ok(r) => r.map_err(|e| (self.classifier.classify(e.as_ref()), chain_text(e.as_ref()))),
+                    Ok(r) => r.map_err(|e| {
+                        (self.classifier.classify(e.as_ref()), chain_text(e.as_ref()))
+                    }),
                     Err(_) => Err((
                         ErrorClass::Transient,
                         format!("handler timed out after {limit:?}"),
@@ -720,20 +731,20 @@ where
 
     /// Forget this delivery's inbox claim: its effect did not happen.
     async fn abandon_claim(&self, d: &Delivery) {
-        if let Some(inbox) = &self.inbox {
-            if let Err(e) = inbox.abandon(&self.name, d.id()).await {
-                tracing::warn!(error = %e, "inbox abandon failed");
-            }
+        if let Some(inbox) = &self.inbox
+            && let Err(e) = inbox.abandon(&self.name, d.id()).await
+        {
+            tracing::warn!(error = %e, "inbox abandon failed");
         }
     }
 
     async fn settle(&self, d: &Delivery, outcome: Outcome) {
         let (class, text) = match outcome {
             Outcome::Done => {
-                if let Some(inbox) = &self.inbox {
-                    if let Err(e) = inbox.complete(&self.name, d.id()).await {
-                        tracing::warn!(error = %e, "inbox complete failed");
-                    }
+                if let Some(inbox) = &self.inbox
+                    && let Err(e) = inbox.complete(&self.name, d.id()).await
+                {
+                    tracing::warn!(error = %e, "inbox complete failed");
                 }
                 if self.ack(d).await {
                     Stats::bump(&self.stats.processed);
@@ -768,7 +779,10 @@ where
                 let mut copy = d.message().clone();
                 let h = copy.headers_mut();
                 h.insert(headers::ATTEMPT, next_attempt.to_string());
-                h.insert(headers::FIRST_FAILURE_AT, headers::format_time(first_failure));
+                h.insert(
+                    headers::FIRST_FAILURE_AT,
+                    headers::format_time(first_failure),
+                );
                 h.insert(headers::LAST_FAILURE_AT, headers::format_time(now));
                 h.insert(headers::LAST_ERROR, headers::sanitize_error(&text));
                 h.insert(headers::ERROR_CLASS, class.as_str());

@@ -144,12 +144,7 @@ mod tests {
 
     #[test]
     fn round_trip_and_unknown_fields_ignored() {
-        let env = Envelope::new(
-            "order.created",
-            Order {
-                sku: "a".into(),
-            },
-        );
+        let env = Envelope::new("order.created", Order { sku: "a".into() });
         let msg = env.to_message().unwrap();
         assert_eq!(msg.id().as_str(), env.id);
         let mut v: serde_json::Value = serde_json::from_slice(msg.payload()).unwrap();
@@ -169,7 +164,10 @@ mod tests {
         let bytes = serde_json::to_vec(&env).unwrap();
         let err = Envelope::<Order>::decode(&bytes, 1).unwrap_err();
         let boxed: crate::BoxError = Box::new(err);
-        assert_eq!(Classifier::default().classify(boxed.as_ref()), ErrorClass::Poison);
+        assert_eq!(
+            Classifier::default().classify(boxed.as_ref()),
+            ErrorClass::Poison
+        );
 
         let env = Envelope {
             id: " ".into(),

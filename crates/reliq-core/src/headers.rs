@@ -292,9 +292,15 @@ impl DeadLetter {
         headers.insert(ORIGINAL_DESTINATION, self.origin.destination.clone());
         let optional = [
             (ORIGINAL_ROUTE, self.origin.route.clone()),
-            (ORIGINAL_PARTITION, self.origin.partition.map(|v| v.to_string())),
+            (
+                ORIGINAL_PARTITION,
+                self.origin.partition.map(|v| v.to_string()),
+            ),
             (ORIGINAL_OFFSET, self.origin.offset.map(|v| v.to_string())),
-            (ORIGINAL_SEQUENCE, self.origin.sequence.map(|v| v.to_string())),
+            (
+                ORIGINAL_SEQUENCE,
+                self.origin.sequence.map(|v| v.to_string()),
+            ),
         ];
         for (name, value) in optional {
             match value {

@@ -62,7 +62,7 @@ impl AsRef<str> for MessageId {
 /// Text only, because it is the one header type every broker carries (AMQP tables, Kafka
 /// record headers, NATS headers, SQS string attributes). Names are case-sensitive;
 /// [`Headers::insert`] replaces an existing value. reliq's own names all start with
-/// [`headers::PREFIX`](crate::headers::PREFIX).
+/// [`headers::PREFIX`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Headers(Vec<(String, String)>);
 

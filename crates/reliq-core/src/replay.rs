@@ -80,7 +80,10 @@ impl ReplayFilter {
         self.ids.as_ref().is_none_or(|ids| ids.contains(id))
             && self.since.is_none_or(|t| r.dead_lettered_at >= t)
             && self.until.is_none_or(|t| r.dead_lettered_at < t)
-            && self.reasons.as_ref().is_none_or(|rs| rs.contains(&r.reason))
+            && self
+                .reasons
+                .as_ref()
+                .is_none_or(|rs| rs.contains(&r.reason))
             && self
                 .classes
                 .as_ref()
@@ -193,9 +196,12 @@ impl Replay {
         let mut sub = self.subscription.clone();
         sub.prefetch = self.scan_max;
         let dlq = self.broker.dead_letters(&sub).await?;
-        let limiter = self.per_second.map(|n| RateLimiter::direct(Quota::per_second(n)));
+        let limiter = self
+            .per_second
+            .map(|n| RateLimiter::direct(Quota::per_second(n)));
         let clock = Clock::new();
-        let replayed_total = metrics::counter!(telemetry::REPLAYED, "consumer" => sub.consumer.clone());
+        let replayed_total =
+            metrics::counter!(telemetry::REPLAYED, "consumer" => sub.consumer.clone());
         let mut report = ReplayReport::default();
         let mut held: Vec<Delivery> = Vec::new();
         let limit = self.filter.limit.unwrap_or(usize::MAX);
@@ -247,7 +253,9 @@ impl Replay {
                         tracing::warn!(target: "reliq::audit", message_id = %d.id(), error = %e,
                             "replayed, but removing the DLQ copy failed");
                         report.replayed.push(d.id().clone());
-                        report.failed.push((d.id().clone(), format!("dlq ack: {e}")));
+                        report
+                            .failed
+                            .push((d.id().clone(), format!("dlq ack: {e}")));
                     }
                 },
                 Err(e) => {

@@ -432,7 +432,14 @@ mod tests {
         let mut attempt = 1;
         let mut age = Duration::ZERO;
         loop {
-            match p.decide(&Failure { class: c, attempt, age }, r) {
+            match p.decide(
+                &Failure {
+                    class: c,
+                    attempt,
+                    age,
+                },
+                r,
+            ) {
                 Decision::Retry {
                     delay,
                     next_attempt,
@@ -550,6 +557,9 @@ mod tests {
             attempt: 1,
             age: Duration::ZERO,
         };
-        assert_eq!(p.decide(&f, 0.0), Decision::DeadLetter(DeadLetterReason::Panic));
+        assert_eq!(
+            p.decide(&f, 0.0),
+            Decision::DeadLetter(DeadLetterReason::Panic)
+        );
     }
 }

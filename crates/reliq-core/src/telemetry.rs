@@ -88,9 +88,8 @@ impl ConsumerMetrics {
             processed: counter!(PROCESSED, "consumer" => c.clone()),
             retried: ErrorClass::ALL
                 .map(|k| counter!(RETRIED, "consumer" => c.clone(), "class" => k.as_str())),
-            dead_lettered: DeadLetterReason::ALL.map(
-                |r| counter!(DEAD_LETTERED, "consumer" => c.clone(), "reason" => r.as_str()),
-            ),
+            dead_lettered: DeadLetterReason::ALL
+                .map(|r| counter!(DEAD_LETTERED, "consumer" => c.clone(), "reason" => r.as_str())),
             discarded: DeadLetterReason::ALL
                 .map(|r| counter!(DISCARDED, "consumer" => c.clone(), "reason" => r.as_str())),
             duplicates: counter!(DUPLICATES, "consumer" => c.clone()),
@@ -102,7 +101,10 @@ impl ConsumerMetrics {
     }
 
     pub fn retried(&self, class: ErrorClass) -> &Counter {
-        &self.retried[ErrorClass::ALL.iter().position(|c| *c == class).unwrap_or(0)]
+        &self.retried[ErrorClass::ALL
+            .iter()
+            .position(|c| *c == class)
+            .unwrap_or(0)]
     }
 
     pub fn dead_lettered(&self, reason: DeadLetterReason) -> &Counter {
@@ -142,8 +144,11 @@ impl<'a> TraceParent<'a> {
         let parent_id = parts.next()?;
         let flags = parts.next()?;
         let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-        if !(hex(version, 2) && version != "ff" && hex(trace_id, 32) && hex(parent_id, 16))
-            || !hex(flags, 2)
+        if !(hex(version, 2)
+            && version != "ff"
+            && hex(trace_id, 32)
+            && hex(parent_id, 16)
+            && hex(flags, 2))
             || trace_id.bytes().all(|b| b == b'0')
             || parent_id.bytes().all(|b| b == b'0')
         {
@@ -199,10 +204,13 @@ mod tests {
 
     #[test]
     fn traceparent_parses_valid_and_rejects_bad() {
-        let tp = TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").unwrap();
+        let tp =
+            TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").unwrap();
         assert_eq!(tp.trace_id, "4bf92f3577b34da6a3ce929d0e0e4736");
         assert_eq!(tp.parent_id, "00f067aa0ba902b7");
-        assert!(TraceParent::parse("00-00000000000000000000000000000000-00f067aa0ba902b7-01").is_none());
+        assert!(
+            TraceParent::parse("00-00000000000000000000000000000000-00f067aa0ba902b7-01").is_none()
+        );
         assert!(TraceParent::parse("garbage").is_none());
         assert!(TraceParent::parse("00-4bf92f35-00f067aa0ba902b7-01").is_none());
     }

@@ -311,6 +311,9 @@ struct QueueState {
     held: HashMap<u64, u32>,
     next_tag: u64,
     next_seq: u64,
+    /// No unacked lease ends before this (it may be earlier than the true minimum after
+    /// acks); leases are scanned only once it passes, not on every receive.
+    next_lease_due: Option<Instant>,
 }
 
 struct Queue {
@@ -430,13 +433,25 @@ impl MemoryReceiver {
                 s.ready.push_back(d.entry);
             }
         }
-        let expired: Vec<u64> = s
+        if s.next_lease_due.is_some_and(|due| due <= now) {
+            self.expire_leases(s, now);
+        }
+        let next_delayed = s.delayed.peek().map(|Reverse(d)| d.due);
+        match (next_delayed, s.next_lease_due) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Return deliveries whose lease ended to the head of the queue; recompute the next
+    /// lease end.
+    fn expire_leases(&self, s: &mut QueueState, now: Instant) {
+        let mut expired: Vec<u64> = s
             .unacked
             .iter()
             .filter(|(_, u)| u.lease_until <= now)
             .map(|(t, _)| *t)
             .collect();
-        let mut expired = expired;
         expired.sort_unstable();
         for tag in expired.into_iter().rev() {
             if let Some(u) = s.unacked.remove(&tag) {
@@ -451,12 +466,7 @@ impl MemoryReceiver {
                 });
             }
         }
-        let next_delayed = s.delayed.peek().map(|Reverse(d)| d.due);
-        let next_lease = s.unacked.values().map(|u| u.lease_until).min();
-        match (next_delayed, next_lease) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        s.next_lease_due = s.unacked.values().map(|u| u.lease_until).min();
     }
 
     fn try_deliver(&self, s: &mut QueueState, now: Instant) -> Option<Delivery> {
@@ -465,39 +475,39 @@ impl MemoryReceiver {
         }
         while let Some(mut entry) = s.ready.pop_front() {
             entry.deliveries += 1;
-            if let (Some(limit), Some(dlq)) = (self.queue.delivery_limit, &self.queue.dlq) {
-                if entry.deliveries > limit {
-                    // The crash-loop safety net: the message was handed out `limit` times
-                    // and never settled.
-                    let mut dead = entry.message.clone();
-                    DeadLetter {
-                        reason: DeadLetterReason::MaxDeliveries,
-                        error_class: None,
-                        error: None,
-                        attempts: headers::attempt(entry.message.headers()),
-                        first_failure_at: None,
-                        dead_lettered_at: self.clock.now(),
-                        consumer: self.consumer.clone(),
-                        origin: Origin {
-                            destination: self.queue.topic.clone(),
-                            route: entry.route.clone(),
-                            ..Origin::default()
-                        },
+            if let (Some(limit), Some(dlq)) = (self.queue.delivery_limit, &self.queue.dlq)
+                && entry.deliveries > limit
+            {
+                // The crash-loop safety net: the message was handed out `limit` times
+                // and never settled.
+                let mut dead = entry.message.clone();
+                DeadLetter {
+                    reason: DeadLetterReason::MaxDeliveries,
+                    error_class: None,
+                    error: None,
+                    attempts: headers::attempt(entry.message.headers()),
+                    first_failure_at: None,
+                    dead_lettered_at: self.clock.now(),
+                    consumer: self.consumer.clone(),
+                    origin: Origin {
+                        destination: self.queue.topic.clone(),
+                        route: entry.route.clone(),
+                        ..Origin::default()
+                    },
+                }
+                .write(dead.headers_mut());
+                match dlq.push_dead(dead) {
+                    Ok(()) => {
+                        tracing::warn!(queue = %self.queue.name, id = %entry.message.id(),
+                            deliveries = limit, "delivery limit reached; moved to the dead-letter queue");
+                        continue;
                     }
-                    .write(dead.headers_mut());
-                    match dlq.push_dead(dead) {
-                        Ok(()) => {
-                            tracing::warn!(queue = %self.queue.name, id = %entry.message.id(),
-                                deliveries = limit, "delivery limit reached; moved to the dead-letter queue");
-                            continue;
-                        }
-                        Err(e) => {
-                            // Like a quorum queue with at-least-once dead-lettering: keep it.
-                            tracing::warn!(error = %e, "delivery limit reached but the DLQ refuses; holding the message");
-                            entry.deliveries -= 1;
-                            s.ready.push_front(entry);
-                            return None;
-                        }
+                    Err(e) => {
+                        // Like a quorum queue with at-least-once dead-lettering: keep it.
+                        tracing::warn!(error = %e, "delivery limit reached but the DLQ refuses; holding the message");
+                        entry.deliveries -= 1;
+                        s.ready.push_front(entry);
+                        return None;
                     }
                 }
             }
@@ -514,13 +524,17 @@ impl MemoryReceiver {
                 },
                 DeliveryToken::tag(tag),
             );
+            let lease_until = now + self.lease;
+            if s.next_lease_due.is_none_or(|due| lease_until < due) {
+                s.next_lease_due = Some(lease_until);
+            }
             s.unacked.insert(
                 tag,
                 Unacked {
                     delivery: delivery.clone(),
                     route: entry.route,
                     deliveries: entry.deliveries,
-                    lease_until: now + self.lease,
+                    lease_until,
                     receiver: self.id,
                 },
             );
@@ -689,7 +703,10 @@ mod tests {
         let again = rx.receive().await.unwrap();
         assert!(t0.elapsed() >= Duration::from_secs(10));
         assert_eq!(first.id(), again.id());
-        assert!(rx.ack(&first).await.is_err(), "the expired lease cannot be acked");
+        assert!(
+            rx.ack(&first).await.is_err(),
+            "the expired lease cannot be acked"
+        );
         rx.ack(&again).await.unwrap();
     }
 

@@ -49,13 +49,19 @@ pub use reliq_memory as memory;
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     /// The URL has no `scheme://`.
-    #[error("broker URL `{0}` has no scheme (expected memory://, amqp://, kafka://, nats:// or sqs://)")]
+    #[error(
+        "broker URL `{0}` has no scheme (expected memory://, amqp://, kafka://, nats:// or sqs://)"
+    )]
     NoScheme(String),
     /// No backend handles this scheme.
-    #[error("unknown broker URL scheme `{0}://` (expected memory, amqp, amqps, kafka, nats, tls or sqs)")]
+    #[error(
+        "unknown broker URL scheme `{0}://` (expected memory, amqp, amqps, kafka, nats, tls or sqs)"
+    )]
     UnknownScheme(String),
     /// The backend exists but its cargo feature is off.
-    #[error("`{scheme}://` needs the `{feature}` cargo feature of reliq (reliq = {{ features = [\"{feature}\"] }})")]
+    #[error(
+        "`{scheme}://` needs the `{feature}` cargo feature of reliq (reliq = {{ features = [\"{feature}\"] }})"
+    )]
     FeatureDisabled {
         /// The scheme.
         scheme: String,
@@ -132,7 +138,10 @@ mod tests {
         }
         let err = connect("redis://x").await.err().map(|e| e.to_string());
         assert!(err.is_some_and(|e| e.contains("unknown broker URL scheme `redis://`")));
-        assert!(matches!(connect("localhost:5672").await, Err(ConnectError::NoScheme(_))));
+        assert!(matches!(
+            connect("localhost:5672").await,
+            Err(ConnectError::NoScheme(_))
+        ));
     }
 
     #[tokio::test]
@@ -148,9 +157,11 @@ mod tests {
             .unwrap();
         assert_eq!(rx.receive().await.unwrap().payload(), b"x");
         let other = connect("memory://other").await.unwrap();
-        assert!(other
-            .publish(&Destination::new("t-shared"), Message::new("x"))
-            .await
-            .is_err());
+        assert!(
+            other
+                .publish(&Destination::new("t-shared"), Message::new("x"))
+                .await
+                .is_err()
+        );
     }
 }

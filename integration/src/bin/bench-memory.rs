@@ -16,9 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use reliq_core::{
-    BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy,
-};
+use reliq_core::{BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy};
 use reliq_memory::MemoryBroker;
 use tokio::sync::Notify;
 
@@ -53,7 +51,9 @@ struct Run {
 }
 
 fn messages(n: usize) -> Vec<Message> {
-    (0..n).map(|i| Message::with_id_and_payload(format!("m-{i}"), "x")).collect()
+    (0..n)
+        .map(|i| Message::with_id_and_payload(format!("m-{i}"), "x"))
+        .collect()
 }
 
 /// The full runtime: pre-published queue, consumer with a no-op handler.
@@ -145,10 +145,15 @@ fn arg(name: &str) -> Option<String> {
 }
 
 fn main() -> anyhow::Result<()> {
-    let n: usize = arg("--messages").map(|v| v.parse()).transpose()?.unwrap_or(200_000);
+    let n: usize = arg("--messages")
+        .map(|v| v.parse())
+        .transpose()?
+        .unwrap_or(200_000);
     let repeat: usize = arg("--repeat").map(|v| v.parse()).transpose()?.unwrap_or(3);
     let only = arg("--only");
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         match only.as_deref() {
             Some("runtime") => {
