@@ -38,17 +38,21 @@ up:
 down:
     docker compose down
 
-# Start the brokers the tests need, run every test (unit, property, conformance,
-# real-broker, doc tests), stop the brokers this recipe started — also on failure.
+# Start the brokers the tests need, run every test (doc, unit, property, conformance,
+# real-broker), check the broker script's own promises (scripts/brokers-selftest), and
+# stop the brokers this recipe started — also on failure.
 test:
     #!/usr/bin/env bash
-    set -euo pipefail
+    set -uo pipefail
     already_up=0
     scripts/brokers status >/dev/null 2>&1 && already_up=1
-    if [ "$already_up" = 0 ]; then trap 'scripts/brokers down || true' EXIT; fi
-    scripts/brokers up
-    cargo test --workspace --doc --quiet
-    cargo nextest run --workspace --no-fail-fast
+    if [ "$already_up" = 0 ]; then trap 'scripts/brokers down >/dev/null 2>&1 || true' EXIT; fi
+    scripts/brokers up || exit 1
+    rc=0
+    cargo test --workspace --doc --quiet || rc=1
+    cargo nextest run --workspace --no-fail-fast || rc=1
+    scripts/brokers-selftest || rc=1
+    exit $rc
 
 # Formatting, clippy with warnings denied, and docs without warnings.
 lint:

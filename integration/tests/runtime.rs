@@ -1,0 +1,308 @@
+//! Runtime behaviour beyond the portable suite, on the memory backend (virtual time):
+//! handler timeouts, unknown errors, custom classification, the discard route, startup
+//! validation that names the bad setting, and the metrics contract.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use reliq_core::{
+    BoxError, Classifier, Consumer, ConsumerError, DeadLetter, DeadLetterReason, Delivery,
+    Destination, ErrorClass, FinalRoute, Message, RetryPolicy, Subscription,
+};
+use reliq_memory::MemoryBroker;
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + secs(600);
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn dead_letters(
+    broker: &MemoryBroker,
+    consumer: &str,
+    topic: &str,
+) -> Vec<(Delivery, DeadLetter)> {
+    use reliq_core::Broker;
+    let dlq = broker
+        .dead_letters(&Subscription::new(consumer, topic))
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    while let Ok(Ok(d)) = tokio::time::timeout(secs(1), dlq.receive()).await {
+        let r = DeadLetter::read(d.headers()).unwrap();
+        dlq.ack(&d).await.unwrap();
+        out.push((d, r));
+    }
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn handler_timeout_is_transient_and_retried() {
+    use reliq_core::Broker;
+    let broker = MemoryBroker::new();
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let h = Consumer::builder(Arc::new(broker.clone()), "c")
+        .subscribe("t", None::<String>)
+        .retry(RetryPolicy::tiers([secs(5)]).max_attempts(3))
+        .handler_timeout(secs(1))
+        .start(move |d: Delivery| {
+            let c = c.clone();
+            async move {
+                c.fetch_add(1, Ordering::Relaxed);
+                if d.attempt() == 1 {
+                    tokio::time::sleep(secs(60)).await; // hangs past the timeout
+                }
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await
+        .unwrap();
+    broker
+        .publish(&Destination::new("t"), Message::new("x"))
+        .await
+        .unwrap();
+    wait_for("processed on the retry", || h.stats().processed == 1).await;
+    let s = h.shutdown().await.stats;
+    assert_eq!(
+        (s.retried, s.processed, calls.load(Ordering::Relaxed)),
+        (1, 1, 2)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn unknown_errors_get_the_small_budget_then_park() {
+    use reliq_core::Broker;
+    let broker = MemoryBroker::new();
+    let h = Consumer::builder(Arc::new(broker.clone()), "c")
+        .subscribe("t", None::<String>)
+        .retry(
+            RetryPolicy::tiers([secs(1)])
+                .max_attempts(10)
+                .unknown_max_attempts(2),
+        )
+        .start(|_d: Delivery| async move { Err::<(), BoxError>("something odd".into()) })
+        .await
+        .unwrap();
+    broker
+        .publish(&Destination::new("t"), Message::new("x"))
+        .await
+        .unwrap();
+    wait_for("dead-lettered", || h.stats().dead_lettered == 1).await;
+    h.shutdown().await;
+    let dead = dead_letters(&broker, "c", "t").await;
+    assert_eq!(dead.len(), 1);
+    let r = &dead[0].1;
+    assert_eq!(
+        (r.reason, r.error_class, r.attempts),
+        (DeadLetterReason::Exhausted, Some(ErrorClass::Unknown), 2)
+    );
+}
+
+#[derive(Debug)]
+struct NotFound;
+impl std::fmt::Display for NotFound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("row not found")
+    }
+}
+impl std::error::Error for NotFound {}
+
+#[tokio::test(start_paused = true)]
+async fn registered_rules_classify_library_errors() {
+    use reliq_core::Broker;
+    let broker = MemoryBroker::new();
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let h = Consumer::builder(Arc::new(broker.clone()), "c")
+        .subscribe("t", None::<String>)
+        .classifier(Classifier::default().on::<NotFound>(|_| ErrorClass::Permanent))
+        .start(move |_d: Delivery| {
+            let c = c.clone();
+            async move {
+                c.fetch_add(1, Ordering::Relaxed);
+                Err::<(), BoxError>(Box::new(NotFound))
+            }
+        })
+        .await
+        .unwrap();
+    broker
+        .publish(&Destination::new("t"), Message::new("x"))
+        .await
+        .unwrap();
+    wait_for("dead-lettered", || h.stats().dead_lettered == 1).await;
+    h.shutdown().await;
+    assert_eq!(calls.load(Ordering::Relaxed), 1, "permanent: no retry");
+    assert_eq!(
+        dead_letters(&broker, "c", "t").await[0].1.reason,
+        DeadLetterReason::Permanent
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn discard_route_acks_and_counts_without_a_dlq_copy() {
+    use reliq_core::Broker;
+    let broker = MemoryBroker::new();
+    let h = Consumer::builder(Arc::new(broker.clone()), "c")
+        .subscribe("t", None::<String>)
+        .retry(RetryPolicy::no_retry().final_route(FinalRoute::Discard))
+        .start(|d: Delivery| async move {
+            let _: u32 = d.json()?;
+            Ok::<(), BoxError>(())
+        })
+        .await
+        .unwrap();
+    broker
+        .publish(&Destination::new("t"), Message::new("not json"))
+        .await
+        .unwrap();
+    wait_for("discarded", || h.stats().discarded == 1).await;
+    h.shutdown().await;
+    assert!(dead_letters(&broker, "c", "t").await.is_empty());
+    assert_eq!(
+        broker.faults().depth(&Subscription::new("c", "t")),
+        (0, 0),
+        "acked, not left behind"
+    );
+}
+
+#[tokio::test]
+async fn bad_config_fails_at_startup_naming_the_field() {
+    let broker = Arc::new(MemoryBroker::new());
+    let ok = |_d: Delivery| async move { Ok::<(), BoxError>(()) };
+    let cases: Vec<(reliq_core::ConsumerBuilder, &str)> = vec![
+        (Consumer::builder(broker.clone(), "c"), "subscribe"),
+        (
+            Consumer::builder(broker.clone(), "c")
+                .subscribe("t", None::<String>)
+                .max_in_flight(0),
+            "max_in_flight",
+        ),
+        (
+            Consumer::builder(broker.clone(), "c")
+                .subscribe("t", None::<String>)
+                .concurrency(0),
+            "concurrency",
+        ),
+        (
+            Consumer::builder(broker.clone(), " ").subscribe("t", None::<String>),
+            "name",
+        ),
+        (
+            Consumer::builder(broker.clone(), "c")
+                .subscribe("t", None::<String>)
+                .retry(RetryPolicy::tiers([secs(1)]).max_attempts(5))
+                .delivery_limit(5),
+            "delivery_limit",
+        ),
+        (
+            Consumer::builder(broker.clone(), "c")
+                .subscribe("t", None::<String>)
+                .retry(RetryPolicy::tiers([secs(13 * 3600)])),
+            "retry.tiers",
+        ),
+        (
+            Consumer::builder(broker.clone(), "c")
+                .subscribe("t", None::<String>)
+                .retry(RetryPolicy::default().jitter(1.5)),
+            "retry.jitter",
+        ),
+    ];
+    for (builder, field) in cases {
+        let err = builder
+            .start(ok)
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{field}: accepted"));
+        assert!(
+            matches!(err, ConsumerError::Config { .. } | ConsumerError::Policy(_)),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string().contains(field),
+            "`{err}` does not name `{field}`"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn metrics_follow_the_documented_names() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use reliq_core::Broker;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder.install().unwrap();
+
+    let broker = MemoryBroker::new();
+    let h = Consumer::builder(Arc::new(broker.clone()), "metered")
+        .subscribe("t", None::<String>)
+        .retry(RetryPolicy::tiers([secs(1)]).max_attempts(2))
+        .start(|d: Delivery| async move {
+            match d.payload() {
+                b"poison" => Err(reliq_core::Poison::msg("bad").into()),
+                b"flaky" if d.attempt() == 1 => Err(reliq_core::Transient::msg("later").into()),
+                _ => Ok::<(), BoxError>(()),
+            }
+        })
+        .await
+        .unwrap();
+    for p in ["ok", "poison", "flaky"] {
+        broker
+            .publish(&Destination::new("t"), Message::new(p))
+            .await
+            .unwrap();
+    }
+    wait_for("all settled", || {
+        let s = h.stats();
+        s.processed == 2 && s.dead_lettered == 1
+    })
+    .await;
+    h.shutdown().await;
+
+    // One snapshot: taking one resets the debugging recorder's counters.
+    let snapshot = snapshotter.snapshot().into_vec();
+    let value = |name: &str, label: Option<(&str, &str)>| -> Option<u64> {
+        snapshot.iter().find_map(|(key, _, _, v)| {
+            let k = key.key();
+            let labels_ok = k
+                .labels()
+                .any(|l| l.key() == "consumer" && l.value() == "metered")
+                && label
+                    .is_none_or(|(lk, lv)| k.labels().any(|l| l.key() == lk && l.value() == lv));
+            match v {
+                DebugValue::Counter(n) if k.name() == name && labels_ok => Some(*n),
+                _ => None,
+            }
+        })
+    };
+    assert_eq!(value("reliq_messages_received_total", None), Some(4));
+    assert_eq!(value("reliq_messages_processed_total", None), Some(2));
+    assert_eq!(
+        value("reliq_messages_retried_total", Some(("class", "transient"))),
+        Some(1)
+    );
+    assert_eq!(
+        value(
+            "reliq_messages_dead_lettered_total",
+            Some(("reason", "poison"))
+        ),
+        Some(1)
+    );
+    assert_eq!(
+        value(
+            "reliq_settle_failures_total",
+            Some(("operation", "dead_letter"))
+        ),
+        Some(0)
+    );
+}
