@@ -235,7 +235,7 @@ pub async fn crash_before_ack_redelivers(b: &dyn Backend) -> anyhow::Result<()> 
     let r = rec.clone();
     let h = ctx
         .consumer_on(b.connect().await?, "c")
-        .lease(Duration::from_secs(30))
+        .lease(b.crash_lease())
         .start(move |d: Delivery| {
             let r = r.clone();
             async move {
@@ -734,17 +734,24 @@ pub async fn retry_route_failure_keeps_source_and_makes_no_dlq_copy(
         s.retried == 0 && s.dead_lettered == 0 && s.processed == 0,
         "{s:?}"
     );
-    ensure!(
-        rec.calls_for(&id).iter().all(|c| c.attempt == 1),
-        "released, not retried"
-    );
+    let counts_deliveries = ctx.broker.capabilities().attempts_count_every_delivery;
+    if !counts_deliveries {
+        // A release is not an attempt where reliq counts attempts in a header.
+        ensure!(
+            rec.calls_for(&id).iter().all(|c| c.attempt == 1),
+            "released, not retried"
+        );
+    }
     b.set_retry_available(&ctx.broker, &sub, true).await?;
     wait_until("processed after the route is back", soon(b), || {
         rec.effect_count() == 1
     })
     .await?;
     let s = h.shutdown().await.stats;
-    ensure!(s.retried == 1 && s.dead_lettered == 0, "{s:?}");
+    ensure!(s.dead_lettered == 0, "{s:?}");
+    if !counts_deliveries {
+        ensure!(s.retried == 1, "{s:?}");
+    }
     ctx.assert_no_dead_letters("c").await
 }
 
@@ -763,7 +770,7 @@ pub async fn crash_loop_dead_letters_via_delivery_limit(b: &dyn Backend) -> anyh
         let h = ctx
             .consumer_on(b.connect().await?, "c")
             .delivery_limit(limit)
-            .lease(Duration::from_secs(30))
+            .lease(b.crash_lease())
             .start(move |_d: Delivery| {
                 let e = e.clone();
                 async move {
@@ -973,7 +980,17 @@ pub async fn duplicate_delivery_with_inbox_has_one_effect(b: &dyn Backend) -> an
     ctx.publish(m.clone()).await?;
     wait_until("first copy processed", soon(b), || h.stats().processed == 1).await?;
     ctx.publish(m.clone()).await?;
-    wait_until("duplicate skipped", soon(b), || h.stats().duplicates == 1).await?;
+    if ctx.broker.capabilities().deduplicates_publishes {
+        // The broker itself drops the second publish: it must never reach the consumer.
+        tokio::time::sleep(b.quiet_period()).await;
+        ensure!(
+            h.stats().received == 1,
+            "a deduplicated publish was delivered: {:?}",
+            h.stats()
+        );
+    } else {
+        wait_until("duplicate skipped", soon(b), || h.stats().duplicates == 1).await?;
+    }
     ensure!(
         rec.effects().get(m.id()) == Some(&1),
         "effects {:?}",
@@ -1011,8 +1028,15 @@ async fn dead_letter_then_fix(
         .await?;
     let m = order(5);
     let id = m.id().clone();
-    for _ in 0..copies {
-        ctx.publish(m.clone()).await?;
+    for i in 0..copies {
+        // Where the broker deduplicates publishes by id, a second copy of the same id
+        // reaches the consumer only as a replayed copy (its publish id differs).
+        let copy = if i > 0 && ctx.broker.capabilities().deduplicates_publishes {
+            m.clone().with_header(headers::REPLAY_COUNT, i.to_string())
+        } else {
+            m.clone()
+        };
+        ctx.publish(copy).await?;
     }
     wait_until("dead-lettered", soon(b), || {
         h.stats().dead_lettered == copies as u64

@@ -33,6 +33,14 @@ pub trait Backend: Send + Sync + 'static {
     /// How long to wait for "nothing more arrives".
     fn quiet_period(&self) -> Duration;
 
+    /// The lease (ack wait / visibility timeout) crash scenarios use: how long a crashed
+    /// consumer's deliveries stay invisible on brokers that only notice a crash by the
+    /// lease running out (NATS, SQS). Brokers that notice a dropped connection (memory,
+    /// RabbitMQ, Kafka) keep the 30 s default.
+    fn crash_lease(&self) -> Duration {
+        Duration::from_secs(30)
+    }
+
     /// Create the source destination `topic` so publishes to it are routable even before
     /// a consumer subscribed (a no-op where subscribing declares everything).
     async fn declare_source(&self, broker: &Arc<dyn Broker>, topic: &str) -> anyhow::Result<()>;

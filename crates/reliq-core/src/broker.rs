@@ -170,7 +170,7 @@ impl Subscription {
 
 /// What a backend can and cannot do. A flag documents a broker limitation; it is never a
 /// way to hide a failure.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct Capabilities {
     /// Publishing to a destination nobody declared fails (false where the broker
     /// auto-creates destinations, e.g. Kafka with `auto.create.topics.enable`).
@@ -182,6 +182,13 @@ pub struct Capabilities {
     pub delivery_limit: bool,
     /// [`Broker::send_to_consumer`] is supported (replay goes to one consumer only).
     pub consumer_redelivery: bool,
+    /// The attempt number is the broker's delivery count (NATS `delivered`, SQS
+    /// `ApproximateReceiveCount`), so every delivery — including one after a release or a
+    /// crash — counts as an attempt. False where reliq carries the attempt in a header.
+    pub attempts_count_every_delivery: bool,
+    /// The broker drops a second publish of the same message id within a window (NATS
+    /// `Nats-Msg-Id`, SQS FIFO deduplication): a producer retry never reaches consumers.
+    pub deduplicates_publishes: bool,
 }
 
 /// Opaque, backend-specific settlement handle carried by a [`Delivery`].
@@ -219,6 +226,7 @@ struct DeliveryInner {
     attempt: u32,
     origin: Origin,
     token: DeliveryToken,
+    published_at: Option<std::time::SystemTime>,
 }
 
 /// One delivery of a message to a consumer: the message, its attempt number, where it
@@ -244,7 +252,33 @@ impl Delivery {
             attempt: attempt.max(1),
             origin,
             token,
+            published_at: None,
         }))
+    }
+
+    /// Built by backends whose broker records when the message was first published
+    /// (stream timestamp, record timestamp, `SentTimestamp`). The runtime measures the
+    /// policy's max age from it when the message has no `reliq-occurred-at` header and no
+    /// earlier failure was recorded in its headers (brokers that retry in place).
+    pub fn with_published_at(
+        message: Message,
+        attempt: u32,
+        origin: Origin,
+        token: DeliveryToken,
+        published_at: std::time::SystemTime,
+    ) -> Self {
+        Self(Arc::new(DeliveryInner {
+            message,
+            attempt: attempt.max(1),
+            origin,
+            token,
+            published_at: Some(published_at),
+        }))
+    }
+
+    /// When the broker says the message was first published, if it says.
+    pub fn published_at(&self) -> Option<std::time::SystemTime> {
+        self.0.published_at
     }
 
     /// The message.

@@ -755,10 +755,13 @@ where
             Outcome::Failed(class, text) => (class, text),
         };
         let now = self.clock.now();
+        // Brokers that retry in place (no copy, so no failure headers) report when the
+        // message was published; that bounds the first failure from below.
         let first_failure = d
             .headers()
             .get(headers::FIRST_FAILURE_AT)
             .and_then(|v| headers::parse_time(v).ok())
+            .or_else(|| (d.attempt() > 1).then(|| d.published_at()).flatten())
             .unwrap_or(now);
         let origin_time = d
             .headers()

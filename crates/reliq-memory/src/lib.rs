@@ -143,6 +143,8 @@ impl Broker for MemoryBroker {
             exact_retry_delay: true,
             delivery_limit: true,
             consumer_redelivery: true,
+            attempts_count_every_delivery: false,
+            deduplicates_publishes: false,
         }
     }
 
