@@ -35,7 +35,7 @@
 //! | `memory://[name]` | `memory` (default) | `reliq-memory` |
 //! | `amqp://…`, `amqps://…` | `rabbit` | `reliq-rabbit` (coming) |
 //! | `kafka://host:port[,host:port]` | `kafka` | `reliq-kafka` (coming) |
-//! | `nats://…`, `tls://…` | `nats` | `reliq-nats` (coming) |
+//! | `nats://…`, `tls://…` | `nats` | `reliq-nats` |
 //! | `sqs://host:port?region=…`, `sqs://?region=…` | `sqs` | `reliq-sqs` (coming) |
 
 use std::sync::Arc;
@@ -44,6 +44,8 @@ pub use reliq_core::*;
 
 #[cfg(feature = "memory")]
 pub use reliq_memory as memory;
+#[cfg(feature = "nats")]
+pub use reliq_nats as nats;
 
 /// `connect` could not hand back a broker.
 #[derive(Debug, thiserror::Error)]
@@ -95,6 +97,8 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Broker>, ConnectError> {
     match feature {
         #[cfg(feature = "memory")]
         "memory" => Ok(Arc::new(named_memory_broker(rest))),
+        #[cfg(feature = "nats")]
+        "nats" => Ok(Arc::new(reliq_nats::NatsBroker::connect(url).await?)),
         _ => {
             let _ = rest;
             Err(ConnectError::FeatureDisabled { scheme, feature })
@@ -124,12 +128,13 @@ mod tests {
 
     #[tokio::test]
     async fn scheme_errors_name_the_feature() {
-        for (url, feature) in [
-            ("kafka://127.0.0.1:9092", "kafka"),
-            ("amqp://guest:guest@127.0.0.1:5672/%2f", "rabbit"),
-            ("nats://127.0.0.1:4222", "nats"),
-            ("sqs://127.0.0.1:4566?region=us-east-1", "sqs"),
-        ] {
+        let disabled = [
+            ("kafka://127.0.0.1:9092", "kafka", false),
+            ("amqp://guest:guest@127.0.0.1:5672/%2f", "rabbit", false),
+            ("nats://127.0.0.1:4222", "nats", cfg!(feature = "nats")),
+            ("sqs://127.0.0.1:4566?region=us-east-1", "sqs", false),
+        ];
+        for (url, feature, _) in disabled.into_iter().filter(|(_, _, on)| !on) {
             match connect(url).await {
                 Err(ConnectError::FeatureDisabled { feature: f, .. }) => assert_eq!(f, feature),
                 Err(e) => panic!("{url}: unexpected error {e}"),

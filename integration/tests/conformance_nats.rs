@@ -1,0 +1,5 @@
+//! The conformance suite on NATS JetStream (the server started by scripts/brokers).
+
+use reliq_integration::nats::NatsBackend;
+
+reliq_conformance::conformance_suite!(nats, real, NatsBackend::new());
