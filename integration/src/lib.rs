@@ -1,5 +1,6 @@
 //! Backend factories for the conformance suite, and connection settings shared by the
 //! integration tests (read from `brokers.env`, overridable by environment variables).
 
+pub mod kafka;
 pub mod memory;
 pub mod settings;
