@@ -24,8 +24,14 @@ pub fn url() -> String {
 }
 
 /// Connections to the real broker; fault hooks delete and recreate topics.
+///
+/// Kafka consumer group ids are global to the cluster, while the scenarios name their
+/// consumers `c`, `a`, `b`… on per-test topics. Each backend instance (one per test)
+/// therefore connects with its own `reliq.group.prefix`, so parallel tests (and earlier
+/// runs) never join each other's groups.
 pub struct KafkaBackend {
     admin: KafkaBroker,
+    url: String,
 }
 
 impl KafkaBackend {
@@ -34,8 +40,10 @@ impl KafkaBackend {
     /// # Panics
     /// When the URL is invalid (a configuration error in the test setup).
     pub fn new() -> Self {
-        let admin = KafkaBroker::connect(&url()).expect("RELIQ_KAFKA_URL is a valid kafka:// URL");
-        Self { admin }
+        let prefix = reliq_conformance::support::unique("t");
+        let url = format!("{}&reliq.group.prefix={prefix}.", url());
+        let admin = KafkaBroker::connect(&url).expect("RELIQ_KAFKA_URL is a valid kafka:// URL");
+        Self { admin, url }
     }
 
     async fn wait_exists(&self, topics: &[String], exists: bool) -> anyhow::Result<()> {
@@ -74,7 +82,7 @@ impl Backend for KafkaBackend {
     }
 
     async fn connect(&self) -> anyhow::Result<Arc<dyn Broker>> {
-        Ok(Arc::new(KafkaBroker::connect(&url())?))
+        Ok(Arc::new(KafkaBroker::connect(&self.url)?))
     }
 
     fn tiers(&self) -> [Duration; 2] {

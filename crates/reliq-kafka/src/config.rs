@@ -32,6 +32,7 @@ pub enum BufferPolicy {
 /// | `reliq.buffer.messages` | 10000 | producer buffer bound (`queue.buffering.max.messages`) |
 /// | `reliq.send.timeout.ms` | 30000 | how long a publish may wait for its delivery report |
 /// | `reliq.rebalance.drain.ms` | 10000 | how long a revoke waits for in-flight records to settle |
+/// | `reliq.group.prefix` | (empty) | prepended to every consumer group id reliq joins (a namespace: environments, tenants, test runs) |
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`.
@@ -50,6 +51,8 @@ pub struct KafkaConfig {
     pub send_timeout: Duration,
     /// How long a revoke waits for in-flight records of the revoked partitions.
     pub rebalance_drain: Duration,
+    /// Prepended to every consumer group id (the consumer name in headers is unchanged).
+    pub group_prefix: String,
 }
 
 impl KafkaConfig {
@@ -64,6 +67,7 @@ impl KafkaConfig {
             buffer_messages: 10_000,
             send_timeout: Duration::from_secs(30),
             rebalance_drain: Duration::from_secs(10),
+            group_prefix: String::new(),
         }
     }
 
@@ -134,6 +138,7 @@ impl KafkaConfig {
                 "reliq.rebalance.drain.ms" => {
                     config.rebalance_drain = Duration::from_millis(number(v)?)
                 }
+                "reliq.group.prefix" => config.group_prefix = v.to_owned(),
                 other if other.starts_with("reliq.") => {
                     return Err(bad(other, "unknown reliq setting".into()));
                 }
@@ -173,14 +178,18 @@ impl KafkaConfig {
     /// Configuration of a group consumer (manual commits, earliest reset).
     pub(crate) fn consumer(&self, group: &str, prefetch: u32) -> ClientConfig {
         self.base(&[
-            ("group.id", group.to_owned()),
+            ("group.id", format!("{}{group}", self.group_prefix)),
             ("enable.auto.commit", "false".into()),
             ("enable.auto.offset.store", "false".into()),
             ("auto.offset.reset", "earliest".into()),
             ("session.timeout.ms", "6000".into()),
             ("heartbeat.interval.ms", "500".into()),
             ("fetch.wait.max.ms", "100".into()),
-            ("queued.min.messages", prefetch.max(1).to_string()),
+            // A small local fetch queue (flow control pauses partitions anyway) that is
+            // refilled quickly: the default 1 s back-off would stall every refill.
+            ("queued.min.messages", prefetch.max(1).saturating_mul(2).to_string()),
+            ("fetch.queue.backoff.ms", "10".into()),
+            ("fetch.error.backoff.ms", "20".into()),
             ("queued.max.messages.kbytes", "4096".into()),
             ("allow.auto.create.topics", "false".into()),
         ])

@@ -268,6 +268,20 @@ impl Inner {
         Ok(())
     }
 
+    /// Wait until freshly created `topics` show up with partitions in the metadata.
+    pub(crate) async fn wait_visible(&self, topics: &[String]) -> Result<(), BrokerError> {
+        let deadline = tokio::time::Instant::now() + ADMIN_TIMEOUT;
+        for t in topics {
+            while !self.topic_exists(t).await.map_err(BrokerError::from)? {
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(BrokerError::Timeout(ADMIN_TIMEOUT));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) async fn topic_exists(&self, topic: &str) -> Result<bool, KafkaError> {
         let producer = self.route_producer.clone();
         let name = topic.to_owned();

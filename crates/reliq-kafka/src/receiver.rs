@@ -86,13 +86,38 @@ impl Part {
     }
 }
 
+/// Most deliveries buffered ahead of the runtime (which itself holds at most
+/// `prefetch`): four times the prefetch, at least 16. librdkafka refetches a partition
+/// only some hundred milliseconds after a resume, so a buffer of one prefetch would leave
+/// the handlers idle after every pause.
+pub(crate) fn buffer_bound(prefetch: u32) -> usize {
+    (prefetch.max(1) as usize).saturating_mul(4).max(16)
+}
+
 #[derive(Default)]
 struct State {
     parts: HashMap<(usize, i32), Part>,
-    /// Deliveries pushed to the stream and not settled (queued, in the runtime, or
-    /// waiting to come back after a release).
-    outstanding: usize,
+    /// Deliveries pushed to the stream and not yet taken by the runtime: the buffer
+    /// ahead of the runtime, bounded by flow control.
+    queued: usize,
+    /// Flow control is holding every partition paused.
+    throttled: bool,
     next_generation: u64,
+}
+
+impl State {
+    /// Pause when the buffer ahead of the runtime reaches [`buffer_bound`], resume when
+    /// it is down to a quarter (hysteresis: a resumed fetch brings a batch).
+    fn update_throttle(&mut self, prefetch: u32) -> bool {
+        let high = buffer_bound(prefetch);
+        let low = high / 4;
+        if self.queued >= high {
+            self.throttled = true;
+        } else if self.queued <= low {
+            self.throttled = false;
+        }
+        self.throttled
+    }
 }
 
 struct Shared {
@@ -177,6 +202,7 @@ impl KafkaReceiver {
         let mut topics: Vec<String> = clients.iter().map(|c| c.topic.clone()).collect();
         topics.push(sub.dead_letter_name());
         inner.ensure_topics(&topics).await?;
+        inner.wait_visible(&topics).await?;
         Self::start(inner, sub, clients).await
     }
 
@@ -260,6 +286,9 @@ impl Shared {
     /// DLQ reader: assign every partition at its committed position.
     async fn assign_all(&self, client: usize, consumer: &BaseConsumer<Ctx>) -> Result<(), BrokerError> {
         let topic = self.clients[client].topic.clone();
+        self.inner
+            .wait_visible(std::slice::from_ref(&topic))
+            .await?;
         let producer = self.inner.route_producer.clone();
         let t = topic.clone();
         let metadata = tokio::task::spawn_blocking(move || {
@@ -340,7 +369,7 @@ impl Shared {
         let mut commit = TopicPartitionList::new();
         {
             let mut s = lock(&self.state);
-            let throttled = s.outstanding >= self.sub.prefetch as usize;
+            let throttled = s.update_throttle(self.sub.prefetch);
             for ((c, p), part) in s.parts.iter_mut() {
                 if *c != client {
                     continue;
@@ -363,14 +392,15 @@ impl Shared {
         for (partition, h) in due {
             self.hand_out(client, consumer, partition, h.offset, h.delivery);
         }
-        // Flow control: pause every partition while the stream holds `prefetch`
-        // unsettled deliveries, and relay partitions while their head is not due.
+        // Flow control: pause every partition while `prefetch` deliveries wait for the
+        // runtime (which itself holds at most `prefetch`), and relay partitions while
+        // their head is not due.
         let mut pause = TopicPartitionList::new();
         let mut resume = TopicPartitionList::new();
         let mut next_due: Option<Duration> = None;
         {
             let mut s = lock(&self.state);
-            let throttled = s.outstanding >= self.sub.prefetch as usize;
+            let throttled = s.update_throttle(self.sub.prefetch);
             for ((c, p), part) in s.parts.iter_mut() {
                 if *c != client {
                     continue;
@@ -521,7 +551,7 @@ impl Shared {
         if part.revoking || !part.tracker.handed_out(offset) {
             return;
         }
-        s.outstanding += 1;
+        s.queued += 1;
         if self.tx.send(delivery).is_err() {
             tracing::debug!("receiver gone; record left uncommitted");
         }
@@ -623,7 +653,6 @@ impl Shared {
     fn finish(&self, d: &Delivery) {
         let Some(info) = token(d) else { return };
         let mut s = lock(&self.state);
-        s.outstanding = s.outstanding.saturating_sub(1);
         let offset = i64::try_from(d.token().tag).unwrap_or(i64::MAX);
         let partition = i32::try_from(d.token().lane).unwrap_or(-1);
         match s.parts.get_mut(&(info.client, partition)) {
@@ -733,15 +762,14 @@ impl Receiver for KafkaReceiver {
             let Some(info) = token(&d) else { continue };
             let partition = i32::try_from(d.token().lane).unwrap_or(-1);
             let mut s = lock(&self.shared.state);
+            s.queued = s.queued.saturating_sub(1);
             match s.parts.get_mut(&(info.client, partition)) {
                 Some(part) if part.generation == info.generation && !part.revoking => {
                     part.busy += 1;
                     return Ok(d);
                 }
-                _ => {
-                    // Its partition was revoked: the new owner reads it from the commit.
-                    s.outstanding = s.outstanding.saturating_sub(1);
-                }
+                // Its partition was revoked: the new owner reads it from the commit.
+                _ => {}
             }
         }
     }
@@ -797,12 +825,10 @@ impl Receiver for KafkaReceiver {
             match s.parts.get_mut(&(info.client, partition)) {
                 Some(part) if part.generation == info.generation => {
                     part.busy = part.busy.saturating_sub(1);
+                    s.queued += 1;
                 }
-                _ => {
-                    // Revoked meanwhile: uncommitted, the new owner delivers it.
-                    s.outstanding = s.outstanding.saturating_sub(1);
-                    return Ok(());
-                }
+                // Revoked meanwhile: uncommitted, the new owner delivers it.
+                _ => return Ok(()),
             }
         }
         // The offset stays unfinished (nothing is committed past it); hand the same
