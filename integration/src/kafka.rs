@@ -51,7 +51,10 @@ impl KafkaBackend {
         for t in topics {
             while self.admin.topic_exists(t).await? != exists {
                 if tokio::time::Instant::now() >= deadline {
-                    bail!("topic {t} did not become {}", if exists { "visible" } else { "gone" });
+                    bail!(
+                        "topic {t} did not become {}",
+                        if exists { "visible" } else { "gone" }
+                    );
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -61,9 +64,15 @@ impl KafkaBackend {
 
     async fn set_available(&self, topics: Vec<String>, available: bool) -> anyhow::Result<()> {
         if available {
-            self.admin.ensure_topics(&topics).await.context("recreating topics")?;
+            self.admin
+                .ensure_topics(&topics)
+                .await
+                .context("recreating topics")?;
         } else {
-            self.admin.delete_topics(&topics).await.context("deleting topics")?;
+            self.admin
+                .delete_topics(&topics)
+                .await
+                .context("deleting topics")?;
         }
         self.wait_exists(&topics, available).await
     }
@@ -111,7 +120,8 @@ impl Backend for KafkaBackend {
         sub: &Subscription,
         available: bool,
     ) -> anyhow::Result<()> {
-        self.set_available(vec![sub.dead_letter_name()], available).await
+        self.set_available(vec![sub.dead_letter_name()], available)
+            .await
     }
 
     async fn set_retry_available(

@@ -124,7 +124,9 @@ impl KafkaConfig {
                 "reliq.buffer" => {
                     config.buffer = match v.split_once(':') {
                         None if v == "fail-fast" => BufferPolicy::FailFast,
-                        Some(("block", ms)) => BufferPolicy::Block(Duration::from_millis(number(ms)?)),
+                        Some(("block", ms)) => {
+                            BufferPolicy::Block(Duration::from_millis(number(ms)?))
+                        }
                         _ => return Err(bad(k, "expected `block:<ms>` or `fail-fast`".into())),
                     };
                 }
@@ -168,8 +170,14 @@ impl KafkaConfig {
             ("acks", "all".into()),
             ("enable.idempotence", "true".into()),
             ("linger.ms", "1".into()),
-            ("queue.buffering.max.messages", self.buffer_messages.to_string()),
-            ("message.timeout.ms", self.send_timeout.as_millis().to_string()),
+            (
+                "queue.buffering.max.messages",
+                self.buffer_messages.to_string(),
+            ),
+            (
+                "message.timeout.ms",
+                self.send_timeout.as_millis().to_string(),
+            ),
             ("allow.auto.create.topics", allow_auto_create.to_string()),
             ("topic.metadata.propagation.max.ms", "1000".into()),
         ])
@@ -187,7 +195,10 @@ impl KafkaConfig {
             ("fetch.wait.max.ms", "100".into()),
             // A small local fetch queue (flow control pauses partitions anyway) that is
             // refilled quickly: the default 1 s back-off would stall every refill.
-            ("queued.min.messages", prefetch.max(1).saturating_mul(2).to_string()),
+            (
+                "queued.min.messages",
+                prefetch.max(1).saturating_mul(2).to_string(),
+            ),
             ("fetch.queue.backoff.ms", "10".into()),
             ("fetch.error.backoff.ms", "20".into()),
             ("queued.max.messages.kbytes", "4096".into()),
@@ -214,7 +225,10 @@ mod tests {
         assert_eq!(c.bootstrap, "h1:9092,h2:9093");
         assert_eq!(c.buffer, BufferPolicy::FailFast);
         assert_eq!(c.replication, 3);
-        assert_eq!(c.client.get("session.timeout.ms").map(String::as_str), Some("7000"));
+        assert_eq!(
+            c.client.get("session.timeout.ms").map(String::as_str),
+            Some("7000")
+        );
         let c = KafkaConfig::from_url("kafka://h:1?reliq.buffer=block:250").unwrap();
         assert_eq!(c.buffer, BufferPolicy::Block(Duration::from_millis(250)));
     }

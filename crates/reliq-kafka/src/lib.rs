@@ -216,7 +216,10 @@ impl KafkaBroker {
         let results = self
             .inner
             .admin
-            .delete_topics(&names, &AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT)))
+            .delete_topics(
+                &names,
+                &AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT)),
+            )
             .await?;
         for r in results {
             if let Err((topic, code)) = r {
@@ -253,7 +256,10 @@ impl Inner {
             .collect();
         let results = self
             .admin
-            .create_topics(&new, &AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT)))
+            .create_topics(
+                &new,
+                &AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT)),
+            )
             .await?;
         for r in results {
             if let Err((topic, code)) = r {
@@ -323,7 +329,10 @@ impl Inner {
             if k == headers::MESSAGE_ID || extra.iter().any(|(e, _)| *e == k) {
                 continue;
             }
-            hs = hs.insert(Header { key: k, value: Some(v) });
+            hs = hs.insert(Header {
+                key: k,
+                value: Some(v),
+            });
         }
         for (k, v) in extra {
             hs = hs.insert(Header {
@@ -420,10 +429,18 @@ impl Broker for KafkaBroker {
             });
         };
         let topic = subscription.retry_name(*first);
-        if !self.inner.topic_exists(&topic).await.map_err(BrokerError::from)? {
+        if !self
+            .inner
+            .topic_exists(&topic)
+            .await
+            .map_err(BrokerError::from)?
+        {
             return Err(BrokerError::Unroutable(topic));
         }
         let due = [(DUE_AT_HEADER, now_millis_ceil().to_string())];
-        self.inner.produce(true, &topic, &message, &due).await.map(drop)
+        self.inner
+            .produce(true, &topic, &message, &due)
+            .await
+            .map(drop)
     }
 }

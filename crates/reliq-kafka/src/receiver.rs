@@ -284,7 +284,11 @@ impl Shared {
     }
 
     /// DLQ reader: assign every partition at its committed position.
-    async fn assign_all(&self, client: usize, consumer: &BaseConsumer<Ctx>) -> Result<(), BrokerError> {
+    async fn assign_all(
+        &self,
+        client: usize,
+        consumer: &BaseConsumer<Ctx>,
+    ) -> Result<(), BrokerError> {
         let topic = self.clients[client].topic.clone();
         self.inner
             .wait_visible(std::slice::from_ref(&topic))
@@ -292,7 +296,9 @@ impl Shared {
         let producer = self.inner.route_producer.clone();
         let t = topic.clone();
         let metadata = tokio::task::spawn_blocking(move || {
-            producer.client().fetch_metadata(Some(&t), Duration::from_secs(10))
+            producer
+                .client()
+                .fetch_metadata(Some(&t), Duration::from_secs(10))
         })
         .await
         .map_err(|e| BrokerError::Other(Box::new(e)))?
@@ -346,7 +352,12 @@ impl Shared {
     }
 
     /// Positions of `client`'s partitions that pass `keep`, as a list to commit.
-    fn positions(&self, s: &State, client: usize, keep: impl Fn(i32) -> bool) -> TopicPartitionList {
+    fn positions(
+        &self,
+        s: &State,
+        client: usize,
+        keep: impl Fn(i32) -> bool,
+    ) -> TopicPartitionList {
         let topic = &self.clients[client].topic;
         let mut tpl = TopicPartitionList::new();
         for ((c, p), part) in &s.parts {
@@ -587,7 +598,10 @@ impl Shared {
         for e in tpl.elements() {
             let mut head = None;
             let mut head_count = None;
-            if let Some(c) = committed.as_ref().and_then(|c| c.find_partition(e.topic(), e.partition())) {
+            if let Some(c) = committed
+                .as_ref()
+                .and_then(|c| c.find_partition(e.topic(), e.partition()))
+            {
                 if let Offset::Offset(o) = c.offset() {
                     head = Some(o);
                     head_count = parse_counter(c.metadata());
@@ -595,13 +609,21 @@ impl Shared {
             }
             let generation = s.next_generation;
             s.next_generation += 1;
-            s.parts
-                .insert((client, e.partition()), Part::new(generation, head, head_count));
+            s.parts.insert(
+                (client, e.partition()),
+                Part::new(generation, head, head_count),
+            );
         }
         tracing::debug!(topic = %self.clients[client].topic, partitions = tpl.count(), "partitions assigned");
     }
 
-    fn revoke(&self, client: usize, consumer: &BaseConsumer<Ctx>, tpl: &TopicPartitionList, lost: bool) {
+    fn revoke(
+        &self,
+        client: usize,
+        consumer: &BaseConsumer<Ctx>,
+        tpl: &TopicPartitionList,
+        lost: bool,
+    ) {
         let revoked: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
         {
             let mut s = lock(&self.state);
@@ -626,7 +648,10 @@ impl Shared {
                 };
                 if busy == 0 || Instant::now() >= deadline {
                     if busy > 0 {
-                        tracing::warn!(busy, "revoke: records still in flight; the new owner will redeliver them");
+                        tracing::warn!(
+                            busy,
+                            "revoke: records still in flight; the new owner will redeliver them"
+                        );
                     }
                     break;
                 }
@@ -660,8 +685,11 @@ impl Shared {
                 part.busy = part.busy.saturating_sub(1);
                 part.tracker.complete(offset);
             }
-            _ => tracing::debug!(partition, offset,
-                "settled after its partition was revoked; the new owner may deliver it again"),
+            _ => tracing::debug!(
+                partition,
+                offset,
+                "settled after its partition was revoked; the new owner may deliver it again"
+            ),
         }
     }
 }
@@ -671,7 +699,10 @@ fn token(d: &Delivery) -> Option<&TokenInfo> {
 }
 
 fn parse_counter(metadata: &str) -> Option<(i64, u32)> {
-    let mut it = metadata.strip_prefix(COUNTER_PREFIX)?.strip_prefix(':')?.split(':');
+    let mut it = metadata
+        .strip_prefix(COUNTER_PREFIX)?
+        .strip_prefix(':')?
+        .split(':');
     let offset = it.next()?.parse().ok()?;
     let n = it.next()?.parse().ok()?;
     Some((offset, n))
@@ -796,7 +827,13 @@ impl Receiver for KafkaReceiver {
                 what: "retry without retry tiers (no retry topic declared)",
             })?;
         let topic = shared.sub.retry_name(*delay);
-        route_produce(&shared.inner, &topic, &retry.message, &source_headers(delivery)).await?;
+        route_produce(
+            &shared.inner,
+            &topic,
+            &retry.message,
+            &source_headers(delivery),
+        )
+        .await?;
         shared.finish(delivery);
         Ok(())
     }

@@ -100,7 +100,11 @@ mod tests {
         assert!(t.complete(14));
         assert_eq!(t.position(), Some(12));
         assert!(t.complete(13));
-        assert_eq!(t.take_commit(), Some(15), "gaps (e.g. control records) are skipped");
+        assert_eq!(
+            t.take_commit(),
+            Some(15),
+            "gaps (e.g. control records) are skipped"
+        );
         assert!(!t.complete(13), "settling twice is refused");
         assert!(!t.handed_out(12), "offsets never go backwards");
     }

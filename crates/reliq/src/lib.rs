@@ -34,7 +34,7 @@
 //! |---|---|---|
 //! | `memory://[name]` | `memory` (default) | `reliq-memory` |
 //! | `amqp://…`, `amqps://…` | `rabbit` | `reliq-rabbit` (coming) |
-//! | `kafka://host:port[,host:port]` | `kafka` | `reliq-kafka` (coming) |
+//! | `kafka://host:port[,host:port]?key=value` | `kafka` | `reliq-kafka` (query keys: librdkafka settings, or `reliq.*`, see `reliq_kafka::KafkaConfig`) |
 //! | `nats://…`, `tls://…` | `nats` | `reliq-nats` (coming) |
 //! | `sqs://host:port?region=…`, `sqs://?region=…` | `sqs` | `reliq-sqs` (coming) |
 
@@ -45,17 +45,26 @@ pub use reliq_core::*;
 #[cfg(feature = "memory")]
 pub use reliq_memory as memory;
 
+#[cfg(feature = "kafka")]
+pub use reliq_kafka as kafka;
+
 /// `connect` could not hand back a broker.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     /// The URL has no `scheme://`.
-    #[error("broker URL `{0}` has no scheme (expected memory://, amqp://, kafka://, nats:// or sqs://)")]
+    #[error(
+        "broker URL `{0}` has no scheme (expected memory://, amqp://, kafka://, nats:// or sqs://)"
+    )]
     NoScheme(String),
     /// No backend handles this scheme.
-    #[error("unknown broker URL scheme `{0}://` (expected memory, amqp, amqps, kafka, nats, tls or sqs)")]
+    #[error(
+        "unknown broker URL scheme `{0}://` (expected memory, amqp, amqps, kafka, nats, tls or sqs)"
+    )]
     UnknownScheme(String),
     /// The backend exists but its cargo feature is off.
-    #[error("`{scheme}://` needs the `{feature}` cargo feature of reliq (reliq = {{ features = [\"{feature}\"] }})")]
+    #[error(
+        "`{scheme}://` needs the `{feature}` cargo feature of reliq (reliq = {{ features = [\"{feature}\"] }})"
+    )]
     FeatureDisabled {
         /// The scheme.
         scheme: String,
@@ -89,6 +98,10 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Broker>, ConnectError> {
     match feature {
         #[cfg(feature = "memory")]
         "memory" => Ok(Arc::new(named_memory_broker(rest))),
+        #[cfg(feature = "kafka")]
+        "kafka" => Ok(Arc::new(
+            kafka::KafkaBroker::connect(url).map_err(BrokerError::from)?,
+        )),
         _ => {
             let _ = rest;
             Err(ConnectError::FeatureDisabled { scheme, feature })
@@ -118,12 +131,16 @@ mod tests {
 
     #[tokio::test]
     async fn scheme_errors_name_the_feature() {
-        for (url, feature) in [
-            ("kafka://127.0.0.1:9092", "kafka"),
-            ("amqp://guest:guest@127.0.0.1:5672/%2f", "rabbit"),
-            ("nats://127.0.0.1:4222", "nats"),
-            ("sqs://127.0.0.1:4566?region=us-east-1", "sqs"),
+        for (url, feature, enabled) in [
+            ("kafka://127.0.0.1:9092", "kafka", cfg!(feature = "kafka")),
+            ("amqp://guest:guest@127.0.0.1:5672/%2f", "rabbit", false),
+            ("nats://127.0.0.1:4222", "nats", false),
+            ("sqs://127.0.0.1:4566?region=us-east-1", "sqs", false),
         ] {
+            if enabled {
+                // Built with this backend: the disabled-feature error does not apply.
+                continue;
+            }
             match connect(url).await {
                 Err(ConnectError::FeatureDisabled { feature: f, .. }) => assert_eq!(f, feature),
                 Err(e) => panic!("{url}: unexpected error {e}"),
@@ -132,7 +149,26 @@ mod tests {
         }
         let err = connect("redis://x").await.err().map(|e| e.to_string());
         assert!(err.is_some_and(|e| e.contains("unknown broker URL scheme `redis://`")));
-        assert!(matches!(connect("localhost:5672").await, Err(ConnectError::NoScheme(_))));
+        assert!(matches!(
+            connect("localhost:5672").await,
+            Err(ConnectError::NoScheme(_))
+        ));
+    }
+
+    #[cfg(feature = "kafka")]
+    #[tokio::test]
+    async fn kafka_urls_connect_lazily_and_bad_ones_name_the_field() {
+        let broker = connect("kafka://127.0.0.1:9092?client.id=facade-test")
+            .await
+            .unwrap();
+        assert_eq!(broker.kind(), "kafka");
+        assert!(!broker.capabilities().rejects_unroutable);
+        match connect("kafka://127.0.0.1:9092?reliq.partitions=zero").await {
+            Err(ConnectError::Broker(BrokerError::Config { field, .. })) => {
+                assert_eq!(field, "reliq.partitions")
+            }
+            other => panic!("unexpected {:?}", other.map(|b| b.kind())),
+        }
     }
 
     #[tokio::test]
@@ -148,9 +184,11 @@ mod tests {
             .unwrap();
         assert_eq!(rx.receive().await.unwrap().payload(), b"x");
         let other = connect("memory://other").await.unwrap();
-        assert!(other
-            .publish(&Destination::new("t-shared"), Message::new("x"))
-            .await
-            .is_err());
+        assert!(
+            other
+                .publish(&Destination::new("t-shared"), Message::new("x"))
+                .await
+                .is_err()
+        );
     }
 }
