@@ -221,7 +221,7 @@ mod tests {
         let c = KafkaConfig::from_url(
             "kafka://h1:9092,h2:9093?reliq.buffer=fail-fast&session.timeout.ms=7000&reliq.replication=3",
         )
-        .unwrap();
+        .expect("valid URL");
         assert_eq!(c.bootstrap, "h1:9092,h2:9093");
         assert_eq!(c.buffer, BufferPolicy::FailFast);
         assert_eq!(c.replication, 3);
@@ -229,7 +229,7 @@ mod tests {
             c.client.get("session.timeout.ms").map(String::as_str),
             Some("7000")
         );
-        let c = KafkaConfig::from_url("kafka://h:1?reliq.buffer=block:250").unwrap();
+        let c = KafkaConfig::from_url("kafka://h:1?reliq.buffer=block:250").expect("valid URL");
         assert_eq!(c.buffer, BufferPolicy::Block(Duration::from_millis(250)));
     }
 

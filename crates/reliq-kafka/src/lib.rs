@@ -222,13 +222,13 @@ impl KafkaBroker {
             )
             .await?;
         for r in results {
-            if let Err((topic, code)) = r {
-                if code != RDKafkaErrorCode::UnknownTopicOrPartition {
-                    return Err(KafkaError::Admin {
-                        topic,
-                        reason: code.to_string(),
-                    });
-                }
+            if let Err((topic, code)) = r
+                && code != RDKafkaErrorCode::UnknownTopicOrPartition
+            {
+                return Err(KafkaError::Admin {
+                    topic,
+                    reason: code.to_string(),
+                });
             }
         }
         Ok(())
@@ -262,13 +262,13 @@ impl Inner {
             )
             .await?;
         for r in results {
-            if let Err((topic, code)) = r {
-                if code != RDKafkaErrorCode::TopicAlreadyExists {
-                    return Err(KafkaError::Admin {
-                        topic,
-                        reason: code.to_string(),
-                    });
-                }
+            if let Err((topic, code)) = r
+                && code != RDKafkaErrorCode::TopicAlreadyExists
+            {
+                return Err(KafkaError::Admin {
+                    topic,
+                    reason: code.to_string(),
+                });
             }
         }
         Ok(())
@@ -367,7 +367,7 @@ pub(crate) fn now_millis_ceil() -> i64 {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default();
-    let ms = now.as_millis() + u128::from(now.subsec_nanos() % 1_000_000 != 0);
+    let ms = now.as_millis() + u128::from(!now.subsec_nanos().is_multiple_of(1_000_000));
     i64::try_from(ms).unwrap_or(i64::MAX)
 }
 

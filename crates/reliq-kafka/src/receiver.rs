@@ -341,10 +341,10 @@ impl Shared {
                 let s = lock(&self.state);
                 self.positions(&s, client, |_| true)
             };
-            if tpl.count() > 0 {
-                if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
-                    tracing::warn!(error = %e, "final commit failed; done records may be redelivered");
-                }
+            if tpl.count() > 0
+                && let Err(e) = consumer.commit(&tpl, CommitMode::Sync)
+            {
+                tracing::warn!(error = %e, "final commit failed; done records may be redelivered");
             }
         }
         // Dropping the consumer leaves the group (its revoke runs in `revoke`).
@@ -395,10 +395,10 @@ impl Shared {
                 }
             }
         }
-        if commit.count() > 0 {
-            if let Err(e) = consumer.commit(&commit, CommitMode::Async) {
-                tracing::warn!(error = %e, "commit failed; done records may be redelivered");
-            }
+        if commit.count() > 0
+            && let Err(e) = consumer.commit(&commit, CommitMode::Async)
+        {
+            tracing::warn!(error = %e, "commit failed; done records may be redelivered");
         }
         for (partition, h) in due {
             self.hand_out(client, consumer, partition, h.offset, h.delivery);
@@ -428,15 +428,15 @@ impl Shared {
                 }
             }
         }
-        if pause.count() > 0 {
-            if let Err(e) = consumer.pause(&pause) {
-                tracing::warn!(error = %e, "pausing partitions failed");
-            }
+        if pause.count() > 0
+            && let Err(e) = consumer.pause(&pause)
+        {
+            tracing::warn!(error = %e, "pausing partitions failed");
         }
-        if resume.count() > 0 {
-            if let Err(e) = consumer.resume(&resume) {
-                tracing::warn!(error = %e, "resuming partitions failed");
-            }
+        if resume.count() > 0
+            && let Err(e) = consumer.resume(&resume)
+        {
+            tracing::warn!(error = %e, "resuming partitions failed");
         }
         next_due.map_or(POLL_SLICE, |d| d.min(POLL_SLICE))
     }
@@ -476,24 +476,24 @@ impl Shared {
                 UNIX_EPOCH + Duration::from_millis(u64::try_from(ts).unwrap_or(0)) + delay
             });
             let mut s = lock(&self.state);
-            if let Some(part) = s.parts.get_mut(&(client, partition)) {
-                if due > SystemTime::now() || !part.held.is_empty() {
-                    part.held.push_back(Held {
-                        due,
-                        offset,
-                        delivery,
-                    });
-                    if !part.paused {
-                        // Stop fetching behind a record that is not due yet.
-                        part.paused = true;
-                        let mut tpl = TopicPartitionList::new();
-                        tpl.add_partition(&self.clients[client].topic, partition);
-                        if let Err(e) = consumer.pause(&tpl) {
-                            tracing::warn!(error = %e, "pausing a relay partition failed");
-                        }
+            if let Some(part) = s.parts.get_mut(&(client, partition))
+                && (due > SystemTime::now() || !part.held.is_empty())
+            {
+                part.held.push_back(Held {
+                    due,
+                    offset,
+                    delivery,
+                });
+                if !part.paused {
+                    // Stop fetching behind a record that is not due yet.
+                    part.paused = true;
+                    let mut tpl = TopicPartitionList::new();
+                    tpl.add_partition(&self.clients[client].topic, partition);
+                    if let Err(e) = consumer.pause(&tpl) {
+                        tracing::warn!(error = %e, "pausing a relay partition failed");
                     }
-                    return;
                 }
+                return;
             }
         }
         self.hand_out(client, consumer, partition, offset, delivery);
@@ -532,10 +532,10 @@ impl Shared {
             let mut e = tpl.add_partition(topic, partition);
             let set = e.set_offset(Offset::Offset(offset));
             e.set_metadata(format!("{COUNTER_PREFIX}:{offset}:{n}"));
-            if set.is_ok() {
-                if let Err(err) = consumer.commit(&tpl, CommitMode::Sync) {
-                    tracing::warn!(error = %err, "storing the delivery counter failed");
-                }
+            if set.is_ok()
+                && let Err(err) = consumer.commit(&tpl, CommitMode::Sync)
+            {
+                tracing::warn!(error = %err, "storing the delivery counter failed");
             }
             if n > self.sub.delivery_limit {
                 match self.dead_letter_max_deliveries(&delivery) {
@@ -601,11 +601,10 @@ impl Shared {
             if let Some(c) = committed
                 .as_ref()
                 .and_then(|c| c.find_partition(e.topic(), e.partition()))
+                && let Offset::Offset(o) = c.offset()
             {
-                if let Offset::Offset(o) = c.offset() {
-                    head = Some(o);
-                    head_count = parse_counter(c.metadata());
-                }
+                head = Some(o);
+                head_count = parse_counter(c.metadata());
             }
             let generation = s.next_generation;
             s.next_generation += 1;
@@ -661,10 +660,10 @@ impl Shared {
                 let s = lock(&self.state);
                 self.positions(&s, client, |p| revoked.contains(&p))
             };
-            if commit.count() > 0 {
-                if let Err(e) = consumer.commit(&commit, CommitMode::Sync) {
-                    tracing::warn!(error = %e, "commit on revoke failed; done records may be redelivered");
-                }
+            if commit.count() > 0
+                && let Err(e) = consumer.commit(&commit, CommitMode::Sync)
+            {
+                tracing::warn!(error = %e, "commit on revoke failed; done records may be redelivered");
             }
         }
         let mut s = lock(&self.state);

@@ -160,7 +160,7 @@ mod tests {
     async fn kafka_urls_connect_lazily_and_bad_ones_name_the_field() {
         let broker = connect("kafka://127.0.0.1:9092?client.id=facade-test")
             .await
-            .unwrap();
+            .expect("a valid kafka URL connects lazily");
         assert_eq!(broker.kind(), "kafka");
         assert!(!broker.capabilities().rejects_unroutable);
         match connect("kafka://127.0.0.1:9092?reliq.partitions=zero").await {
