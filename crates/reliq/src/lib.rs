@@ -34,7 +34,7 @@
 //! |---|---|---|
 //! | `memory://[name]` | `memory` (default) | `reliq-memory` |
 //! | `amqp://…`, `amqps://…` | `rabbit` | `reliq-rabbit` (coming) |
-//! | `kafka://host:port[,host:port]` | `kafka` | `reliq-kafka` (coming) |
+//! | `kafka://host:port[,host:port]?key=value` | `kafka` | `reliq-kafka` (query keys: librdkafka settings, or `reliq.*`, see `reliq_kafka::KafkaConfig`) |
 //! | `nats://…`, `tls://…` | `nats` | `reliq-nats` |
 //! | `sqs://host:port?region=…`, `sqs://?region=…` | `sqs` | `reliq-sqs` (coming) |
 
@@ -46,6 +46,9 @@ pub use reliq_core::*;
 pub use reliq_memory as memory;
 #[cfg(feature = "nats")]
 pub use reliq_nats as nats;
+
+#[cfg(feature = "kafka")]
+pub use reliq_kafka as kafka;
 
 /// `connect` could not hand back a broker.
 #[derive(Debug, thiserror::Error)]
@@ -99,6 +102,10 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Broker>, ConnectError> {
         "memory" => Ok(Arc::new(named_memory_broker(rest))),
         #[cfg(feature = "nats")]
         "nats" => Ok(Arc::new(reliq_nats::NatsBroker::connect(url).await?)),
+        #[cfg(feature = "kafka")]
+        "kafka" => Ok(Arc::new(
+            kafka::KafkaBroker::connect(url).map_err(BrokerError::from)?,
+        )),
         _ => {
             let _ = rest;
             Err(ConnectError::FeatureDisabled { scheme, feature })
@@ -128,13 +135,16 @@ mod tests {
 
     #[tokio::test]
     async fn scheme_errors_name_the_feature() {
-        let disabled = [
-            ("kafka://127.0.0.1:9092", "kafka", false),
+        for (url, feature, enabled) in [
+            ("kafka://127.0.0.1:9092", "kafka", cfg!(feature = "kafka")),
             ("amqp://guest:guest@127.0.0.1:5672/%2f", "rabbit", false),
             ("nats://127.0.0.1:4222", "nats", cfg!(feature = "nats")),
             ("sqs://127.0.0.1:4566?region=us-east-1", "sqs", false),
-        ];
-        for (url, feature, _) in disabled.into_iter().filter(|(_, _, on)| !on) {
+        ] {
+            if enabled {
+                // Built with this backend: the disabled-feature error does not apply.
+                continue;
+            }
             match connect(url).await {
                 Err(ConnectError::FeatureDisabled { feature: f, .. }) => assert_eq!(f, feature),
                 Err(e) => panic!("{url}: unexpected error {e}"),
@@ -147,6 +157,22 @@ mod tests {
             connect("localhost:5672").await,
             Err(ConnectError::NoScheme(_))
         ));
+    }
+
+    #[cfg(feature = "kafka")]
+    #[tokio::test]
+    async fn kafka_urls_connect_lazily_and_bad_ones_name_the_field() {
+        let broker = connect("kafka://127.0.0.1:9092?client.id=facade-test")
+            .await
+            .expect("a valid kafka URL connects lazily");
+        assert_eq!(broker.kind(), "kafka");
+        assert!(!broker.capabilities().rejects_unroutable);
+        match connect("kafka://127.0.0.1:9092?reliq.partitions=zero").await {
+            Err(ConnectError::Broker(BrokerError::Config { field, .. })) => {
+                assert_eq!(field, "reliq.partitions")
+            }
+            other => panic!("unexpected {:?}", other.map(|b| b.kind())),
+        }
     }
 
     #[tokio::test]

@@ -1,0 +1,253 @@
+//! Connection settings: the `kafka://` URL and the client configuration derived from it.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rdkafka::config::ClientConfig;
+
+use crate::KafkaError;
+
+/// What `publish` does when the producer's bounded in-flight buffer
+/// (`queue.buffering.max.messages` / `queue.buffering.max.kbytes`) is full.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BufferPolicy {
+    /// Wait up to this long for room, then fail with `BrokerError::Timeout`.
+    Block(Duration),
+    /// Fail at once with `BrokerError::Rejected`.
+    FailFast,
+}
+
+/// Settings of a [`KafkaBroker`](crate::KafkaBroker).
+///
+/// Built from a URL `kafka://host:port[,host:port]?key=value&…`: keys starting with
+/// `reliq.` are reliq's own settings (below); every other key is passed unchanged to
+/// librdkafka (e.g. `security.protocol=ssl`, `session.timeout.ms=6000`) for every client
+/// reliq creates, overriding reliq's defaults.
+///
+/// | key | default | meaning |
+/// |---|---|---|
+/// | `reliq.partitions` | 3 | partitions of topics reliq creates (source, retry tiers, DLQ) |
+/// | `reliq.replication` | 1 | replication factor of topics reliq creates |
+/// | `reliq.buffer` | `block:5000` | producer buffer policy: `block:<ms>` or `fail-fast` |
+/// | `reliq.buffer.messages` | 10000 | producer buffer bound (`queue.buffering.max.messages`) |
+/// | `reliq.send.timeout.ms` | 30000 | how long a publish may wait for its delivery report |
+/// | `reliq.rebalance.drain.ms` | 10000 | how long a revoke waits for in-flight records to settle |
+/// | `reliq.group.prefix` | (empty) | prepended to every consumer group id reliq joins (a namespace: environments, tenants, test runs) |
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`.
+    pub bootstrap: String,
+    /// Extra librdkafka settings for every client (override reliq's defaults).
+    pub client: BTreeMap<String, String>,
+    /// Partitions of topics reliq creates.
+    pub partitions: i32,
+    /// Replication factor of topics reliq creates.
+    pub replication: i32,
+    /// Producer buffer policy.
+    pub buffer: BufferPolicy,
+    /// Producer buffer bound in messages.
+    pub buffer_messages: u32,
+    /// Delivery-report timeout of a publish (`message.timeout.ms`).
+    pub send_timeout: Duration,
+    /// How long a revoke waits for in-flight records of the revoked partitions.
+    pub rebalance_drain: Duration,
+    /// Prepended to every consumer group id (the consumer name in headers is unchanged).
+    pub group_prefix: String,
+}
+
+impl KafkaConfig {
+    /// Settings with defaults for `bootstrap` (`host:port[,host:port]`).
+    pub fn new(bootstrap: impl Into<String>) -> Self {
+        Self {
+            bootstrap: bootstrap.into(),
+            client: BTreeMap::new(),
+            partitions: 3,
+            replication: 1,
+            buffer: BufferPolicy::Block(Duration::from_secs(5)),
+            buffer_messages: 10_000,
+            send_timeout: Duration::from_secs(30),
+            rebalance_drain: Duration::from_secs(10),
+            group_prefix: String::new(),
+        }
+    }
+
+    /// Parse `kafka://host:port[,host:port]?key=value&…`.
+    ///
+    /// ```
+    /// use reliq_kafka::KafkaConfig;
+    /// let c = KafkaConfig::from_url("kafka://a:9092,b:9092?reliq.partitions=6&client.id=svc").unwrap();
+    /// assert_eq!(c.bootstrap, "a:9092,b:9092");
+    /// assert_eq!(c.partitions, 6);
+    /// assert_eq!(c.client.get("client.id").map(String::as_str), Some("svc"));
+    /// ```
+    pub fn from_url(url: &str) -> Result<Self, KafkaError> {
+        let bad = |field: &str, reason: String| KafkaError::Config {
+            field: field.to_owned(),
+            reason,
+        };
+        let (scheme, rest) = url
+            .split_once("://")
+            .ok_or_else(|| bad("url", "expected kafka://host:port".into()))?;
+        if !scheme.eq_ignore_ascii_case("kafka") {
+            return Err(bad("url", format!("scheme `{scheme}` is not kafka")));
+        }
+        let (hosts, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let hosts = hosts.trim_end_matches('/');
+        if hosts.is_empty() || hosts.split(',').any(|h| !h.contains(':')) {
+            return Err(bad(
+                "url",
+                "expected one or more host:port, comma-separated".into(),
+            ));
+        }
+        let mut config = Self::new(hosts);
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (k, v) = pair
+                .split_once('=')
+                .ok_or_else(|| bad(pair, "expected key=value".into()))?;
+            let number = |v: &str| {
+                v.parse::<u64>()
+                    .map_err(|_| bad(k, format!("`{v}` is not a number")))
+            };
+            match k {
+                "reliq.partitions" => {
+                    config.partitions = i32::try_from(number(v)?)
+                        .ok()
+                        .filter(|n| *n >= 1)
+                        .ok_or_else(|| bad(k, "must be 1..=i32::MAX".into()))?;
+                }
+                "reliq.replication" => {
+                    config.replication = i32::try_from(number(v)?)
+                        .ok()
+                        .filter(|n| *n >= 1)
+                        .ok_or_else(|| bad(k, "must be 1..=i32::MAX".into()))?;
+                }
+                "reliq.buffer" => {
+                    config.buffer = match v.split_once(':') {
+                        None if v == "fail-fast" => BufferPolicy::FailFast,
+                        Some(("block", ms)) => {
+                            BufferPolicy::Block(Duration::from_millis(number(ms)?))
+                        }
+                        _ => return Err(bad(k, "expected `block:<ms>` or `fail-fast`".into())),
+                    };
+                }
+                "reliq.buffer.messages" => {
+                    config.buffer_messages = u32::try_from(number(v)?)
+                        .ok()
+                        .filter(|n| *n >= 1)
+                        .ok_or_else(|| bad(k, "must be at least 1".into()))?;
+                }
+                "reliq.send.timeout.ms" => config.send_timeout = Duration::from_millis(number(v)?),
+                "reliq.rebalance.drain.ms" => {
+                    config.rebalance_drain = Duration::from_millis(number(v)?)
+                }
+                "reliq.group.prefix" => config.group_prefix = v.to_owned(),
+                other if other.starts_with("reliq.") => {
+                    return Err(bad(other, "unknown reliq setting".into()));
+                }
+                other => {
+                    config.client.insert(other.to_owned(), v.to_owned());
+                }
+            }
+        }
+        Ok(config)
+    }
+
+    fn base(&self, defaults: &[(&str, String)]) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.bootstrap);
+        for (k, v) in defaults {
+            c.set(*k, v);
+        }
+        for (k, v) in &self.client {
+            c.set(k, v);
+        }
+        c
+    }
+
+    /// Configuration of the producer: `acks=all`, idempotent, bounded buffer.
+    pub(crate) fn producer(&self, allow_auto_create: bool) -> ClientConfig {
+        self.base(&[
+            ("acks", "all".into()),
+            ("enable.idempotence", "true".into()),
+            ("linger.ms", "1".into()),
+            (
+                "queue.buffering.max.messages",
+                self.buffer_messages.to_string(),
+            ),
+            (
+                "message.timeout.ms",
+                self.send_timeout.as_millis().to_string(),
+            ),
+            ("allow.auto.create.topics", allow_auto_create.to_string()),
+            ("topic.metadata.propagation.max.ms", "1000".into()),
+        ])
+    }
+
+    /// Configuration of a group consumer (manual commits, earliest reset).
+    pub(crate) fn consumer(&self, group: &str, prefetch: u32) -> ClientConfig {
+        self.base(&[
+            ("group.id", format!("{}{group}", self.group_prefix)),
+            ("enable.auto.commit", "false".into()),
+            ("enable.auto.offset.store", "false".into()),
+            ("auto.offset.reset", "earliest".into()),
+            ("session.timeout.ms", "6000".into()),
+            ("heartbeat.interval.ms", "500".into()),
+            ("fetch.wait.max.ms", "100".into()),
+            // A small local fetch queue (flow control pauses partitions anyway) that is
+            // refilled quickly: the default 1 s back-off would stall every refill.
+            (
+                "queued.min.messages",
+                prefetch.max(1).saturating_mul(2).to_string(),
+            ),
+            ("fetch.queue.backoff.ms", "10".into()),
+            ("fetch.error.backoff.ms", "20".into()),
+            ("queued.max.messages.kbytes", "4096".into()),
+            ("allow.auto.create.topics", "false".into()),
+        ])
+    }
+
+    /// Configuration of the admin client.
+    pub(crate) fn admin(&self) -> ClientConfig {
+        self.base(&[])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_hosts_and_settings() {
+        let c = KafkaConfig::from_url(
+            "kafka://h1:9092,h2:9093?reliq.buffer=fail-fast&session.timeout.ms=7000&reliq.replication=3",
+        )
+        .expect("valid URL");
+        assert_eq!(c.bootstrap, "h1:9092,h2:9093");
+        assert_eq!(c.buffer, BufferPolicy::FailFast);
+        assert_eq!(c.replication, 3);
+        assert_eq!(
+            c.client.get("session.timeout.ms").map(String::as_str),
+            Some("7000")
+        );
+        let c = KafkaConfig::from_url("kafka://h:1?reliq.buffer=block:250").expect("valid URL");
+        assert_eq!(c.buffer, BufferPolicy::Block(Duration::from_millis(250)));
+    }
+
+    #[test]
+    fn rejects_bad_urls_naming_the_field() {
+        for (url, field) in [
+            ("amqp://h:1", "url"),
+            ("kafka://", "url"),
+            ("kafka://hostonly", "url"),
+            ("kafka://h:1?reliq.partitions=0", "reliq.partitions"),
+            ("kafka://h:1?reliq.nope=1", "reliq.nope"),
+            ("kafka://h:1?reliq.buffer=drop", "reliq.buffer"),
+            ("kafka://h:1?novalue", "novalue"),
+        ] {
+            match KafkaConfig::from_url(url) {
+                Err(KafkaError::Config { field: f, .. }) => assert_eq!(f, field, "{url}"),
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,449 @@
+//! # reliq-kafka
+//!
+//! The Apache Kafka backend of reliq, on [rdkafka](https://docs.rs/rdkafka) with a
+//! bundled, statically linked librdkafka. It is a thin mapping of reliq's broker seam
+//! ([`reliq_core::Broker`] / [`reliq_core::Receiver`]) onto Kafka's own mechanisms; the
+//! consumer runtime (classification, retry decisions, dead-letter records, metrics) stays
+//! in `reliq-core`.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::{sync::Arc, time::Duration};
+//! use reliq_core::{BoxError, Consumer, Delivery, Destination, Message, RetryPolicy};
+//! use reliq_kafka::KafkaBroker;
+//!
+//! let broker = Arc::new(KafkaBroker::connect("kafka://127.0.0.1:9092")?);
+//! broker.publish(&Destination::new("orders"), Message::new("hello").with_key("c-7")).await?;
+//! let consumer = Consumer::builder(broker, "billing")          // the consumer group
+//!     .subscribe("orders", None::<String>)
+//!     .retry(RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)]))
+//!     .start(|d: Delivery| async move { d.text()?; Ok::<(), BoxError>(()) })
+//!     .await?;
+//! # consumer.shutdown().await; Ok(()) }
+//! ```
+//!
+//! ## The mapping
+//!
+//! | reliq | Kafka |
+//! |---|---|
+//! | `publish` | produce with `acks=all`, `enable.idempotence=true`; returns after the delivery report. The message id travels in the `reliq-id` record header, the key is the record key, every reliq header is a record header. The producer buffer is bounded (`queue.buffering.max.messages`) with a [`BufferPolicy`]: block up to a timeout, or fail fast. |
+//! | `subscribe` | creates (admin API, idempotently) the source, one retry topic per tier `<topic>.<group>.retry.<ms>ms` and the DLQ `<topic>.<group>.dlq`; joins consumer group `<group>` on the source and one **relay** group `<group>.retry.<ms>ms` per tier. |
+//! | `receive` | one poll thread per Kafka consumer (never sleeps: it only ever blocks in `poll` with a short timeout) hands records to one bounded stream. When the records handed out and not settled reach [`Subscription::prefetch`](reliq_core::Subscription), every partition is **paused**, and resumed when settlements free room. |
+//! | `ack` | marks the offset done in a per-partition [`OffsetTracker`]; the poll thread commits the **highest contiguous done position** (never past an unfinished record). |
+//! | `retry` | produces the copy (headers carry `reliq-attempt`) to the tier's topic, waits for the delivery report, **then** marks the source offset done. The tier's relay holds each partition paused until its head record is due (record timestamp + tier delay), on a timer in its poll loop, then hands it to the same stream; settling it commits on the retry topic. |
+//! | `dead_letter` | produces to `<topic>.<group>.dlq`, waits for the report, then marks the source done. The record carries the dead-letter record plus original topic, partition and offset. |
+//! | `release` | the offset stays uncommitted; the same record is handed out again after the delay (in this process), or by the next owner of the partition. |
+//! | delivery limit | the framework's own counter, kept durably in the **commit metadata** of the partition's committed position (see below). |
+//! | `dead_letters` | reads the DLQ with group `<group>.dlq-reader` (assigned partitions, no group join); `ack` = commit. |
+//! | `send_to_consumer` | produces to this consumer's first retry topic, marked due at once (replay reaches this group only). |
+//!
+//! Retry and DLQ copies go through a second producer with `allow.auto.create.topics=false`
+//! after a metadata check that the topic exists, so a deleted retry or DLQ topic makes
+//! `retry` / `dead_letter` fail (the source stays uncommitted) instead of silently
+//! auto-creating a topic nobody reads.
+//!
+//! ## Rebalances
+//!
+//! On revoke, records of the revoked partitions still queued are not handed out any
+//! more; the poll thread waits (up to `reliq.rebalance.drain.ms`) for the ones in the
+//! runtime to settle, then commits synchronously what is done. A record still in flight
+//! when the wait ends is processed again by the new owner (at-least-once); its late
+//! settlement here is ignored (no double commit).
+//!
+//! ## The crash-loop counter (delivery limit)
+//!
+//! Kafka has no delivery count. When a partition is assigned, the first record handed
+//! out is the one at the committed position — the record a crashed process was holding.
+//! Before handing it out, the backend commits that same position with metadata
+//! `reliq-deliveries:<offset>:<n>` (synchronously), so the count survives crashes. When
+//! `n` exceeds [`Subscription::delivery_limit`](reliq_core::Subscription), the record is
+//! produced to the DLQ with reason `max-deliveries` and committed past. Limits, stated
+//! honestly: only the head record of each partition is counted (the one a crash loop
+//! keeps hitting); a record that crashes the process while a record before it in the same
+//! partition is unfinished is counted once it becomes the head; in-process redeliveries
+//! (`release`) are not counted (the runtime's own retry budget covers them).
+//!
+//! ## Capabilities
+//!
+//! - `rejects_unroutable = false`: brokers with `auto.create.topics.enable=true` (the
+//!   default) create a topic on first publish, so publishing to a new topic succeeds.
+//! - `exact_retry_delay = false`: a retry waits for its tier's delay (the policy's
+//!   schedule picks the tier), not for a per-message delay with jitter.
+//! - `delivery_limit = true`: the framework counter above.
+//! - `consumer_redelivery = true` when the consumer has at least one retry tier.
+//!
+//! Settings come from the URL, see [`KafkaConfig`].
+
+mod config;
+mod receiver;
+pub mod tracker;
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::error::{KafkaError as RdError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
+use rdkafka::util::Timeout;
+use reliq_core::{
+    Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription, headers,
+};
+
+pub use config::{BufferPolicy, KafkaConfig};
+pub use tracker::OffsetTracker;
+
+/// Backend-private header: when a record on a retry topic is due (ms since the epoch),
+/// overriding "record timestamp + tier delay" (used by `send_to_consumer`). Stripped
+/// before the message reaches a handler.
+pub const DUE_AT_HEADER: &str = "reliq-kafka-due-ms";
+/// Backend-private header: partition of the record first consumed from the source,
+/// carried through retry topics so a later dead letter names the original position.
+pub const SOURCE_PARTITION_HEADER: &str = "reliq-kafka-source-partition";
+/// Backend-private header: offset of the record first consumed from the source.
+pub const SOURCE_OFFSET_HEADER: &str = "reliq-kafka-source-offset";
+
+/// Errors of the Kafka backend (converted to [`BrokerError`] at the seam).
+#[derive(Debug, thiserror::Error)]
+pub enum KafkaError {
+    /// A setting or the URL is invalid; names it.
+    #[error("invalid Kafka setting `{field}`: {reason}")]
+    Config {
+        /// The setting or URL part.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The Kafka client failed.
+    #[error("kafka client: {0}")]
+    Client(#[from] RdError),
+    /// Creating or deleting a topic failed.
+    #[error("kafka admin on `{topic}`: {reason}")]
+    Admin {
+        /// The topic.
+        topic: String,
+        /// What the broker said.
+        reason: String,
+    },
+}
+
+impl From<KafkaError> for BrokerError {
+    fn from(e: KafkaError) -> Self {
+        match e {
+            KafkaError::Config { field, reason } => BrokerError::Config { field, reason },
+            KafkaError::Client(e) => client_error(e, "kafka"),
+            other => BrokerError::Other(Box::new(other)),
+        }
+    }
+}
+
+/// Map a client error to the seam's error, naming `what` (a topic) where it helps.
+pub(crate) fn client_error(e: RdError, what: &str) -> BrokerError {
+    match e.rdkafka_error_code() {
+        Some(
+            RDKafkaErrorCode::UnknownTopicOrPartition
+            | RDKafkaErrorCode::UnknownTopic
+            | RDKafkaErrorCode::UnknownPartition,
+        ) => BrokerError::Unroutable(what.to_owned()),
+        Some(RDKafkaErrorCode::MessageTimedOut | RDKafkaErrorCode::RequestTimedOut) => {
+            BrokerError::Timeout(Duration::ZERO)
+        }
+        Some(RDKafkaErrorCode::QueueFull) => {
+            BrokerError::Rejected("producer buffer full (queue.buffering.max.messages)".into())
+        }
+        Some(
+            RDKafkaErrorCode::AllBrokersDown
+            | RDKafkaErrorCode::BrokerTransportFailure
+            | RDKafkaErrorCode::Resolve,
+        ) => BrokerError::Connection(e.to_string()),
+        _ => BrokerError::Other(Box::new(KafkaError::Client(e))),
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) config: KafkaConfig,
+    /// Publishes (auto-create allowed where the broker allows it).
+    pub(crate) producer: FutureProducer,
+    /// Retry / DLQ copies (auto-create off; topics are declared at subscribe).
+    pub(crate) route_producer: FutureProducer,
+    pub(crate) admin: AdminClient<DefaultClientContext>,
+}
+
+/// A Kafka connection: two idempotent producers (publish; retry/DLQ copies) and an admin
+/// client. Cheap to clone. Each `subscribe` / `dead_letters` creates its own consumers.
+#[derive(Clone)]
+pub struct KafkaBroker {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl KafkaBroker {
+    /// Connect with a `kafka://` URL (see [`KafkaConfig`]). Clients connect lazily; a
+    /// broker that is down shows up on the first operation.
+    pub fn connect(url: &str) -> Result<Self, KafkaError> {
+        Self::with_config(KafkaConfig::from_url(url)?)
+    }
+
+    /// Connect with explicit settings.
+    pub fn with_config(config: KafkaConfig) -> Result<Self, KafkaError> {
+        let producer = config.producer(true).create()?;
+        let route_producer = config.producer(false).create()?;
+        let admin = config.admin().create()?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                producer,
+                route_producer,
+                admin,
+            }),
+        })
+    }
+
+    /// The settings in use.
+    pub fn config(&self) -> &KafkaConfig {
+        &self.inner.config
+    }
+
+    /// Create `topics` (with the configured partitions and replication) where missing.
+    pub async fn ensure_topics(&self, topics: &[String]) -> Result<(), KafkaError> {
+        self.inner.ensure_topics(topics).await
+    }
+
+    /// Delete `topics` (for operators and tests; missing topics are not an error).
+    pub async fn delete_topics(&self, topics: &[String]) -> Result<(), KafkaError> {
+        let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+        let results = self
+            .inner
+            .admin
+            .delete_topics(
+                &names,
+                &AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT)),
+            )
+            .await?;
+        for r in results {
+            if let Err((topic, code)) = r
+                && code != RDKafkaErrorCode::UnknownTopicOrPartition
+            {
+                return Err(KafkaError::Admin {
+                    topic,
+                    reason: code.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `topic` exists right now (a fresh metadata request that never creates it).
+    pub async fn topic_exists(&self, topic: &str) -> Result<bool, KafkaError> {
+        self.inner.topic_exists(topic).await
+    }
+}
+
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl Inner {
+    pub(crate) async fn ensure_topics(&self, topics: &[String]) -> Result<(), KafkaError> {
+        let new: Vec<NewTopic<'_>> = topics
+            .iter()
+            .map(|t| {
+                NewTopic::new(
+                    t,
+                    self.config.partitions,
+                    TopicReplication::Fixed(self.config.replication),
+                )
+            })
+            .collect();
+        let results = self
+            .admin
+            .create_topics(
+                &new,
+                &AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT)),
+            )
+            .await?;
+        for r in results {
+            if let Err((topic, code)) = r
+                && code != RDKafkaErrorCode::TopicAlreadyExists
+            {
+                return Err(KafkaError::Admin {
+                    topic,
+                    reason: code.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait until freshly created `topics` show up with partitions in the metadata.
+    pub(crate) async fn wait_visible(&self, topics: &[String]) -> Result<(), BrokerError> {
+        let deadline = tokio::time::Instant::now() + ADMIN_TIMEOUT;
+        for t in topics {
+            while !self.topic_exists(t).await.map_err(BrokerError::from)? {
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(BrokerError::Timeout(ADMIN_TIMEOUT));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) async fn topic_exists(&self, topic: &str) -> Result<bool, KafkaError> {
+        let producer = self.route_producer.clone();
+        let name = topic.to_owned();
+        let metadata = tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(Some(&name), Duration::from_secs(10))
+        })
+        .await
+        .map_err(|e| KafkaError::Admin {
+            topic: topic.to_owned(),
+            reason: format!("metadata task failed: {e}"),
+        })??;
+        Ok(metadata
+            .topics()
+            .iter()
+            .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
+    }
+
+    /// Produce `message` and wait for its delivery report.
+    pub(crate) async fn produce(
+        &self,
+        route: bool,
+        topic: &str,
+        message: &Message,
+        extra: &[(&str, String)],
+    ) -> Result<(i32, i64), BrokerError> {
+        let producer = if route {
+            &self.route_producer
+        } else {
+            &self.producer
+        };
+        let mut hs = OwnedHeaders::new_with_capacity(message.headers().len() + 1 + extra.len());
+        hs = hs.insert(Header {
+            key: headers::MESSAGE_ID,
+            value: Some(message.id().as_str()),
+        });
+        for (k, v) in message.headers().iter() {
+            if k == headers::MESSAGE_ID || extra.iter().any(|(e, _)| *e == k) {
+                continue;
+            }
+            hs = hs.insert(Header {
+                key: k,
+                value: Some(v),
+            });
+        }
+        for (k, v) in extra {
+            hs = hs.insert(Header {
+                key: k,
+                value: Some(v.as_str()),
+            });
+        }
+        let mut record = FutureRecord::to(topic)
+            .payload(message.payload().as_ref())
+            .headers(hs)
+            .timestamp(now_millis_ceil());
+        if let Some(key) = message.key() {
+            record = record.key(key);
+        }
+        let queue_timeout = match self.config.buffer {
+            BufferPolicy::Block(d) => Timeout::After(d),
+            BufferPolicy::FailFast => Timeout::After(Duration::ZERO),
+        };
+        match producer.send(record, queue_timeout).await {
+            Ok(delivery) => Ok((delivery.partition, delivery.offset)),
+            Err((e, _)) => Err(match client_error(e, topic) {
+                BrokerError::Timeout(_) => BrokerError::Timeout(self.config.send_timeout),
+                other => other,
+            }),
+        }
+    }
+}
+
+/// Now in ms since the epoch, rounded up, so "timestamp + delay" is never earlier than
+/// "produce time + delay".
+pub(crate) fn now_millis_ceil() -> i64 {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let ms = now.as_millis() + u128::from(!now.subsec_nanos().is_multiple_of(1_000_000));
+    i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
+#[async_trait]
+impl Broker for KafkaBroker {
+    fn kind(&self) -> &'static str {
+        "kafka"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            rejects_unroutable: false,
+            exact_retry_delay: false,
+            delivery_limit: true,
+            consumer_redelivery: true,
+            // The attempt travels in the `reliq-attempt` header of the retry copy.
+            attempts_count_every_delivery: false,
+            deduplicates_publishes: false,
+        }
+    }
+
+    async fn publish(
+        &self,
+        destination: &Destination,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        if let Some(route) = &destination.route {
+            tracing::debug!(%route, "Kafka has no routing keys; the route is ignored (use the key)");
+        }
+        self.inner
+            .produce(false, &destination.topic, &message, &[])
+            .await
+            .map(drop)
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Receiver>, BrokerError> {
+        let receiver = receiver::KafkaReceiver::subscribe(self.inner.clone(), subscription).await?;
+        Ok(Box::new(receiver))
+    }
+
+    async fn dead_letters(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Receiver>, BrokerError> {
+        let receiver =
+            receiver::KafkaReceiver::dead_letters(self.inner.clone(), subscription).await?;
+        Ok(Box::new(receiver))
+    }
+
+    async fn send_to_consumer(
+        &self,
+        subscription: &Subscription,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        let Some(first) = subscription.retry_tiers.first() else {
+            return Err(BrokerError::Unsupported {
+                backend: "kafka",
+                what: "send_to_consumer without a retry tier (no per-consumer topic)",
+            });
+        };
+        let topic = subscription.retry_name(*first);
+        if !self
+            .inner
+            .topic_exists(&topic)
+            .await
+            .map_err(BrokerError::from)?
+        {
+            return Err(BrokerError::Unroutable(topic));
+        }
+        let due = [(DUE_AT_HEADER, now_millis_ceil().to_string())];
+        self.inner
+            .produce(true, &topic, &message, &due)
+            .await
+            .map(drop)
+    }
+}

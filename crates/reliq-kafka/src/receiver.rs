@@ -1,0 +1,922 @@
+//! The receiving side: one poll thread per Kafka consumer (the source's group, one relay
+//! per retry tier, or the DLQ reader), all feeding one stream of deliveries, with
+//! per-partition offset tracking, pause-based flow control and the crash-loop counter.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use rdkafka::ClientContext;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::message::{BorrowedMessage, Headers as _, Message as _};
+use rdkafka::producer::Producer as _;
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
+use reliq_core::{
+    BrokerError, Clock, Delivery, DeliveryToken, Headers, Message, MessageId, Receiver,
+    RetryRequest, Subscription,
+};
+use tokio::sync::mpsc;
+
+use crate::tracker::OffsetTracker;
+use crate::{DUE_AT_HEADER, Inner, KafkaError, SOURCE_OFFSET_HEADER, SOURCE_PARTITION_HEADER};
+
+/// Longest a poll blocks, so settlements (commits, resumes) are applied promptly.
+const POLL_SLICE: Duration = Duration::from_millis(20);
+/// Prefix of the commit metadata that carries the crash-loop counter.
+const COUNTER_PREFIX: &str = "reliq-deliveries";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Source,
+    Relay(Duration),
+    DeadLetters,
+}
+
+struct Client {
+    topic: String,
+    group: String,
+    role: Role,
+}
+
+struct TokenInfo {
+    client: usize,
+    generation: u64,
+}
+
+struct Held {
+    due: SystemTime,
+    offset: i64,
+    delivery: Delivery,
+}
+
+struct Part {
+    generation: u64,
+    tracker: OffsetTracker,
+    /// Handed to the runtime and not yet settled or released.
+    busy: usize,
+    revoking: bool,
+    paused: bool,
+    /// Relay records waiting for their due time (head first).
+    held: VecDeque<Held>,
+    /// The committed position when the partition was assigned.
+    head: Option<i64>,
+    /// The counter found in the commit metadata: (offset, deliveries).
+    head_count: Option<(i64, u32)>,
+    counted: bool,
+}
+
+impl Part {
+    fn new(generation: u64, head: Option<i64>, head_count: Option<(i64, u32)>) -> Self {
+        Self {
+            generation,
+            tracker: OffsetTracker::new(),
+            busy: 0,
+            revoking: false,
+            paused: false,
+            held: VecDeque::new(),
+            head,
+            head_count,
+            counted: false,
+        }
+    }
+}
+
+/// Most deliveries buffered ahead of the runtime (which itself holds at most
+/// `prefetch`): four times the prefetch, at least 16. librdkafka refetches a partition
+/// only some hundred milliseconds after a resume, so a buffer of one prefetch would leave
+/// the handlers idle after every pause.
+pub(crate) fn buffer_bound(prefetch: u32) -> usize {
+    (prefetch.max(1) as usize).saturating_mul(4).max(16)
+}
+
+#[derive(Default)]
+struct State {
+    parts: HashMap<(usize, i32), Part>,
+    /// Deliveries pushed to the stream and not yet taken by the runtime: the buffer
+    /// ahead of the runtime, bounded by flow control.
+    queued: usize,
+    /// Flow control is holding every partition paused.
+    throttled: bool,
+    next_generation: u64,
+}
+
+impl State {
+    /// Pause when the buffer ahead of the runtime reaches [`buffer_bound`], resume when
+    /// it is down to a quarter (hysteresis: a resumed fetch brings a batch).
+    fn update_throttle(&mut self, prefetch: u32) -> bool {
+        let high = buffer_bound(prefetch);
+        let low = high / 4;
+        if self.queued >= high {
+            self.throttled = true;
+        } else if self.queued <= low {
+            self.throttled = false;
+        }
+        self.throttled
+    }
+}
+
+struct Shared {
+    inner: Arc<Inner>,
+    sub: Subscription,
+    clients: Vec<Client>,
+    state: Mutex<State>,
+    tx: mpsc::UnboundedSender<Delivery>,
+    stop: AtomicBool,
+    crashed: AtomicBool,
+    runtime: tokio::runtime::Handle,
+}
+
+/// A [`Receiver`] over one or more Kafka consumers.
+pub(crate) struct KafkaReceiver {
+    shared: Arc<Shared>,
+    rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Delivery>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Critical sections leave the state consistent; a poisoned lock is usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct Ctx {
+    shared: Weak<Shared>,
+    client: usize,
+}
+
+impl ClientContext for Ctx {}
+
+impl ConsumerContext for Ctx {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Revoke(tpl) => {
+                if let Some(shared) = self.shared.upgrade() {
+                    let lost = consumer.assignment_lost();
+                    shared.revoke(self.client, consumer, tpl, lost);
+                }
+            }
+            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+            Rebalance::Assign(_) => {}
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let (Rebalance::Assign(tpl), Some(shared)) = (rebalance, self.shared.upgrade()) {
+            shared.assign(self.client, consumer, tpl);
+        }
+    }
+}
+
+impl KafkaReceiver {
+    /// Declare the topology and start the source consumer and one relay per tier.
+    pub(crate) async fn subscribe(
+        inner: Arc<Inner>,
+        sub: &Subscription,
+    ) -> Result<Self, BrokerError> {
+        if sub.filter.as_deref().is_some_and(|f| f != "#") {
+            return Err(BrokerError::Unsupported {
+                backend: "kafka",
+                what: "subscription filters (Kafka has no routing keys; use one topic per route)",
+            });
+        }
+        let mut clients = vec![Client {
+            topic: sub.source.clone(),
+            group: sub.consumer.clone(),
+            role: Role::Source,
+        }];
+        for delay in &sub.retry_tiers {
+            let topic = sub.retry_name(*delay);
+            if clients.iter().any(|c| c.topic == topic) {
+                continue;
+            }
+            clients.push(Client {
+                group: format!("{}.retry.{}ms", sub.consumer, delay.as_millis()),
+                topic,
+                role: Role::Relay(*delay),
+            });
+        }
+        let mut topics: Vec<String> = clients.iter().map(|c| c.topic.clone()).collect();
+        topics.push(sub.dead_letter_name());
+        inner.ensure_topics(&topics).await?;
+        inner.wait_visible(&topics).await?;
+        Self::start(inner, sub, clients).await
+    }
+
+    /// A reader of the consumer's DLQ topic (group `<consumer>.dlq-reader`, assigned
+    /// partitions, no group join).
+    pub(crate) async fn dead_letters(
+        inner: Arc<Inner>,
+        sub: &Subscription,
+    ) -> Result<Self, BrokerError> {
+        let topic = sub.dead_letter_name();
+        inner.ensure_topics(std::slice::from_ref(&topic)).await?;
+        let clients = vec![Client {
+            topic,
+            group: format!("{}.dlq-reader", sub.consumer),
+            role: Role::DeadLetters,
+        }];
+        Self::start(inner, sub, clients).await
+    }
+
+    async fn start(
+        inner: Arc<Inner>,
+        sub: &Subscription,
+        clients: Vec<Client>,
+    ) -> Result<Self, BrokerError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared {
+            inner,
+            sub: sub.clone(),
+            clients,
+            state: Mutex::new(State::default()),
+            tx,
+            stop: AtomicBool::new(false),
+            crashed: AtomicBool::new(false),
+            runtime: tokio::runtime::Handle::current(),
+        });
+        let mut consumers = Vec::new();
+        for (i, c) in shared.clients.iter().enumerate() {
+            let consumer: BaseConsumer<Ctx> = shared
+                .inner
+                .config
+                .consumer(&c.group, sub.prefetch)
+                .create_with_context(Ctx {
+                    shared: Arc::downgrade(&shared),
+                    client: i,
+                })
+                .map_err(KafkaError::from)?;
+            if c.role == Role::DeadLetters {
+                shared.assign_all(i, &consumer).await?;
+            } else {
+                consumer
+                    .subscribe(&[c.topic.as_str()])
+                    .map_err(KafkaError::from)?;
+            }
+            consumers.push(consumer);
+        }
+        let mut threads = Vec::new();
+        for (i, consumer) in consumers.into_iter().enumerate() {
+            let s = shared.clone();
+            let name = format!("reliq-kafka-{i}");
+            let t = std::thread::Builder::new()
+                .name(name)
+                .spawn(move || s.poll_loop(i, consumer))
+                .map_err(|e| BrokerError::Other(Box::new(e)))?;
+            threads.push(t);
+        }
+        tracing::info!(consumer = %sub.consumer, source = %sub.source,
+            clients = shared.clients.len(), "kafka receiver started");
+        Ok(Self {
+            shared,
+            rx: tokio::sync::Mutex::new(rx),
+            threads: Mutex::new(threads),
+        })
+    }
+}
+
+impl Shared {
+    fn is_stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    /// DLQ reader: assign every partition at its committed position.
+    async fn assign_all(
+        &self,
+        client: usize,
+        consumer: &BaseConsumer<Ctx>,
+    ) -> Result<(), BrokerError> {
+        let topic = self.clients[client].topic.clone();
+        self.inner
+            .wait_visible(std::slice::from_ref(&topic))
+            .await?;
+        let producer = self.inner.route_producer.clone();
+        let t = topic.clone();
+        let metadata = tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(Some(&t), Duration::from_secs(10))
+        })
+        .await
+        .map_err(|e| BrokerError::Other(Box::new(e)))?
+        .map_err(KafkaError::from)?;
+        let mut tpl = TopicPartitionList::new();
+        for t in metadata.topics().iter().filter(|t| t.name() == topic) {
+            for p in t.partitions() {
+                tpl.add_partition_offset(&topic, p.id(), Offset::Stored)
+                    .map_err(KafkaError::from)?;
+            }
+        }
+        if tpl.count() == 0 {
+            return Err(BrokerError::Unroutable(topic));
+        }
+        consumer.assign(&tpl).map_err(KafkaError::from)?;
+        let mut s = lock(&self.state);
+        for e in tpl.elements() {
+            let generation = s.next_generation;
+            s.next_generation += 1;
+            s.parts
+                .insert((client, e.partition()), Part::new(generation, None, None));
+        }
+        Ok(())
+    }
+
+    fn poll_loop(self: Arc<Self>, client: usize, consumer: BaseConsumer<Ctx>) {
+        while !self.is_stopped() {
+            let timeout = self.service(client, &consumer);
+            match consumer.poll(timeout) {
+                None => {}
+                Some(Ok(m)) => self.on_record(client, &consumer, &m),
+                Some(Err(e)) => {
+                    tracing::warn!(topic = %self.clients[client].topic, error = %e, "kafka consumer error");
+                }
+            }
+        }
+        if !self.crashed.load(Ordering::SeqCst) {
+            // Graceful close: commit everything done, synchronously, before leaving.
+            let tpl = {
+                let s = lock(&self.state);
+                self.positions(&s, client, |_| true)
+            };
+            if tpl.count() > 0
+                && let Err(e) = consumer.commit(&tpl, CommitMode::Sync)
+            {
+                tracing::warn!(error = %e, "final commit failed; done records may be redelivered");
+            }
+        }
+        // Dropping the consumer leaves the group (its revoke runs in `revoke`).
+        drop(consumer);
+    }
+
+    /// Positions of `client`'s partitions that pass `keep`, as a list to commit.
+    fn positions(
+        &self,
+        s: &State,
+        client: usize,
+        keep: impl Fn(i32) -> bool,
+    ) -> TopicPartitionList {
+        let topic = &self.clients[client].topic;
+        let mut tpl = TopicPartitionList::new();
+        for ((c, p), part) in &s.parts {
+            if *c != client || !keep(*p) {
+                continue;
+            }
+            if let Some(pos) = part.tracker.position() {
+                let _ = tpl.add_partition_offset(topic, *p, Offset::Offset(pos));
+            }
+        }
+        tpl
+    }
+
+    /// Commit what moved, hand out due relay records, pause/resume for flow control.
+    /// Returns how long the next poll may block.
+    fn service(&self, client: usize, consumer: &BaseConsumer<Ctx>) -> Duration {
+        let topic = self.clients[client].topic.as_str();
+        let now = SystemTime::now();
+        let mut due = Vec::new();
+        let mut commit = TopicPartitionList::new();
+        {
+            let mut s = lock(&self.state);
+            let throttled = s.update_throttle(self.sub.prefetch);
+            for ((c, p), part) in s.parts.iter_mut() {
+                if *c != client {
+                    continue;
+                }
+                if let Some(pos) = part.tracker.take_commit() {
+                    let _ = commit.add_partition_offset(topic, *p, Offset::Offset(pos));
+                }
+                while !throttled && part.held.front().is_some_and(|h| h.due <= now) {
+                    if let Some(h) = part.held.pop_front() {
+                        due.push((*p, h));
+                    }
+                }
+            }
+        }
+        if commit.count() > 0
+            && let Err(e) = consumer.commit(&commit, CommitMode::Async)
+        {
+            tracing::warn!(error = %e, "commit failed; done records may be redelivered");
+        }
+        for (partition, h) in due {
+            self.hand_out(client, consumer, partition, h.offset, h.delivery);
+        }
+        // Flow control: pause every partition while `prefetch` deliveries wait for the
+        // runtime (which itself holds at most `prefetch`), and relay partitions while
+        // their head is not due.
+        let mut pause = TopicPartitionList::new();
+        let mut resume = TopicPartitionList::new();
+        let mut next_due: Option<Duration> = None;
+        {
+            let mut s = lock(&self.state);
+            let throttled = s.update_throttle(self.sub.prefetch);
+            for ((c, p), part) in s.parts.iter_mut() {
+                if *c != client {
+                    continue;
+                }
+                if let Some(h) = part.held.front() {
+                    let wait = h.due.duration_since(now).unwrap_or_default();
+                    next_due = Some(next_due.map_or(wait, |n| n.min(wait)));
+                }
+                let want = throttled || !part.held.is_empty();
+                if want != part.paused {
+                    part.paused = want;
+                    let list = if want { &mut pause } else { &mut resume };
+                    list.add_partition(topic, *p);
+                }
+            }
+        }
+        if pause.count() > 0
+            && let Err(e) = consumer.pause(&pause)
+        {
+            tracing::warn!(error = %e, "pausing partitions failed");
+        }
+        if resume.count() > 0
+            && let Err(e) = consumer.resume(&resume)
+        {
+            tracing::warn!(error = %e, "resuming partitions failed");
+        }
+        next_due.map_or(POLL_SLICE, |d| d.min(POLL_SLICE))
+    }
+
+    fn on_record(&self, client: usize, consumer: &BaseConsumer<Ctx>, m: &BorrowedMessage<'_>) {
+        let (partition, offset) = (m.partition(), m.offset());
+        let generation = match lock(&self.state).parts.get(&(client, partition)) {
+            Some(p) if !p.revoking => p.generation,
+            _ => return,
+        };
+        let decoded = decode(m);
+        let role = self.clients[client].role;
+        let origin = match role {
+            Role::Source | Role::DeadLetters => Origin {
+                destination: m.topic().to_owned(),
+                partition: Some(partition),
+                offset: Some(offset),
+                ..Origin::default()
+            },
+            Role::Relay(_) => Origin {
+                destination: self.sub.source.clone(),
+                partition: decoded.source_partition,
+                offset: decoded.source_offset,
+                ..Origin::default()
+            },
+        };
+        let attempt = headers::attempt(decoded.message.headers());
+        let token = DeliveryToken {
+            tag: u64::try_from(offset).unwrap_or_default(),
+            lane: i64::from(partition),
+            extra: Some(Box::new(TokenInfo { client, generation })),
+        };
+        let delivery = Delivery::new(decoded.message, attempt, origin, token);
+        if let Role::Relay(delay) = role {
+            let due = decoded.due.unwrap_or_else(|| {
+                let ts = m.timestamp().to_millis().unwrap_or(0).max(0);
+                UNIX_EPOCH + Duration::from_millis(u64::try_from(ts).unwrap_or(0)) + delay
+            });
+            let mut s = lock(&self.state);
+            if let Some(part) = s.parts.get_mut(&(client, partition))
+                && (due > SystemTime::now() || !part.held.is_empty())
+            {
+                part.held.push_back(Held {
+                    due,
+                    offset,
+                    delivery,
+                });
+                if !part.paused {
+                    // Stop fetching behind a record that is not due yet.
+                    part.paused = true;
+                    let mut tpl = TopicPartitionList::new();
+                    tpl.add_partition(&self.clients[client].topic, partition);
+                    if let Err(e) = consumer.pause(&tpl) {
+                        tracing::warn!(error = %e, "pausing a relay partition failed");
+                    }
+                }
+                return;
+            }
+        }
+        self.hand_out(client, consumer, partition, offset, delivery);
+    }
+
+    /// Count the head record (crash-loop guard), then push the delivery to the stream.
+    fn hand_out(
+        &self,
+        client: usize,
+        consumer: &BaseConsumer<Ctx>,
+        partition: i32,
+        offset: i64,
+        delivery: Delivery,
+    ) {
+        let role = self.clients[client].role;
+        let count = {
+            let mut s = lock(&self.state);
+            let Some(part) = s.parts.get_mut(&(client, partition)) else {
+                return;
+            };
+            let first = !part.counted;
+            part.counted = true;
+            if role != Role::DeadLetters && first && part.head.is_none_or(|h| h == offset) {
+                let before = part
+                    .head_count
+                    .filter(|(o, _)| *o == offset)
+                    .map_or(0, |(_, n)| n);
+                Some(before.saturating_add(1))
+            } else {
+                None
+            }
+        };
+        if let Some(n) = count {
+            let topic = &self.clients[client].topic;
+            let mut tpl = TopicPartitionList::new();
+            let mut e = tpl.add_partition(topic, partition);
+            let set = e.set_offset(Offset::Offset(offset));
+            e.set_metadata(format!("{COUNTER_PREFIX}:{offset}:{n}"));
+            if set.is_ok()
+                && let Err(err) = consumer.commit(&tpl, CommitMode::Sync)
+            {
+                tracing::warn!(error = %err, "storing the delivery counter failed");
+            }
+            if n > self.sub.delivery_limit {
+                match self.dead_letter_max_deliveries(&delivery) {
+                    Ok(()) => {
+                        tracing::warn!(topic = %topic, partition, offset, deliveries = n - 1,
+                            id = %delivery.id(), "delivery limit reached; moved to the dead-letter topic");
+                        let mut s = lock(&self.state);
+                        if let Some(part) = s.parts.get_mut(&(client, partition)) {
+                            part.tracker.handed_out(offset);
+                            part.tracker.complete(offset);
+                        }
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "delivery limit reached but the DLQ refuses; handing the record out");
+                    }
+                }
+            }
+        }
+        let mut s = lock(&self.state);
+        let Some(part) = s.parts.get_mut(&(client, partition)) else {
+            return;
+        };
+        if part.revoking || !part.tracker.handed_out(offset) {
+            return;
+        }
+        s.queued += 1;
+        if self.tx.send(delivery).is_err() {
+            tracing::debug!("receiver gone; record left uncommitted");
+        }
+    }
+
+    fn dead_letter_max_deliveries(&self, d: &Delivery) -> Result<(), BrokerError> {
+        let mut dead = d.message().clone();
+        DeadLetter {
+            reason: DeadLetterReason::MaxDeliveries,
+            error_class: None,
+            error: None,
+            attempts: d.attempt(),
+            first_failure_at: None,
+            dead_lettered_at: Clock::new().now(),
+            consumer: self.sub.consumer.clone(),
+            origin: d.origin().clone(),
+        }
+        .write(dead.headers_mut());
+        let topic = self.sub.dead_letter_name();
+        self.runtime
+            .block_on(route_produce(&self.inner, &topic, &dead, &[]))
+    }
+
+    fn assign(&self, client: usize, consumer: &BaseConsumer<Ctx>, tpl: &TopicPartitionList) {
+        let committed = match consumer.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::warn!(error = %e, "reading committed offsets failed; delivery counter starts at 0");
+                None
+            }
+        };
+        let mut s = lock(&self.state);
+        for e in tpl.elements() {
+            let mut head = None;
+            let mut head_count = None;
+            if let Some(c) = committed
+                .as_ref()
+                .and_then(|c| c.find_partition(e.topic(), e.partition()))
+                && let Offset::Offset(o) = c.offset()
+            {
+                head = Some(o);
+                head_count = parse_counter(c.metadata());
+            }
+            let generation = s.next_generation;
+            s.next_generation += 1;
+            s.parts.insert(
+                (client, e.partition()),
+                Part::new(generation, head, head_count),
+            );
+        }
+        tracing::debug!(topic = %self.clients[client].topic, partitions = tpl.count(), "partitions assigned");
+    }
+
+    fn revoke(
+        &self,
+        client: usize,
+        consumer: &BaseConsumer<Ctx>,
+        tpl: &TopicPartitionList,
+        lost: bool,
+    ) {
+        let revoked: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
+        {
+            let mut s = lock(&self.state);
+            for p in &revoked {
+                if let Some(part) = s.parts.get_mut(&(client, *p)) {
+                    part.revoking = true;
+                }
+            }
+        }
+        let crashed = self.crashed.load(Ordering::SeqCst);
+        if !lost && !crashed {
+            // Let in-flight records of the revoked partitions settle, then commit.
+            let deadline = Instant::now() + self.inner.config.rebalance_drain;
+            loop {
+                let busy: usize = {
+                    let s = lock(&self.state);
+                    revoked
+                        .iter()
+                        .filter_map(|p| s.parts.get(&(client, *p)))
+                        .map(|p| p.busy)
+                        .sum()
+                };
+                if busy == 0 || Instant::now() >= deadline {
+                    if busy > 0 {
+                        tracing::warn!(
+                            busy,
+                            "revoke: records still in flight; the new owner will redeliver them"
+                        );
+                    }
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let commit = {
+                let s = lock(&self.state);
+                self.positions(&s, client, |p| revoked.contains(&p))
+            };
+            if commit.count() > 0
+                && let Err(e) = consumer.commit(&commit, CommitMode::Sync)
+            {
+                tracing::warn!(error = %e, "commit on revoke failed; done records may be redelivered");
+            }
+        }
+        let mut s = lock(&self.state);
+        for p in &revoked {
+            s.parts.remove(&(client, *p));
+        }
+        tracing::debug!(topic = %self.clients[client].topic, partitions = revoked.len(), lost, "partitions revoked");
+    }
+
+    /// Settle: the record is done (acked, retried or dead-lettered).
+    fn finish(&self, d: &Delivery) {
+        let Some(info) = token(d) else { return };
+        let mut s = lock(&self.state);
+        let offset = i64::try_from(d.token().tag).unwrap_or(i64::MAX);
+        let partition = i32::try_from(d.token().lane).unwrap_or(-1);
+        match s.parts.get_mut(&(info.client, partition)) {
+            Some(part) if part.generation == info.generation => {
+                part.busy = part.busy.saturating_sub(1);
+                part.tracker.complete(offset);
+            }
+            _ => tracing::debug!(
+                partition,
+                offset,
+                "settled after its partition was revoked; the new owner may deliver it again"
+            ),
+        }
+    }
+}
+
+fn token(d: &Delivery) -> Option<&TokenInfo> {
+    d.token().extra.as_ref()?.downcast_ref::<TokenInfo>()
+}
+
+fn parse_counter(metadata: &str) -> Option<(i64, u32)> {
+    let mut it = metadata
+        .strip_prefix(COUNTER_PREFIX)?
+        .strip_prefix(':')?
+        .split(':');
+    let offset = it.next()?.parse().ok()?;
+    let n = it.next()?.parse().ok()?;
+    Some((offset, n))
+}
+
+struct Decoded {
+    message: Message,
+    due: Option<SystemTime>,
+    source_partition: Option<i32>,
+    source_offset: Option<i64>,
+}
+
+fn decode(m: &BorrowedMessage<'_>) -> Decoded {
+    let mut id = None;
+    let mut due = None;
+    let mut source_partition = None;
+    let mut source_offset = None;
+    let mut hs = Headers::new();
+    if let Some(raw) = m.headers() {
+        for h in raw.iter() {
+            let value = h
+                .value
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default();
+            match h.key {
+                headers::MESSAGE_ID => id = Some(value),
+                DUE_AT_HEADER => {
+                    due = value
+                        .parse::<u64>()
+                        .ok()
+                        .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
+                }
+                SOURCE_PARTITION_HEADER => source_partition = value.parse().ok(),
+                SOURCE_OFFSET_HEADER => source_offset = value.parse().ok(),
+                k => hs.insert(k, value),
+            }
+        }
+    }
+    let id = id
+        .filter(|i| !i.is_empty())
+        .unwrap_or_else(|| format!("kafka-{}-{}-{}", m.topic(), m.partition(), m.offset()));
+    let key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
+    let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
+    Decoded {
+        message: Message::from_parts(MessageId::from(id), key, payload, hs),
+        due,
+        source_partition,
+        source_offset,
+    }
+}
+
+/// Produce a retry / DLQ copy: the topic must exist (never auto-created), then wait for
+/// the delivery report.
+async fn route_produce(
+    inner: &Inner,
+    topic: &str,
+    message: &Message,
+    extra: &[(&str, String)],
+) -> Result<(), BrokerError> {
+    if !inner.topic_exists(topic).await.map_err(BrokerError::from)? {
+        return Err(BrokerError::Unroutable(topic.to_owned()));
+    }
+    inner.produce(true, topic, message, extra).await.map(drop)
+}
+
+fn source_headers(d: &Delivery) -> Vec<(&'static str, String)> {
+    let mut extra = Vec::new();
+    if let Some(p) = d.origin().partition {
+        extra.push((SOURCE_PARTITION_HEADER, p.to_string()));
+    }
+    if let Some(o) = d.origin().offset {
+        extra.push((SOURCE_OFFSET_HEADER, o.to_string()));
+    }
+    extra
+}
+
+#[async_trait]
+impl Receiver for KafkaReceiver {
+    async fn receive(&self) -> Result<Delivery, BrokerError> {
+        loop {
+            let d = {
+                let mut rx = self.rx.lock().await;
+                rx.recv().await.ok_or(BrokerError::Closed)?
+            };
+            if self.shared.is_stopped() {
+                return Err(BrokerError::Closed);
+            }
+            let Some(info) = token(&d) else { continue };
+            let partition = i32::try_from(d.token().lane).unwrap_or(-1);
+            let mut s = lock(&self.shared.state);
+            s.queued = s.queued.saturating_sub(1);
+            match s.parts.get_mut(&(info.client, partition)) {
+                Some(part) if part.generation == info.generation && !part.revoking => {
+                    part.busy += 1;
+                    return Ok(d);
+                }
+                // Its partition was revoked: the new owner reads it from the commit.
+                _ => {}
+            }
+        }
+    }
+
+    async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
+        self.shared.finish(delivery);
+        Ok(())
+    }
+
+    async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
+        let shared = &self.shared;
+        if shared.clients.iter().any(|c| c.role == Role::DeadLetters) {
+            return Err(BrokerError::Unsupported {
+                backend: "kafka",
+                what: "retrying from a dead-letter reader",
+            });
+        }
+        let tiers = &shared.sub.retry_tiers;
+        let delay = tiers
+            .get(retry.tier)
+            .or(tiers.last())
+            .ok_or(BrokerError::Unsupported {
+                backend: "kafka",
+                what: "retry without retry tiers (no retry topic declared)",
+            })?;
+        let topic = shared.sub.retry_name(*delay);
+        route_produce(
+            &shared.inner,
+            &topic,
+            &retry.message,
+            &source_headers(delivery),
+        )
+        .await?;
+        shared.finish(delivery);
+        Ok(())
+    }
+
+    async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {
+        let shared = &self.shared;
+        if shared.clients.iter().any(|c| c.role == Role::DeadLetters) {
+            return Err(BrokerError::Unsupported {
+                backend: "kafka",
+                what: "dead-lettering from a dead-letter reader",
+            });
+        }
+        let topic = shared.sub.dead_letter_name();
+        route_produce(&shared.inner, &topic, &dead, &[]).await?;
+        shared.finish(delivery);
+        Ok(())
+    }
+
+    async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
+        let Some(info) = token(delivery) else {
+            return Err(BrokerError::Rejected("not a Kafka delivery".into()));
+        };
+        let partition = i32::try_from(delivery.token().lane).unwrap_or(-1);
+        {
+            let mut s = lock(&self.shared.state);
+            match s.parts.get_mut(&(info.client, partition)) {
+                Some(part) if part.generation == info.generation => {
+                    part.busy = part.busy.saturating_sub(1);
+                    s.queued += 1;
+                }
+                // Revoked meanwhile: uncommitted, the new owner delivers it.
+                _ => return Ok(()),
+            }
+        }
+        // The offset stays unfinished (nothing is committed past it); hand the same
+        // record out again after the delay.
+        let tx = self.shared.tx.clone();
+        let again = delivery.clone();
+        if delay.is_zero() {
+            let _ = tx.send(again);
+        } else {
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let _ = tx.send(again);
+            });
+        }
+        Ok(())
+    }
+
+    async fn close(&self) -> Result<(), BrokerError> {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        let threads: Vec<JoinHandle<()>> = std::mem::take(&mut *lock(&self.threads));
+        tokio::task::spawn_blocking(move || {
+            for t in threads {
+                if t.join().is_err() {
+                    tracing::warn!("a kafka poll thread panicked");
+                }
+            }
+        })
+        .await
+        .map_err(|e| BrokerError::Other(Box::new(e)))?;
+        Ok(())
+    }
+}
+
+impl Drop for KafkaReceiver {
+    /// Dropped without `close`: behave like a crashed process — commit nothing more,
+    /// leave the group; unsettled records are redelivered to the next owner.
+    fn drop(&mut self) {
+        if !self.shared.stop.swap(true, Ordering::SeqCst) {
+            self.shared.crashed.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counter_metadata_round_trips() {
+        assert_eq!(parse_counter("reliq-deliveries:42:3"), Some((42, 3)));
+        assert_eq!(parse_counter(""), None);
+        assert_eq!(parse_counter("other:1:2"), None);
+        assert_eq!(parse_counter("reliq-deliveries:x:2"), None);
+    }
+}
