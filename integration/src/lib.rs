@@ -2,4 +2,5 @@
 //! integration tests (read from `brokers.env`, overridable by environment variables).
 
 pub mod memory;
+pub mod rabbit;
 pub mod settings;

@@ -33,7 +33,7 @@
 //! | URL | cargo feature | crate |
 //! |---|---|---|
 //! | `memory://[name]` | `memory` (default) | `reliq-memory` |
-//! | `amqp://…`, `amqps://…` | `rabbit` | `reliq-rabbit` (coming) |
+//! | `amqp://…`, `amqps://…` (TLS via rustls) | `rabbit` | `reliq-rabbit` |
 //! | `kafka://host:port[,host:port]` | `kafka` | `reliq-kafka` (coming) |
 //! | `nats://…`, `tls://…` | `nats` | `reliq-nats` (coming) |
 //! | `sqs://host:port?region=…`, `sqs://?region=…` | `sqs` | `reliq-sqs` (coming) |
@@ -44,6 +44,9 @@ pub use reliq_core::*;
 
 #[cfg(feature = "memory")]
 pub use reliq_memory as memory;
+
+#[cfg(feature = "rabbit")]
+pub use reliq_rabbit as rabbit;
 
 /// `connect` could not hand back a broker.
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +92,8 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Broker>, ConnectError> {
     match feature {
         #[cfg(feature = "memory")]
         "memory" => Ok(Arc::new(named_memory_broker(rest))),
+        #[cfg(feature = "rabbit")]
+        "rabbit" => Ok(Arc::new(rabbit::RabbitBroker::connect(url).await?)),
         _ => {
             let _ = rest;
             Err(ConnectError::FeatureDisabled { scheme, feature })
@@ -118,12 +123,15 @@ mod tests {
 
     #[tokio::test]
     async fn scheme_errors_name_the_feature() {
-        for (url, feature) in [
+        // Only schemes whose feature is disabled in this build must fail this way.
+        let disabled = [
             ("kafka://127.0.0.1:9092", "kafka"),
+            #[cfg(not(feature = "rabbit"))]
             ("amqp://guest:guest@127.0.0.1:5672/%2f", "rabbit"),
             ("nats://127.0.0.1:4222", "nats"),
             ("sqs://127.0.0.1:4566?region=us-east-1", "sqs"),
-        ] {
+        ];
+        for (url, feature) in disabled {
             match connect(url).await {
                 Err(ConnectError::FeatureDisabled { feature: f, .. }) => assert_eq!(f, feature),
                 Err(e) => panic!("{url}: unexpected error {e}"),
