@@ -412,3 +412,86 @@ async fn broker_dead_letter_is_read_as_max_deliveries_and_plan_matches_version()
     ensure!(plan.contains("\"delivery-limit\":1"), "{plan}");
     Ok(())
 }
+
+/// The connection is killed by the broker (management API) while a handler runs: the
+/// consumer reconnects with backoff, re-declares its topology and resumes; the delivery
+/// that was unacked on the lost channel comes back; publishing reconnects too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_loss_reconnects_and_unacked_delivery_comes_back() -> anyhow::Result<()> {
+    let name = unique("reconnect-conn");
+    let options = reliq_rabbit::RabbitOptions {
+        connection_name: name.clone(),
+        ..RabbitBackend::options()
+    };
+    let url = reliq_integration::settings::get("RELIQ_RABBIT_URL");
+    let rabbit = RabbitBroker::connect_with(&url, options).await?;
+    let mgmt = rabbit.management().context("management URL")?.clone();
+    let broker: Arc<dyn Broker> = Arc::new(rabbit);
+    let topic = unique("reconnect");
+    let rec = Recorder::new();
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let (r, g) = (rec.clone(), gate.clone());
+    let h = Consumer::builder(broker.clone(), "c")
+        .subscribe(topic.clone(), None::<String>)
+        .retry(RetryPolicy::tiers(TIERS).max_attempts(3))
+        .settle_backoff(Duration::from_millis(50), Duration::from_millis(500))
+        .start(move |d: Delivery| {
+            let (r, g) = (r.clone(), g.clone());
+            async move {
+                r.call(&d);
+                if d.payload() == b"held" && r.calls_for(d.id()).len() == 1 {
+                    g.notified().await; // still running when the connection dies
+                }
+                r.effect(d.id());
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await?;
+    let held = Message::new("held");
+    let held_id = held.id().clone();
+    broker
+        .publish(&Destination::new(topic.clone()), held)
+        .await?;
+    wait_until("handler holds the message", SOON, || {
+        rec.calls_for(&held_id).len() == 1
+    })
+    .await?;
+
+    let deadline = tokio::time::Instant::now() + SOON;
+    loop {
+        if mgmt.close_connections(&name).await? > 0 {
+            break;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "connection never listed"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    gate.notify_one(); // the handler finishes; its ack goes to a dead channel
+    wait_until(
+        "the unacked delivery came back on the new channel",
+        SOON,
+        || rec.calls_for(&held_id).len() == 2,
+    )
+    .await?;
+    let after: Vec<Message> = (0..10)
+        .map(|i| Message::new(format!("after-{i}")))
+        .collect();
+    for m in &after {
+        broker
+            .publish(&Destination::new(topic.clone()), m.clone())
+            .await?;
+    }
+    wait_until("messages after the reconnect processed", SOON, || {
+        after.iter().all(|m| rec.calls_for(m.id()).len() == 1)
+    })
+    .await?;
+    let s = h.shutdown().await.stats;
+    ensure!(
+        s.settle_failures >= 1,
+        "the ack on the dead channel must fail: {s:?}"
+    );
+    ensure!(s.processed == 11, "{s:?}");
+    Ok(())
+}

@@ -8,7 +8,7 @@
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use reliq_core::{BoxError, Consumer, Delivery, Destination, Message, RetryPolicy};
+//! use reliq_core::{BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy};
 //! use reliq_rabbit::RabbitBroker;
 //!
 //! let broker = Arc::new(RabbitBroker::connect("amqp://guest:guest@127.0.0.1:5672/%2f").await?);
@@ -173,6 +173,8 @@ pub struct RabbitOptions {
     /// `x-expires` for every queue reliq declares: RabbitMQ deletes a queue unused for
     /// this long. Off by default; tests use it so nothing is left behind.
     pub queue_expiry: Option<Duration>,
+    /// The client-side connection name shown by RabbitMQ (default `reliq`).
+    pub connection_name: String,
 }
 
 impl Default for RabbitOptions {
@@ -183,6 +185,7 @@ impl Default for RabbitOptions {
             reconnect: Reconnect::default(),
             management_url: None,
             queue_expiry: None,
+            connection_name: "reliq".to_owned(),
         }
     }
 }
@@ -276,7 +279,8 @@ impl Inner {
     async fn connect_once(&self) -> Result<Connection, lapin::Error> {
         Connection::connect(
             &self.url,
-            ConnectionProperties::default().with_connection_name("reliq".into()),
+            ConnectionProperties::default()
+                .with_connection_name(self.opts.connection_name.clone().into()),
         )
         .await
     }

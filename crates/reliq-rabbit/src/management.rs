@@ -176,6 +176,40 @@ impl Management {
         Ok(())
     }
 
+    /// `DELETE path` (404 counts as done).
+    pub async fn delete(&self, path: &str) -> Result<(), BrokerError> {
+        let (status, text) = self.request("DELETE", path, None).await?;
+        if !(200..300).contains(&status) && status != 404 {
+            return Err(BrokerError::Rejected(format!(
+                "management API DELETE {path}: HTTP {status}: {}",
+                text.chars().take(200).collect::<String>()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Force-close every connection whose client-side name (`connection_name`) is
+    /// `client_name`; returns how many were closed. For tests of reconnection.
+    pub async fn close_connections(&self, client_name: &str) -> Result<usize, BrokerError> {
+        let list = self.get("/api/connections").await?;
+        let names: Vec<String> = list
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|c| {
+                c.pointer("/client_properties/connection_name")
+                    .and_then(|v| v.as_str())
+                    == Some(client_name)
+            })
+            .filter_map(|c| c.get("name").and_then(|v| v.as_str()).map(str::to_owned))
+            .collect();
+        for name in &names {
+            self.delete(&format!("/api/connections/{}", encode_segment(name)))
+                .await?;
+        }
+        Ok(names.len())
+    }
+
     /// The broker's version (`/api/overview` → `rabbitmq_version`).
     pub async fn server_version(&self) -> Result<String, BrokerError> {
         let v = self.get("/api/overview").await?;

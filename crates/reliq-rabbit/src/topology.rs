@@ -310,7 +310,7 @@ fn regex_escape(name: &str) -> String {
     out
 }
 
-/// What [`crate::RabbitBroker::subscribe`] declares for `sub`, as text: every exchange,
+/// What [`Broker::subscribe`](reliq_core::Broker::subscribe) on a [`crate::RabbitBroker`] declares for `sub`, as text: every exchange,
 /// queue, argument and binding, followed by the equivalent `rabbitmqctl set_policy`
 /// commands (for operators who prefer policies, which can be changed without deleting a
 /// queue). `server_version` picks the policy `--apply-to` value: `quorum_queues` on 3.12+,
