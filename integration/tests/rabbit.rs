@@ -488,10 +488,11 @@ async fn connection_loss_reconnects_and_unacked_delivery_comes_back() -> anyhow:
     })
     .await?;
     let s = h.shutdown().await.stats;
-    ensure!(
-        s.settle_failures >= 1,
-        "the ack on the dead channel must fail: {s:?}"
-    );
-    ensure!(s.processed == 11, "{s:?}");
+    // 12 handler completions: the held message twice, ten after. The first ack of the
+    // held message went to a dying connection: AMQP acks are not confirmed, so it either
+    // failed (channel already known closed) or "succeeded" into a socket the broker had
+    // closed; either way the broker redelivered it, as asserted above.
+    ensure!(s.processed + s.settle_failures == 12, "{s:?}");
+    ensure!(s.processed >= 11, "{s:?}");
     Ok(())
 }
