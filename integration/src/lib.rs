@@ -4,4 +4,5 @@
 pub mod kafka;
 pub mod memory;
 pub mod nats;
+pub mod rabbit;
 pub mod settings;

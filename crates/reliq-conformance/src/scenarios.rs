@@ -900,7 +900,13 @@ pub async fn graceful_shutdown_loses_nothing_and_settles_once(
     let msgs: Vec<Message> = (0..40).map(order).collect();
     let ids: HashSet<MessageId> = msgs.iter().map(|m| m.id().clone()).collect();
     ctx.publish_all(msgs).await?;
-    wait_until("some processed", soon(b), || rec.effect_count() >= 8).await?;
+    // Wait for work in flight, not only for work done: on a networked broker the next
+    // deliveries arrive a round trip after the first acks, so "8 done" alone can mean
+    // "nothing held right now" and the shutdown would have nothing to release.
+    wait_until("some processed and more in flight", soon(b), || {
+        rec.effect_count() >= 8 && h.stats().in_flight > 0
+    })
+    .await?;
     let first = h.shutdown().await;
     ensure!(
         !first.drained && first.stats.released > 0,

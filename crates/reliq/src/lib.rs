@@ -33,7 +33,7 @@
 //! | URL | cargo feature | crate |
 //! |---|---|---|
 //! | `memory://[name]` | `memory` (default) | `reliq-memory` |
-//! | `amqp://…`, `amqps://…` | `rabbit` | `reliq-rabbit` (coming) |
+//! | `amqp://…`, `amqps://…` (TLS via rustls) | `rabbit` | `reliq-rabbit` |
 //! | `kafka://host:port[,host:port]?key=value` | `kafka` | `reliq-kafka` (query keys: librdkafka settings, or `reliq.*`, see `reliq_kafka::KafkaConfig`) |
 //! | `nats://…`, `tls://…` | `nats` | `reliq-nats` |
 //! | `sqs://host:port?region=…`, `sqs://?region=…` | `sqs` | `reliq-sqs` (coming) |
@@ -49,6 +49,9 @@ pub use reliq_nats as nats;
 
 #[cfg(feature = "kafka")]
 pub use reliq_kafka as kafka;
+
+#[cfg(feature = "rabbit")]
+pub use reliq_rabbit as rabbit;
 
 /// `connect` could not hand back a broker.
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +109,8 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Broker>, ConnectError> {
         "kafka" => Ok(Arc::new(
             kafka::KafkaBroker::connect(url).map_err(BrokerError::from)?,
         )),
+        #[cfg(feature = "rabbit")]
+        "rabbit" => Ok(Arc::new(rabbit::RabbitBroker::connect(url).await?)),
         _ => {
             let _ = rest;
             Err(ConnectError::FeatureDisabled { scheme, feature })
@@ -137,7 +142,11 @@ mod tests {
     async fn scheme_errors_name_the_feature() {
         for (url, feature, enabled) in [
             ("kafka://127.0.0.1:9092", "kafka", cfg!(feature = "kafka")),
-            ("amqp://guest:guest@127.0.0.1:5672/%2f", "rabbit", false),
+            (
+                "amqp://guest:guest@127.0.0.1:5672/%2f",
+                "rabbit",
+                cfg!(feature = "rabbit"),
+            ),
             ("nats://127.0.0.1:4222", "nats", cfg!(feature = "nats")),
             ("sqs://127.0.0.1:4566?region=us-east-1", "sqs", false),
         ] {

@@ -1,0 +1,154 @@
+//! The RabbitMQ backend's conformance factory (the broker started by `scripts/brokers`).
+//!
+//! Fault hooks work on the real broker: "DLQ unavailable" deletes the consumer's parking
+//! queue (the confirmed, mandatory publish to it then comes back with `basic.return`) and
+//! "restore" declares it again; "retry route broken" deletes the consumer's TTL retry
+//! queues. Every queue is declared with `x-expires` so a test leaves nothing behind.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use async_trait::async_trait;
+use lapin::options::QueueDeleteOptions;
+use lapin::{Connection, ConnectionProperties};
+use reliq_conformance::Backend;
+use reliq_core::{Broker, Subscription};
+use reliq_rabbit::{Names, RabbitBroker, RabbitOptions};
+use tokio::sync::OnceCell;
+
+use crate::settings;
+
+/// Fresh connections to the local RabbitMQ; names are made unique by the suite.
+#[derive(Default)]
+pub struct RabbitBackend {
+    admin: OnceCell<(RabbitBroker, Connection)>,
+}
+
+impl RabbitBackend {
+    /// A backend for one test.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The options every test connection uses: quorum queues, management API for the
+    /// version probe, queues expire 10 minutes after their last use.
+    pub fn options() -> RabbitOptions {
+        RabbitOptions {
+            management_url: Some(settings::get("RELIQ_RABBIT_MGMT_URL")),
+            queue_expiry: Some(Duration::from_secs(600)),
+            ..RabbitOptions::default()
+        }
+    }
+
+    /// A new reliq connection with [`RabbitBackend::options`].
+    pub async fn broker() -> anyhow::Result<RabbitBroker> {
+        let url = settings::get("RELIQ_RABBIT_URL");
+        RabbitBroker::connect_with(&url, Self::options())
+            .await
+            .with_context(|| format!("RabbitMQ at {url} (run scripts/brokers up)"))
+    }
+
+    /// A shared admin connection: a reliq broker (declarations) and a raw lapin
+    /// connection (deletions).
+    pub async fn admin(&self) -> anyhow::Result<&(RabbitBroker, Connection)> {
+        self.admin
+            .get_or_try_init(|| async {
+                let broker = Self::broker().await?;
+                let raw = Connection::connect(
+                    &settings::get("RELIQ_RABBIT_URL"),
+                    ConnectionProperties::default(),
+                )
+                .await?;
+                Ok::<_, anyhow::Error>((broker, raw))
+            })
+            .await
+    }
+
+    /// Delete a queue (whatever it holds).
+    pub async fn delete_queue(&self, name: &str) -> anyhow::Result<()> {
+        let (_, raw) = self.admin().await?;
+        let ch = raw.create_channel().await?;
+        ch.queue_delete(name.into(), QueueDeleteOptions::default())
+            .await?;
+        ch.close(200, "ok".into()).await?;
+        Ok(())
+    }
+
+    /// A queue's counters from the management API.
+    pub async fn queue_stats(&self, name: &str) -> anyhow::Result<serde_json::Value> {
+        let (admin, _) = self.admin().await?;
+        let mgmt = admin.management().context("no management URL")?;
+        Ok(mgmt.queue("/", name).await?)
+    }
+}
+
+#[async_trait]
+impl Backend for RabbitBackend {
+    fn name(&self) -> &'static str {
+        "rabbit"
+    }
+
+    async fn connect(&self) -> anyhow::Result<Arc<dyn Broker>> {
+        Ok(Arc::new(Self::broker().await?))
+    }
+
+    fn tiers(&self) -> [Duration; 2] {
+        [Duration::from_secs(1), Duration::from_secs(2)]
+    }
+
+    fn tolerance(&self) -> Duration {
+        // TTL expiry on a quorum queue, dead-lettering through Raft, and redelivery.
+        Duration::from_millis(1500)
+    }
+
+    fn quiet_period(&self) -> Duration {
+        Duration::from_millis(1500)
+    }
+
+    async fn declare_source(&self, _broker: &Arc<dyn Broker>, topic: &str) -> anyhow::Result<()> {
+        let (admin, _) = self.admin().await?;
+        admin.declare_exchange(topic).await?;
+        Ok(())
+    }
+
+    async fn set_dead_letter_available(
+        &self,
+        _broker: &Arc<dyn Broker>,
+        sub: &Subscription,
+        available: bool,
+    ) -> anyhow::Result<()> {
+        if available {
+            let (admin, _) = self.admin().await?;
+            admin.declare_dead_letter_queue(sub).await?;
+        } else {
+            self.delete_queue(&sub.dead_letter_name()).await?;
+        }
+        Ok(())
+    }
+
+    async fn set_retry_available(
+        &self,
+        _broker: &Arc<dyn Broker>,
+        sub: &Subscription,
+        available: bool,
+    ) -> anyhow::Result<()> {
+        if available {
+            let (admin, _) = self.admin().await?;
+            admin.declare_retry_queues(sub).await?;
+        } else {
+            for (_, queue) in Names::of(sub).retry {
+                self.delete_queue(&queue).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn unsettled(&self, _broker: &Arc<dyn Broker>, sub: &Subscription) -> Option<usize> {
+        let stats = self.queue_stats(&Names::of(sub).queue).await.ok()?;
+        stats
+            .get("messages_unacknowledged")
+            .and_then(serde_json::Value::as_u64)
+            .and_then(|n| usize::try_from(n).ok())
+    }
+}
