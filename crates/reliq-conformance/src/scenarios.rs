@@ -16,6 +16,7 @@ use reliq_core::{
 use serde::{Deserialize, Serialize};
 
 use crate::support::{Backend, Ctx, Recorder, wait_until};
+use tokio::time::Instant;
 
 /// A generous deadline for things that should happen "soon".
 fn soon(b: &dyn Backend) -> Duration {
@@ -881,12 +882,17 @@ pub async fn graceful_shutdown_loses_nothing_and_settles_once(
 ) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "shutdown").await?;
     let rec = Recorder::new();
-    let handler = |rec: Recorder| {
+    // Start times of the handlers running right now.
+    let running: Arc<std::sync::Mutex<Vec<(MessageId, Instant)>>> = Arc::default();
+    let handler = |rec: Recorder, running: Arc<std::sync::Mutex<Vec<(MessageId, Instant)>>>| {
         move |d: Delivery| {
-            let r = rec.clone();
+            let (r, running) = (rec.clone(), running.clone());
             async move {
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                let lock = || running.lock().unwrap_or_else(|p| p.into_inner());
+                lock().push((d.id().clone(), Instant::now()));
+                tokio::time::sleep(Duration::from_secs(1)).await;
                 r.effect(d.id());
+                lock().retain(|(id, _)| id != d.id());
                 Ok::<(), BoxError>(())
             }
         }
@@ -895,16 +901,22 @@ pub async fn graceful_shutdown_loses_nothing_and_settles_once(
         .consumer_on(b.connect().await?, "c")
         .max_in_flight(8)
         .shutdown_timeout(Duration::from_millis(100))
-        .start(handler(rec.clone()))
+        .start(handler(rec.clone(), running.clone()))
         .await?;
     let msgs: Vec<Message> = (0..40).map(order).collect();
     let ids: HashSet<MessageId> = msgs.iter().map(|m| m.id().clone()).collect();
     ctx.publish_all(msgs).await?;
-    // Wait for work in flight, not only for work done: on a networked broker the next
-    // deliveries arrive a round trip after the first acks, so "8 done" alone can mean
-    // "nothing held right now" and the shutdown would have nothing to release.
-    wait_until("some processed and more in flight", soon(b), || {
-        rec.effect_count() >= 8 && h.stats().in_flight > 0
+    // Shut down while some work is done and a handler started less than 300 ms ago: it
+    // cannot finish (1 s) within the 100 ms shutdown timeout, so something is released.
+    wait_until("some processed and a handler just started", soon(b), || {
+        let fresh = running
+            .lock()
+            .map(|r| {
+                r.iter()
+                    .any(|(_, t)| t.elapsed() < Duration::from_millis(300))
+            })
+            .unwrap_or(false);
+        rec.effect_count() >= 8 && fresh
     })
     .await?;
     let first = h.shutdown().await;
@@ -917,7 +929,7 @@ pub async fn graceful_shutdown_loses_nothing_and_settles_once(
     let h = ctx
         .consumer_on(b.connect().await?, "c")
         .max_in_flight(8)
-        .start(handler(rec.clone()))
+        .start(handler(rec.clone(), running.clone()))
         .await?;
     wait_until("all 40 processed", soon(b), || rec.effect_count() == 40).await?;
     let second = h.shutdown().await;

@@ -476,10 +476,13 @@ fn to_nats_headers(message: &Message) -> async_nats::HeaderMap {
     if let Some(key) = message.key() {
         h.insert(KEY_HEADER, key);
     }
-    // A replayed copy must not be dropped as a duplicate of the original publish.
-    let msg_id = match message.headers().get(headers::REPLAY_COUNT) {
-        Some(n) => format!("{}:replay:{n}", message.id()),
-        None => message.id().to_string(),
+    // A replayed copy must not be dropped as a duplicate of the original publish, nor of
+    // another replay of the same id: the replay count and time make each replay distinct.
+    let h_ = message.headers();
+    let msg_id = match (h_.get(headers::REPLAY_COUNT), h_.get(headers::REPLAYED_AT)) {
+        (Some(n), Some(at)) => format!("{}:replay:{n}:{at}", message.id()),
+        (Some(n), None) => format!("{}:replay:{n}", message.id()),
+        _ => message.id().to_string(),
     };
     h.insert(MSG_ID, msg_id);
     h
