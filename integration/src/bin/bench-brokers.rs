@@ -1,0 +1,393 @@
+//! Benchmark on a real broker (started by `scripts/brokers up`): reliq against the raw
+//! client crate on the same broker, in the same run.
+//!
+//! ```sh
+//! cargo run --release -p reliq-integration --bin bench-brokers -- --broker rabbit --messages 5000
+//! ```
+//!
+//! Measures, each as msg/s and as a ratio reliq / raw:
+//! - **publish**: `--messages` confirmed publishes, 64 in flight (reliq `Broker::publish`
+//!   vs the raw client's confirmed publish);
+//! - **consume**: a pre-filled queue/stream/topic drained with a no-op handler, prefetch
+//!   256 (the reliq runtime vs a raw consumer that acks/commits each message);
+//! - **failure path** (reliq only): every message fails once (transient), is retried after
+//!   the 1 s tier and then succeeds.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use futures::StreamExt;
+use reliq_conformance::support::unique;
+use reliq_core::{
+    BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy, Transient,
+};
+use reliq_integration::settings;
+
+const IN_FLIGHT: usize = 64;
+const PREFETCH: u32 = 256;
+
+fn arg(name: &str) -> Option<String> {
+    let mut args = std::env::args();
+    while let Some(a) = args.next() {
+        if a == name {
+            return args.next();
+        }
+    }
+    None
+}
+
+fn payload(i: usize) -> Vec<u8> {
+    format!("{{\"n\":{i},\"pad\":\"{}\"}}", "x".repeat(100)).into_bytes()
+}
+
+async fn connect(broker: &str) -> anyhow::Result<Arc<dyn Broker>> {
+    Ok(match broker {
+        "rabbit" => {
+            Arc::new(reliq_rabbit::RabbitBroker::connect(&settings::get("RELIQ_RABBIT_URL")).await?)
+        }
+        "nats" => {
+            Arc::new(reliq_nats::NatsBroker::connect(&settings::get("RELIQ_NATS_URL")).await?)
+        }
+        "kafka" => Arc::new(reliq_kafka::KafkaBroker::connect(&settings::get(
+            "RELIQ_KAFKA_URL",
+        ))?),
+        other => bail!("--broker rabbit|nats|kafka, not {other}"),
+    })
+}
+
+async fn reliq_publish(broker: &Arc<dyn Broker>, topic: &str, n: usize) -> anyhow::Result<f64> {
+    let dest = Destination::new(topic);
+    let t0 = Instant::now();
+    let mut pending = futures::stream::FuturesUnordered::new();
+    for i in 0..n {
+        if pending.len() >= IN_FLIGHT
+            && let Some(r) = pending.next().await
+        {
+            r?;
+        }
+        pending.push(broker.publish(&dest, Message::new(payload(i))));
+    }
+    while let Some(r) = pending.next().await {
+        r?;
+    }
+    Ok(n as f64 / t0.elapsed().as_secs_f64())
+}
+
+/// Declare the consumer's topology, fill it, then time the runtime draining it.
+async fn reliq_consume(broker: &Arc<dyn Broker>, fail_once: bool, n: usize) -> anyhow::Result<f64> {
+    let topic = unique("bench");
+    let builder = Consumer::builder(broker.clone(), "bench")
+        .subscribe(topic.clone(), None::<String>)
+        .retry(RetryPolicy::tiers([Duration::from_secs(1)]).max_attempts(3))
+        .max_in_flight(PREFETCH);
+    drop(broker.subscribe(&builder.subscription()?).await?);
+    reliq_publish(broker, &topic, n).await?;
+    let done = Arc::new(AtomicU64::new(0));
+    // Timed from the first delivery, like the raw consumers: group joins and
+    // subscription set-up are not part of the throughput.
+    let first = Arc::new(std::sync::OnceLock::<Instant>::new());
+    let (d2, f2) = (done.clone(), first.clone());
+    let handle = builder
+        .start(move |d: Delivery| {
+            let (done, first) = (d2.clone(), f2.clone());
+            async move {
+                first.get_or_init(Instant::now);
+                if fail_once && d.attempt() == 1 {
+                    return Err(Transient::msg("fails once").into());
+                }
+                done.fetch_add(1, Ordering::Relaxed);
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await?;
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while done.load(Ordering::Relaxed) < n as u64 {
+        ensure!(
+            Instant::now() < deadline,
+            "reliq consumer stalled: {:?}",
+            handle.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let t0 = *first.get().context("no delivery")?;
+    let rate = n as f64 / t0.elapsed().as_secs_f64();
+    handle.shutdown().await;
+    Ok(rate)
+}
+
+mod raw_rabbit {
+    use super::*;
+    use lapin::options::{
+        BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+        ConfirmSelectOptions, QueueDeclareOptions,
+    };
+    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+    async fn channel() -> anyhow::Result<(Connection, Channel, String)> {
+        let conn = Connection::connect(
+            &settings::get("RELIQ_RABBIT_URL"),
+            ConnectionProperties::default(),
+        )
+        .await?;
+        let ch = conn.create_channel().await?;
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        let queue = unique("bench-raw");
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        ch.queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await?;
+        Ok((conn, ch, queue))
+    }
+
+    async fn fill(ch: &Channel, queue: &str, n: usize) -> anyhow::Result<f64> {
+        let t0 = Instant::now();
+        let mut pending = futures::stream::FuturesUnordered::new();
+        for i in 0..n {
+            if pending.len() >= IN_FLIGHT
+                && let Some(r) = pending.next().await
+            {
+                ensure!(r?, "broker nacked a publish");
+            }
+            let body = payload(i);
+            pending.push(async move {
+                let confirm = ch
+                    .basic_publish(
+                        "".into(),
+                        queue.into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..Default::default()
+                        },
+                        &body,
+                        BasicProperties::default().with_delivery_mode(2),
+                    )
+                    .await?;
+                Ok::<bool, lapin::Error>(confirm.await?.is_ack())
+            });
+        }
+        while let Some(r) = pending.next().await {
+            ensure!(r?, "broker nacked a publish");
+        }
+        Ok(n as f64 / t0.elapsed().as_secs_f64())
+    }
+
+    pub async fn publish(n: usize) -> anyhow::Result<f64> {
+        let (_conn, ch, queue) = channel().await?;
+        fill(&ch, &queue, n).await
+    }
+
+    pub async fn consume(n: usize) -> anyhow::Result<f64> {
+        let (_conn, ch, queue) = channel().await?;
+        fill(&ch, &queue, n).await?;
+        ch.basic_qos(u16::try_from(PREFETCH)?, BasicQosOptions::default())
+            .await?;
+        let mut consumer = ch
+            .basic_consume(
+                queue.as_str().into(),
+                "raw".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let mut t0 = None;
+        for _ in 0..n {
+            let d = consumer.next().await.context("consumer ended")??;
+            t0.get_or_insert_with(Instant::now);
+            d.ack(BasicAckOptions::default()).await?;
+        }
+        let t0 = t0.context("no delivery")?;
+        Ok(n as f64 / t0.elapsed().as_secs_f64())
+    }
+}
+
+mod raw_nats {
+    use super::*;
+    use async_nats::jetstream::{self, consumer::pull, stream};
+
+    async fn stream_with(n_fill: usize) -> anyhow::Result<(jetstream::Context, String, f64)> {
+        let client = async_nats::connect(settings::get("RELIQ_NATS_URL")).await?;
+        let js = jetstream::new(client);
+        let name = unique("bench-raw");
+        js.create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![name.clone()],
+            ..Default::default()
+        })
+        .await?;
+        let t0 = Instant::now();
+        let mut pending = futures::stream::FuturesUnordered::new();
+        for i in 0..n_fill {
+            if pending.len() >= IN_FLIGHT
+                && let Some(r) = pending.next().await
+            {
+                r?;
+            }
+            let (js, subject) = (js.clone(), name.clone());
+            pending.push(async move {
+                js.publish(subject, payload(i).into()).await?.await?;
+                Ok::<(), anyhow::Error>(())
+            });
+        }
+        while let Some(r) = pending.next().await {
+            r?;
+        }
+        let rate = n_fill as f64 / t0.elapsed().as_secs_f64();
+        Ok((js, name, rate))
+    }
+
+    pub async fn publish(n: usize) -> anyhow::Result<f64> {
+        Ok(stream_with(n).await?.2)
+    }
+
+    pub async fn consume(n: usize) -> anyhow::Result<f64> {
+        let (js, name, _) = stream_with(n).await?;
+        let consumer = js
+            .get_stream(&name)
+            .await?
+            .create_consumer(pull::Config {
+                durable_name: Some("raw".into()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                max_ack_pending: i64::from(PREFETCH),
+                ..Default::default()
+            })
+            .await?;
+        let mut messages = consumer.messages().await?;
+        let mut t0 = None;
+        for _ in 0..n {
+            let m = messages
+                .next()
+                .await
+                .context("stream ended")?
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            t0.get_or_insert_with(Instant::now);
+            m.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        let t0 = t0.context("no delivery")?;
+        Ok(n as f64 / t0.elapsed().as_secs_f64())
+    }
+}
+
+mod raw_kafka {
+    use super::*;
+    use rdkafka::ClientConfig;
+    use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+
+    fn bootstrap() -> String {
+        settings::authority(&settings::get("RELIQ_KAFKA_URL")).to_owned()
+    }
+
+    async fn fill(topic: &str, n: usize) -> anyhow::Result<f64> {
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap())
+            .set("acks", "all")
+            .set("enable.idempotence", "true")
+            .create()?;
+        let t0 = Instant::now();
+        let mut pending = futures::stream::FuturesUnordered::new();
+        for i in 0..n {
+            if pending.len() >= IN_FLIGHT
+                && let Some(r) = pending.next().await
+            {
+                r?;
+            }
+            let producer = producer.clone();
+            let body = payload(i);
+            let topic = topic.to_owned();
+            pending.push(async move {
+                producer
+                    .send(
+                        FutureRecord::<(), _>::to(&topic).payload(&body),
+                        Duration::from_secs(30),
+                    )
+                    .await
+                    .map_err(|(e, _)| anyhow::anyhow!("{e}"))?;
+                Ok::<(), anyhow::Error>(())
+            });
+        }
+        while let Some(r) = pending.next().await {
+            r?;
+        }
+        Ok(n as f64 / t0.elapsed().as_secs_f64())
+    }
+
+    pub async fn publish(n: usize) -> anyhow::Result<f64> {
+        fill(&unique("bench-raw"), n).await
+    }
+
+    pub async fn consume(n: usize) -> anyhow::Result<f64> {
+        let topic = unique("bench-raw");
+        fill(&topic, n).await?;
+        let consumer: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap())
+            .set("group.id", unique("bench-raw-group"))
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .create()?;
+        consumer.subscribe(&[&topic])?;
+        let mut first = None;
+        for i in 0..n {
+            let m = consumer.recv().await?;
+            first.get_or_insert_with(Instant::now);
+            // Manual commits, asynchronous, every 100 records and at the end.
+            if i % 100 == 99 || i + 1 == n {
+                consumer.commit_message(&m, CommitMode::Async)?;
+            }
+        }
+        let t0 = first.context("no record")?;
+        Ok(n as f64 / t0.elapsed().as_secs_f64())
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let broker_name = arg("--broker").context("--broker rabbit|nats|kafka")?;
+    let n: usize = arg("--messages")
+        .map(|v| v.parse())
+        .transpose()?
+        .unwrap_or(5000);
+    let broker = connect(&broker_name).await?;
+    // warm-up: connections, topology caches
+    reliq_consume(&broker, false, n.min(500)).await?;
+
+    let reliq_pub = {
+        let topic = unique("bench-pub");
+        let builder =
+            Consumer::builder(broker.clone(), "sink").subscribe(topic.clone(), None::<String>);
+        drop(broker.subscribe(&builder.subscription()?).await?);
+        reliq_publish(&broker, &topic, n).await?
+    };
+    let (raw_pub, raw_con) = match broker_name.as_str() {
+        "rabbit" => (raw_rabbit::publish(n).await?, raw_rabbit::consume(n).await?),
+        "nats" => (raw_nats::publish(n).await?, raw_nats::consume(n).await?),
+        _ => (raw_kafka::publish(n).await?, raw_kafka::consume(n).await?),
+    };
+    let reliq_con = reliq_consume(&broker, false, n).await?;
+    let failure = reliq_consume(&broker, true, n.min(2000)).await?;
+    println!(
+        "{broker_name}: {n} messages, {IN_FLIGHT} publishes in flight, prefetch {PREFETCH}, 2 worker threads"
+    );
+    println!(
+        "  publish (confirmed): reliq {reliq_pub:>9.0} msg/s | raw {raw_pub:>9.0} msg/s | ratio {:.2}",
+        reliq_pub / raw_pub
+    );
+    println!(
+        "  consume (no-op):     reliq {reliq_con:>9.0} msg/s | raw {raw_con:>9.0} msg/s | ratio {:.2}",
+        reliq_con / raw_con
+    );
+    println!("  failure path (every message retried once after 1 s): reliq {failure:.0} msg/s");
+    Ok(())
+}
