@@ -633,26 +633,34 @@ where
     let s = shared.clone();
     let d = delivery.clone();
     async move {
-        let settled = tokio::select! {
+        // Graceful path: handle, then settle; a hard stop (shutdown deadline) releases
+        // a delivery whose handler is still running. Settling itself is not cut short.
+        let work = async {
+            tokio::select! {
+                biased;
+                _ = s.hard_stop.cancelled() => {
+                    s.abandon_claim(&d).await;
+                    s.release(&d, Duration::ZERO).await;
+                }
+                outcome = s.handle(&d) => {
+                    if let Some(outcome) = outcome {
+                        s.settle(&d, outcome).await;
+                    }
+                }
+            }
+        };
+        // A crash stops everything at once, a settlement in progress included: nothing
+        // more reaches the broker, as when the process dies.
+        tokio::select! {
             biased;
             _ = s.crash.cancelled() => {
                 // A crash rolls back an uncommitted inbox claim, as a transaction would.
                 s.abandon_claim(&d).await;
-                return;
             }
-            _ = s.hard_stop.cancelled() => {
-                s.abandon_claim(&d).await;
-                s.release(&d, Duration::ZERO).await;
-                true
+            _ = work => {
+                s.stats.in_flight.fetch_sub(1, AtomicOrdering::Relaxed);
+                s.metrics.in_flight.decrement(1.0);
             }
-            outcome = s.handle(&d) => match outcome {
-                None => true,
-                Some(outcome) => { s.settle(&d, outcome).await; true }
-            },
-        };
-        if settled {
-            s.stats.in_flight.fetch_sub(1, AtomicOrdering::Relaxed);
-            s.metrics.in_flight.decrement(1.0);
         }
     }
     .instrument(span)
