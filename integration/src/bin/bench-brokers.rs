@@ -121,7 +121,7 @@ mod raw_rabbit {
     use super::*;
     use lapin::options::{
         BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-        ConfirmSelectOptions, QueueDeclareOptions,
+        ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
     };
     use lapin::types::{AMQPValue, FieldTable};
     use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -149,6 +149,26 @@ mod raw_rabbit {
             args,
         )
         .await?;
+        // Same broker work as reliq's publish: a durable topic exchange routing to the
+        // queue, persistent messages carrying a message id.
+        ch.exchange_declare(
+            queue.as_str().into(),
+            lapin::ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+        ch.queue_bind(
+            queue.as_str().into(),
+            queue.as_str().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
         Ok((conn, ch, queue))
     }
 
@@ -165,14 +185,16 @@ mod raw_rabbit {
             pending.push(async move {
                 let confirm = ch
                     .basic_publish(
-                        "".into(),
                         queue.into(),
+                        "".into(),
                         BasicPublishOptions {
                             mandatory: true,
                             ..Default::default()
                         },
                         &body,
-                        BasicProperties::default().with_delivery_mode(2),
+                        BasicProperties::default()
+                            .with_delivery_mode(2)
+                            .with_message_id(format!("raw-{i}").into()),
                     )
                     .await?;
                 Ok::<bool, lapin::Error>(confirm.await?.is_ack())
@@ -237,7 +259,12 @@ mod raw_nats {
             }
             let (js, subject) = (js.clone(), name.clone());
             pending.push(async move {
-                js.publish(subject, payload(i).into()).await?.await?;
+                // Same server work as reliq's publish: deduplication by message id.
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert("Nats-Msg-Id", format!("raw-{i}").as_str());
+                js.publish_with_headers(subject, headers, payload(i).into())
+                    .await?
+                    .await?;
                 Ok::<(), anyhow::Error>(())
             });
         }
