@@ -306,3 +306,86 @@ async fn metrics_follow_the_documented_names() {
         Some(0)
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn replay_filters_by_class_reason_time_and_limit() {
+    use reliq_core::{Broker, ErrorClass, Replay, ReplayFilter};
+    let broker = MemoryBroker::new();
+    let shared: Arc<dyn Broker> = Arc::new(broker.clone());
+    let h = Consumer::builder(shared.clone(), "c")
+        .subscribe("t", None::<String>)
+        .start(|d: Delivery| async move {
+            match d.payload() {
+                b"bad" => Err::<(), BoxError>(reliq_core::Poison::msg("undecodable").into()),
+                _ => Err(reliq_core::Permanent::msg("rejected").into()),
+            }
+        })
+        .await
+        .unwrap();
+    for p in ["p1", "p2", "p3", "bad", "bad"] {
+        shared
+            .publish(&Destination::new("t"), Message::new(p))
+            .await
+            .unwrap();
+    }
+    wait_for("five dead letters", || h.stats().dead_lettered == 5).await;
+    h.shutdown().await;
+    let sub = Subscription::new("c", "t");
+    let later = reliq_core::Clock::new().now() + secs(3600);
+
+    let nothing = Replay::new(shared.clone(), sub.clone())
+        .filter(ReplayFilter::default().since(later))
+        .idle_timeout(secs(1))
+        .dry_run()
+        .await
+        .unwrap();
+    assert_eq!(
+        (nothing.scanned, nothing.matched.len()),
+        (5, 0),
+        "since excludes all"
+    );
+
+    let plan = Replay::new(shared.clone(), sub.clone())
+        .filter(
+            ReplayFilter::default()
+                .classes([ErrorClass::Permanent])
+                .until(later),
+        )
+        .idle_timeout(secs(1))
+        .dry_run()
+        .await
+        .unwrap();
+    assert_eq!(plan.matched.len(), 3);
+    assert!(
+        plan.matched
+            .iter()
+            .all(|e| e.record.reason == DeadLetterReason::Permanent)
+    );
+    assert_eq!(
+        broker.faults().dead_letter_depth(&sub),
+        5,
+        "a dry run moves nothing"
+    );
+
+    let done = Replay::new(shared.clone(), sub.clone())
+        .filter(
+            ReplayFilter::default()
+                .reasons([DeadLetterReason::Poison])
+                .limit(1),
+        )
+        .idle_timeout(secs(1))
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!((done.matched.len(), done.replayed.len()), (1, 1), "limit 1");
+    assert_eq!(
+        broker.faults().dead_letter_depth(&sub),
+        4,
+        "only the replayed copy left the DLQ"
+    );
+    assert_eq!(
+        broker.faults().depth(&sub).0,
+        1,
+        "the replayed copy waits in the consumer's queue"
+    );
+}
