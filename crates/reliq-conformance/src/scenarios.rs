@@ -42,17 +42,7 @@ pub async fn publish_consume_ack_keeps_payload_headers_and_id(
     let ctx = Ctx::new(b, "pub-consume").await?;
     let rec = Recorder::new();
     let r = rec.clone();
-    let h = ctx
-        .consumer("c")
-        .start(move |d: Delivery| {
-            let r = r.clone();
-            async move {
-                r.call(&d);
-                r.effect(d.id());
-                Ok::<(), BoxError>(())
-            }
-        })
-        .await?;
+    let h = ctx.consumer("c").start(r.succeeding()).await?;
     let mut sent = HashMap::new();
     let mut messages = Vec::new();
     for i in 0..1000u32 {
@@ -238,14 +228,7 @@ pub async fn crash_before_ack_redelivers(b: &dyn Backend) -> anyhow::Result<()> 
     let h = ctx
         .consumer_on(b.connect().await?, "c")
         .lease(b.crash_lease())
-        .start(move |d: Delivery| {
-            let r = r.clone();
-            async move {
-                r.call(&d);
-                r.effect(d.id());
-                Ok::<(), BoxError>(())
-            }
-        })
+        .start(r.succeeding())
         .await?;
     wait_until("redelivered after crash", soon(b), || {
         rec.effect_count() == 1
@@ -1011,17 +994,10 @@ pub async fn per_key_order_kept_with_concurrency(b: &dyn Backend) -> anyhow::Res
 pub async fn duplicate_delivery_with_inbox_has_one_effect(b: &dyn Backend) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "dup").await?;
     let rec = Recorder::new();
-    let r = rec.clone();
     let h = ctx
         .consumer("c")
         .inbox(Arc::new(MemoryInbox::new()))
-        .start(move |d: Delivery| {
-            let r = r.clone();
-            async move {
-                r.effect(d.id());
-                Ok::<(), BoxError>(())
-            }
-        })
+        .start(rec.succeeding())
         .await?;
     let m = order(7);
     ctx.publish(m.clone()).await?;

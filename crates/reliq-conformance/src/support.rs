@@ -282,6 +282,24 @@ impl Recorder {
             .clone()
     }
 
+    /// A handler that records each call and its effect, and succeeds.
+    pub fn succeeding(
+        &self,
+    ) -> impl Fn(Delivery) -> futures::future::BoxFuture<'static, Result<(), reliq_core::BoxError>>
+    + Send
+    + Sync
+    + 'static {
+        let rec = self.clone();
+        move |d: Delivery| {
+            let r = rec.clone();
+            Box::pin(async move {
+                r.call(&d);
+                r.effect(d.id());
+                Ok(())
+            })
+        }
+    }
+
     /// Number of ids with at least one effect.
     pub fn effect_count(&self) -> usize {
         self.effects.lock().unwrap_or_else(|p| p.into_inner()).len()
