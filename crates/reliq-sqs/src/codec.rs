@@ -35,7 +35,7 @@ pub const BODY_FIELD: &str = "reliq-body";
 pub const MAX_ATTRIBUTES: usize = 10;
 
 /// An SQS message ready to send.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Encoded {
     /// The message body.
     pub body: String,
@@ -139,7 +139,9 @@ pub fn decode(
         let packed = attributes
             .get(RELIQ_ATTRIBUTE)
             .and_then(|v| v.string_value())
-            .and_then(|s| serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(s).ok());
+            .and_then(|s| {
+                serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(s).ok()
+            });
         if let Some(packed) = packed {
             for (name, value) in packed {
                 let serde_json::Value::String(value) = value else {
@@ -178,7 +180,9 @@ pub fn decode(
     } else {
         Bytes::from(body.to_owned())
     };
-    let id = id.filter(|s| !s.is_empty()).unwrap_or_else(|| sqs_id.to_owned());
+    let id = id
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| sqs_id.to_owned());
     Decoded {
         message: Message::from_parts(MessageId::from(id), key, payload, hs),
         route,
@@ -191,7 +195,11 @@ mod tests {
 
     fn round_trip(m: &Message) -> Decoded {
         let e = encode(m, Some("created")).expect("encode");
-        assert!(e.attributes.len() <= MAX_ATTRIBUTES, "{}", e.attributes.len());
+        assert!(
+            e.attributes.len() <= MAX_ATTRIBUTES,
+            "{}",
+            e.attributes.len()
+        );
         decode(Some(&e.body), Some(&e.attributes), "sqs-id")
     }
 

@@ -4,10 +4,10 @@
 //!
 //! | reliq primitive | SQS |
 //! |---|---|
-//! | publish (confirmed) | SQS has no topics: `SendMessage` (200 = confirmed) to **every consumer queue of the topic** — the queues named `<topic>-…` ([`names::topic_prefix`]) and tagged `reliq-source=<topic>` (+ `reliq-filter` matching the route), found with `ListQueues` and cached briefly ([`SqsOptions::topic_cache_ttl`]); no such queue → [`BrokerError::Unroutable`] |
+//! | publish (confirmed) | SQS has no topics: `SendMessage` (batched like deletes; the entry's success = confirmed) to **every consumer queue of the topic** — the queues named `<topic>-…` ([`names::topic_prefix`]) and tagged `reliq-source=<topic>` (+ `reliq-filter` matching the route), found with `ListQueues` and cached briefly ([`SqsOptions::topic_cache_ttl`]); no such queue → [`BrokerError::Unroutable`] |
 //! | subscribe | queue `<source>-<consumer>` ([`names::queue_name`]), declared idempotently: `VisibilityTimeout` = lease, `RedrivePolicy` → the DLQ with `maxReceiveCount` = delivery limit; tags `reliq-source`, `reliq-consumer`, `reliq-filter` |
 //! | receive (bounded) | a background long poll (`ReceiveMessage`, ≤ 10, never more than `prefetch − held`), message attributes `All`, `ApproximateReceiveCount`, `SentTimestamp`; a visibility extender (`ChangeMessageVisibility` every lease/3, up to [`SqsOptions::max_lease_extension`]) keeps long handlers leased |
-//! | ack | `DeleteMessage` |
+//! | ack | `DeleteMessage`, batched: deletes within [`SqsOptions::batch_window`] go out as one `DeleteMessageBatch`; a failed entry is that ack's error |
 //! | retry after d | `ChangeMessageVisibility(d)` (whole seconds, rounded up, ≤ 12 h): the original comes back after `d` |
 //! | release | `ChangeMessageVisibility(d or 0)` |
 //! | dead-letter | `SendMessage` to the DLQ queue `<source>_<consumer>_dlq` with the record, then `DeleteMessage` |
@@ -43,6 +43,7 @@
 //! # Ok(()) }
 //! ```
 
+mod batch;
 pub mod codec;
 pub mod names;
 mod receiver;
@@ -54,9 +55,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use aws_sdk_sqs::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
 use aws_sdk_sqs::types::QueueAttributeName;
-use reliq_core::{
-    Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription,
-};
+use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription};
 
 use crate::names::{CONSUMER_TAG, FILTER_TAG, ROLE_TAG, SOURCE_TAG};
 
@@ -99,6 +98,10 @@ pub struct SqsOptions {
     pub max_lease_extension: Duration,
     /// How long a delivery read from a DLQ (replay, tools) stays invisible to other readers.
     pub dead_letter_lease: Duration,
+    /// How long sends and deletes for one queue wait to be batched
+    /// (`SendMessageBatch` / `DeleteMessageBatch`, ≤ 10 entries); zero still batches
+    /// what arrives together.
+    pub batch_window: Duration,
     /// Fault injection for tests (see [`Faults`]).
     pub faults: Option<Arc<Faults>>,
 }
@@ -110,6 +113,7 @@ impl Default for SqsOptions {
             topic_cache_ttl: Duration::from_secs(1),
             max_lease_extension: Duration::from_secs(60 * 60),
             dead_letter_lease: Duration::from_secs(60),
+            batch_window: Duration::from_millis(5),
             faults: None,
         }
     }
@@ -149,6 +153,9 @@ struct Target {
     filter: Option<String>,
 }
 
+/// When a topic's queues were listed, and what they were.
+type Listed = (Instant, Arc<Vec<Target>>);
+
 /// A connection to SQS. Cheap to clone.
 #[derive(Clone)]
 pub struct SqsBroker {
@@ -157,9 +164,11 @@ pub struct SqsBroker {
 
 struct Inner {
     client: aws_sdk_sqs::Client,
+    sends: batch::Batcher<codec::Encoded>,
+    deletes: batch::Batcher<String>,
     options: SqsOptions,
     /// topic → (when listed, its consumer queues).
-    topics: Mutex<HashMap<String, (Instant, Arc<Vec<Target>>)>>,
+    topics: Mutex<HashMap<String, Listed>>,
     /// queue url → its target (None: not a consumer queue). Tags do not change.
     tags: Mutex<HashMap<String, Option<(String, Target)>>>,
 }
@@ -244,9 +253,12 @@ struct SqsUrl {
 }
 
 fn parse_url(url: &str) -> Result<SqsUrl, BrokerError> {
-    let rest = url
-        .strip_prefix("sqs://")
-        .ok_or_else(|| config("url", "expected sqs://host:port?region=… or sqs://?region=…"))?;
+    let rest = url.strip_prefix("sqs://").ok_or_else(|| {
+        config(
+            "url",
+            "expected sqs://host:port?region=… or sqs://?region=…",
+        )
+    })?;
     let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
     let authority = authority.trim_end_matches('/');
     let (userinfo, host) = match authority.rsplit_once('@') {
@@ -324,7 +336,11 @@ impl SqsBroker {
                 .clone()
                 .unwrap_or_else(|| ("reliq".into(), "reliq".into()));
             loader = loader.credentials_provider(aws_sdk_sqs::config::Credentials::new(
-                key, secret, None, None, "reliq-url",
+                key,
+                secret,
+                None,
+                None,
+                "reliq-url",
             ));
         }
         let conf = loader.load().await;
@@ -337,10 +353,13 @@ impl SqsBroker {
         Ok(Self::from_client(aws_sdk_sqs::Client::new(&conf), options))
     }
 
-    /// Wrap an existing client (custom credentials, retries, interceptors).
+    /// Wrap an existing client (custom credentials, retries, interceptors). Call it inside
+    /// a tokio runtime: it starts the send and delete batchers.
     pub fn from_client(client: aws_sdk_sqs::Client, options: SqsOptions) -> Self {
         Self {
             inner: Arc::new(Inner {
+                sends: batch::sends(client.clone(), options.batch_window),
+                deletes: batch::deletes(client.clone(), options.batch_window),
                 client,
                 options,
                 topics: Mutex::new(HashMap::new()),
@@ -650,17 +669,16 @@ impl SqsBroker {
         Ok(targets)
     }
 
-    pub(crate) async fn send(&self, url: &str, encoded: &codec::Encoded) -> Result<(), BrokerError> {
-        self.inner
-            .client
-            .send_message()
-            .queue_url(url)
-            .message_body(encoded.body.clone())
-            .set_message_attributes(Some(encoded.attributes.clone()))
-            .send()
-            .await
-            .map_err(|e| sdk_error("SendMessage", e))?;
-        Ok(())
+    pub(crate) async fn send(
+        &self,
+        url: &str,
+        encoded: &codec::Encoded,
+    ) -> Result<(), BrokerError> {
+        self.inner.sends.send(url, encoded.clone()).await
+    }
+
+    pub(crate) async fn delete(&self, url: &str, receipt: &str) -> Result<(), BrokerError> {
+        self.inner.deletes.delete(url, receipt).await
     }
 
     async fn publish_once(

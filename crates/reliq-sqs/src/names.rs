@@ -108,7 +108,10 @@ mod tests {
         let name = queue_name(&long);
         assert!(name.len() <= MAX_QUEUE_NAME, "{name}");
         assert!(name.starts_with(&topic_prefix(&long.source)));
-        assert_ne!(name, queue_name(&Subscription::new("d".repeat(70), "t".repeat(70))));
+        assert_ne!(
+            name,
+            queue_name(&Subscription::new("d".repeat(70), "t".repeat(70)))
+        );
         assert!(dead_letter_queue_name(&long).len() <= MAX_QUEUE_NAME);
     }
 

@@ -125,7 +125,9 @@ impl Shared {
             })),
         };
         Some(match sent {
-            Some(sent) => Delivery::with_published_at(decoded.message, attempt, origin, token, sent),
+            Some(sent) => {
+                Delivery::with_published_at(decoded.message, attempt, origin, token, sent)
+            }
             None => Delivery::new(decoded.message, attempt, origin, token),
         })
     }
@@ -182,7 +184,13 @@ async fn change_visibility(
 
 /// Renew a delivery's lease every lease/3 until it is settled, the receiver is gone, or
 /// the maximum extension is reached.
-async fn extend(broker: SqsBroker, url: String, receipt: String, lease: Arc<Lease>, every: Duration) {
+async fn extend(
+    broker: SqsBroker,
+    url: String,
+    receipt: String,
+    lease: Arc<Lease>,
+    every: Duration,
+) {
     let seconds = whole_seconds(every).max(1);
     let period = (every / 3).max(Duration::from_millis(100));
     let deadline = tokio::time::Instant::now() + broker.inner.options.max_lease_extension;
@@ -222,7 +230,10 @@ async fn poll(shared: Arc<Shared>) {
         }
         let held = shared.counter.outstanding.load(Ordering::Acquire);
         let want = shared.sub.prefetch.saturating_sub(held).min(10);
-        if want == 0 {
+        // Refill in batches (each receive is a round trip): wait until at least half a
+        // batch is free, or everything is (nothing held, nothing to wait for).
+        let threshold = (shared.sub.prefetch.min(10) / 2).max(1);
+        if want == 0 || (want < threshold && held > 0) {
             tokio::select! {
                 _ = shared.counter.demand.notified() => continue,
                 _ = shared.closed.cancelled() => break,
@@ -364,17 +375,11 @@ impl Receiver for SqsReceiver {
         let result = self
             .shared
             .broker
-            .inner
-            .client
-            .delete_message()
-            .queue_url(&self.shared.declared.url)
-            .receipt_handle(&t.receipt)
-            .send()
-            .await
-            .map_err(|e| sdk_error("DeleteMessage", e));
+            .delete(&self.shared.declared.url, &t.receipt)
+            .await;
         // Settled either way: a failed delete comes back after the visibility timeout.
         t.finish();
-        result.map(drop)
+        result
     }
 
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
@@ -403,14 +408,8 @@ impl Receiver for SqsReceiver {
         let _guard = t.stop_extending().await;
         self.shared
             .broker
-            .inner
-            .client
-            .delete_message()
-            .queue_url(&self.shared.declared.url)
-            .receipt_handle(&t.receipt)
-            .send()
-            .await
-            .map_err(|e| sdk_error("DeleteMessage", e))?;
+            .delete(&self.shared.declared.url, &t.receipt)
+            .await?;
         t.finish();
         Ok(())
     }
@@ -473,7 +472,11 @@ impl DeadLetterReader {
             m.message_id().unwrap_or(&receipt),
         );
         let mut message = decoded.message;
-        if message.headers().get(headers::DEAD_LETTER_VERSION).is_none() {
+        if message
+            .headers()
+            .get(headers::DEAD_LETTER_VERSION)
+            .is_none()
+        {
             DeadLetter {
                 reason: DeadLetterReason::MaxDeliveries,
                 error_class: None,
