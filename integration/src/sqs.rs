@@ -44,11 +44,16 @@ impl Backend for SqsBackend {
     }
 
     fn tiers(&self) -> [Duration; 2] {
-        [Duration::from_secs(1), Duration::from_secs(2)]
+        // Visibility timeouts are whole seconds; 2 s leaves room for a receive round trip
+        // to the single-process emulator between a failure and its retry.
+        [Duration::from_secs(2), Duration::from_secs(4)]
     }
 
     fn tolerance(&self) -> Duration {
-        Duration::from_millis(1500)
+        // Up to 1 s from rounding the delay (with jitter) up to whole seconds, and up to
+        // 1 s from moto, whose long poll re-checks messages that became visible once a
+        // second.
+        Duration::from_millis(2500)
     }
 
     fn quiet_period(&self) -> Duration {
