@@ -6,3 +6,4 @@ pub mod memory;
 pub mod nats;
 pub mod rabbit;
 pub mod settings;
+pub mod sqs;

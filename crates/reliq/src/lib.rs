@@ -36,7 +36,7 @@
 //! | `amqp://…`, `amqps://…` (TLS via rustls) | `rabbit` | `reliq-rabbit` |
 //! | `kafka://host:port[,host:port]?key=value` | `kafka` | `reliq-kafka` (query keys: librdkafka settings, or `reliq.*`, see `reliq_kafka::KafkaConfig`) |
 //! | `nats://…`, `tls://…` | `nats` | `reliq-nats` |
-//! | `sqs://host:port?region=…`, `sqs://?region=…` | `sqs` | `reliq-sqs` (coming) |
+//! | `sqs://host:port?region=…`, `sqs://?region=…` | `sqs` | `reliq-sqs` (`host:port` = an endpoint over http, e.g. an emulator; empty = real AWS with the default credential chain) |
 
 use std::sync::Arc;
 
@@ -52,6 +52,9 @@ pub use reliq_kafka as kafka;
 
 #[cfg(feature = "rabbit")]
 pub use reliq_rabbit as rabbit;
+
+#[cfg(feature = "sqs")]
+pub use reliq_sqs as sqs;
 
 /// `connect` could not hand back a broker.
 #[derive(Debug, thiserror::Error)]
@@ -111,6 +114,8 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Broker>, ConnectError> {
         )),
         #[cfg(feature = "rabbit")]
         "rabbit" => Ok(Arc::new(rabbit::RabbitBroker::connect(url).await?)),
+        #[cfg(feature = "sqs")]
+        "sqs" => Ok(Arc::new(sqs::SqsBroker::connect(url).await?)),
         _ => {
             let _ = rest;
             Err(ConnectError::FeatureDisabled { scheme, feature })
@@ -148,7 +153,11 @@ mod tests {
                 cfg!(feature = "rabbit"),
             ),
             ("nats://127.0.0.1:4222", "nats", cfg!(feature = "nats")),
-            ("sqs://127.0.0.1:4566?region=us-east-1", "sqs", false),
+            (
+                "sqs://127.0.0.1:4566?region=us-east-1",
+                "sqs",
+                cfg!(feature = "sqs"),
+            ),
         ] {
             if enabled {
                 // Built with this backend: the disabled-feature error does not apply.

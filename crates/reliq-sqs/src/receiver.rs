@@ -1,0 +1,602 @@
+//! Receiving from a consumer queue (a background long poll bounded by the prefetch, a
+//! visibility extender per delivery) and reading a dead-letter queue.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use aws_sdk_sqs::types::MessageSystemAttributeName;
+use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
+use reliq_core::{
+    BrokerError, Delivery, DeliveryToken, Message, Receiver, RetryRequest, Subscription,
+};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::{Declared, SqsBroker, codec, sdk_error, whole_seconds};
+
+/// Deliveries received from SQS and not yet settled (buffered or handed out).
+#[derive(Default)]
+struct Counter {
+    outstanding: AtomicU32,
+    /// Signalled when a delivery is settled: the poller may ask for more.
+    demand: Notify,
+}
+
+/// A delivery's lease: the extender renews it until `settled` is cancelled; `lock`
+/// serialises a renewal with the settlement, so a late renewal never overrides a retry's
+/// visibility.
+struct Lease {
+    settled: CancellationToken,
+    lock: tokio::sync::Mutex<()>,
+}
+
+/// The settlement handle kept in each delivery's token.
+struct SqsToken {
+    receipt: String,
+    lease: Arc<Lease>,
+    done: AtomicBool,
+    counter: Arc<Counter>,
+}
+
+impl SqsToken {
+    /// No longer held by this receiver (settled, or given up).
+    fn finish(&self) {
+        self.lease.settled.cancel();
+        if !self.done.swap(true, Ordering::AcqRel) {
+            self.counter.outstanding.fetch_sub(1, Ordering::AcqRel);
+            self.counter.demand.notify_one();
+        }
+    }
+
+    /// Stop the extender and wait for a renewal in progress.
+    async fn stop_extending(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.lease.settled.cancel();
+        self.lease.lock.lock().await
+    }
+}
+
+impl Drop for SqsToken {
+    fn drop(&mut self) {
+        // A delivery dropped unsettled: SQS hands it out again after its visibility timeout.
+        self.finish();
+    }
+}
+
+fn token(d: &Delivery) -> Result<&SqsToken, BrokerError> {
+    d.token()
+        .extra
+        .as_ref()
+        .and_then(|e| e.downcast_ref::<SqsToken>())
+        .ok_or_else(|| BrokerError::Rejected("not an SQS delivery".into()))
+}
+
+struct Shared {
+    broker: SqsBroker,
+    sub: Subscription,
+    declared: Declared,
+    buffer: Mutex<VecDeque<Delivery>>,
+    ready: Notify,
+    counter: Arc<Counter>,
+    closed: CancellationToken,
+    error: Mutex<Option<BrokerError>>,
+}
+
+impl Shared {
+    async fn change_visibility(&self, receipt: &str, seconds: i32) -> Result<(), BrokerError> {
+        change_visibility(&self.broker, &self.declared.url, receipt, seconds).await
+    }
+
+    fn convert(&self, m: &aws_sdk_sqs::types::Message) -> Option<Delivery> {
+        let receipt = m.receipt_handle()?.to_owned();
+        let (attempt, sent) = system_attributes(m);
+        let decoded = codec::decode(
+            m.body(),
+            m.message_attributes(),
+            m.message_id().unwrap_or(&receipt),
+        );
+        self.counter.outstanding.fetch_add(1, Ordering::AcqRel);
+        let lease = Arc::new(Lease {
+            settled: self.closed.child_token(),
+            lock: tokio::sync::Mutex::new(()),
+        });
+        tokio::spawn(extend(
+            self.broker.clone(),
+            self.declared.url.clone(),
+            receipt.clone(),
+            lease.clone(),
+            self.sub.lease,
+        ));
+        let origin = Origin {
+            destination: self.sub.source.clone(),
+            route: decoded.route,
+            ..Origin::default()
+        };
+        let token = DeliveryToken {
+            tag: 0,
+            lane: 0,
+            extra: Some(Box::new(SqsToken {
+                receipt,
+                lease,
+                done: AtomicBool::new(false),
+                counter: self.counter.clone(),
+            })),
+        };
+        Some(match sent {
+            Some(sent) => {
+                Delivery::with_published_at(decoded.message, attempt, origin, token, sent)
+            }
+            None => Delivery::new(decoded.message, attempt, origin, token),
+        })
+    }
+
+    /// Give back every delivery received but not handed out.
+    async fn release_buffered(&self) {
+        let left: Vec<Delivery> = self
+            .buffer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        let releases = left.iter().filter_map(|d| token(d).ok()).map(|t| async move {
+            let _guard = t.stop_extending().await;
+            if let Err(e) = self.change_visibility(&t.receipt, 0).await {
+                tracing::debug!(error = %e, "releasing a buffered delivery failed; it returns after its lease");
+            }
+            t.finish();
+        });
+        futures::future::join_all(releases).await;
+    }
+}
+
+fn system_attributes(m: &aws_sdk_sqs::types::Message) -> (u32, Option<SystemTime>) {
+    let attrs = m.attributes();
+    let get = |name: &MessageSystemAttributeName| attrs.and_then(|a| a.get(name));
+    let attempt = get(&MessageSystemAttributeName::ApproximateReceiveCount)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let sent = get(&MessageSystemAttributeName::SentTimestamp)
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms));
+    (attempt, sent)
+}
+
+async fn change_visibility(
+    broker: &SqsBroker,
+    url: &str,
+    receipt: &str,
+    seconds: i32,
+) -> Result<(), BrokerError> {
+    broker
+        .inner
+        .client
+        .change_message_visibility()
+        .queue_url(url)
+        .receipt_handle(receipt)
+        .visibility_timeout(seconds)
+        .send()
+        .await
+        .map_err(|e| sdk_error("ChangeMessageVisibility", e))?;
+    Ok(())
+}
+
+/// Renew a delivery's lease every lease/3 until it is settled, the receiver is gone, or
+/// the maximum extension is reached.
+async fn extend(
+    broker: SqsBroker,
+    url: String,
+    receipt: String,
+    lease: Arc<Lease>,
+    every: Duration,
+) {
+    let seconds = whole_seconds(every).max(1);
+    let period = (every / 3).max(Duration::from_millis(100));
+    let deadline = tokio::time::Instant::now() + broker.inner.options.max_lease_extension;
+    loop {
+        tokio::select! {
+            _ = lease.settled.cancelled() => return,
+            _ = tokio::time::sleep(period) => {}
+        }
+        let _guard = lease.lock.lock().await;
+        if lease.settled.is_cancelled() {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(max = ?broker.inner.options.max_lease_extension,
+                "handler ran past the maximum lease extension; SQS may deliver the message again");
+            return;
+        }
+        if let Err(e) = change_visibility(&broker, &url, &receipt, seconds).await {
+            tracing::warn!(error = %e, "renewing a lease failed; SQS may deliver the message again");
+            return;
+        }
+    }
+}
+
+/// The background long poll: asks for at most `min(10, prefetch − outstanding)` messages,
+/// so what this receiver holds (buffered + handed out) never exceeds the prefetch.
+async fn poll(shared: Arc<Shared>) {
+    let options = &shared.broker.inner.options;
+    // At most half the lease: a poll still open when the consumer dies ends before the
+    // dead consumer's deliveries (renewed every lease/3) become visible again.
+    let wait = whole_seconds(options.wait_time.min(Duration::from_secs(20)))
+        .min(whole_seconds(shared.sub.lease) / 2);
+    let mut failures: u32 = 0;
+    loop {
+        if shared.closed.is_cancelled() {
+            break;
+        }
+        let held = shared.counter.outstanding.load(Ordering::Acquire);
+        let want = shared.sub.prefetch.saturating_sub(held).min(10);
+        // Refill in batches (each receive is a round trip): wait until at least half a
+        // batch is free, or everything is (nothing held, nothing to wait for).
+        let threshold = (shared.sub.prefetch.min(10) / 2).max(1);
+        if want == 0 || (want < threshold && held > 0) {
+            tokio::select! {
+                _ = shared.counter.demand.notified() => continue,
+                _ = shared.closed.cancelled() => break,
+            }
+        }
+        let result = shared
+            .broker
+            .inner
+            .client
+            .receive_message()
+            .queue_url(&shared.declared.url)
+            .max_number_of_messages(i32::try_from(want).unwrap_or(10))
+            .wait_time_seconds(wait)
+            .message_attribute_names("All")
+            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+            .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp)
+            .send()
+            .await;
+        match result {
+            Ok(out) => {
+                failures = 0;
+                let messages = out.messages();
+                if shared.closed.is_cancelled() {
+                    // Closed while polling: give these back at once.
+                    for m in messages {
+                        if let Some(receipt) = m.receipt_handle() {
+                            let _ = shared.change_visibility(receipt, 0).await;
+                        }
+                    }
+                    break;
+                }
+                let mut got = 0;
+                for m in messages {
+                    if let Some(d) = shared.convert(m) {
+                        shared
+                            .buffer
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push_back(d);
+                        got += 1;
+                    }
+                }
+                if got > 0 {
+                    shared.ready.notify_one();
+                } else if wait == 0 {
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                        _ = shared.closed.cancelled() => break,
+                    }
+                }
+            }
+            Err(e) => {
+                failures = failures.saturating_add(1);
+                let e = sdk_error("ReceiveMessage", e);
+                let pause = Duration::from_millis(100)
+                    .saturating_mul(2u32.saturating_pow(failures.min(6)))
+                    .min(Duration::from_secs(5));
+                tracing::warn!(error = %e, retry_in = ?pause, "receiving from SQS failed");
+                *shared.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                shared.ready.notify_one();
+                tokio::select! {
+                    _ = tokio::time::sleep(pause) => {}
+                    _ = shared.closed.cancelled() => break,
+                }
+            }
+        }
+    }
+    shared.release_buffered().await;
+}
+
+/// Receives from one consumer queue.
+pub(crate) struct SqsReceiver {
+    shared: Arc<Shared>,
+}
+
+impl SqsReceiver {
+    pub(crate) fn start(broker: SqsBroker, sub: Subscription, declared: Declared) -> Self {
+        let shared = Arc::new(Shared {
+            broker,
+            sub,
+            declared,
+            buffer: Mutex::new(VecDeque::new()),
+            ready: Notify::new(),
+            counter: Arc::new(Counter::default()),
+            closed: CancellationToken::new(),
+            error: Mutex::new(None),
+        });
+        tokio::spawn(poll(shared.clone()));
+        Self { shared }
+    }
+
+    fn retry_broken(&self) -> bool {
+        self.shared
+            .broker
+            .inner
+            .options
+            .faults
+            .as_ref()
+            .is_some_and(|f| f.retry_broken(&self.shared.sub.consumer))
+    }
+}
+
+#[async_trait]
+impl Receiver for SqsReceiver {
+    async fn receive(&self) -> Result<Delivery, BrokerError> {
+        loop {
+            let notified = self.shared.ready.notified();
+            if let Some(d) = self
+                .shared
+                .buffer
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop_front()
+            {
+                return Ok(d);
+            }
+            if let Some(e) = self
+                .shared
+                .error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+            {
+                return Err(e);
+            }
+            if self.shared.closed.is_cancelled() {
+                return Err(BrokerError::Closed);
+            }
+            tokio::select! {
+                _ = notified => {}
+                _ = self.shared.closed.cancelled() => {}
+            }
+        }
+    }
+
+    async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
+        let t = token(delivery)?;
+        let _guard = t.stop_extending().await;
+        let result = self
+            .shared
+            .broker
+            .delete(&self.shared.declared.url, &t.receipt)
+            .await;
+        // Settled either way: a failed delete comes back after the visibility timeout.
+        t.finish();
+        result
+    }
+
+    async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
+        let t = token(delivery)?;
+        if self.retry_broken() {
+            return Err(BrokerError::Connection(
+                "retry route broken (fault injection)".into(),
+            ));
+        }
+        let _guard = t.stop_extending().await;
+        self.shared
+            .change_visibility(&t.receipt, whole_seconds(retry.delay))
+            .await?;
+        t.finish();
+        Ok(())
+    }
+
+    async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {
+        let t = token(delivery)?;
+        let encoded = codec::encode(&dead, delivery.origin().route.as_deref())?;
+        // The copy is confirmed before the source is deleted.
+        self.shared
+            .broker
+            .send(&self.shared.declared.dead_letter_url, &encoded)
+            .await?;
+        let _guard = t.stop_extending().await;
+        self.shared
+            .broker
+            .delete(&self.shared.declared.url, &t.receipt)
+            .await?;
+        t.finish();
+        Ok(())
+    }
+
+    async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
+        let t = token(delivery)?;
+        let _guard = t.stop_extending().await;
+        let result = self
+            .shared
+            .change_visibility(&t.receipt, whole_seconds(delay))
+            .await;
+        t.finish();
+        result
+    }
+
+    async fn close(&self) -> Result<(), BrokerError> {
+        self.shared.closed.cancel();
+        self.shared.release_buffered().await;
+        Ok(())
+    }
+}
+
+impl Drop for SqsReceiver {
+    fn drop(&mut self) {
+        // Stops the poller (which gives back what it buffered) and every extender:
+        // unsettled deliveries come back after their visibility timeout.
+        self.shared.closed.cancel();
+    }
+}
+
+/// Reads a DLQ queue. `ack` deletes the dead letter; `release` makes it visible again.
+/// A message moved here by the redrive policy carries no dead-letter record: it is read
+/// as `max-deliveries` with `attempts` = the delivery limit (the redrive policy moves a
+/// message once it was received `maxReceiveCount` times).
+pub(crate) struct DeadLetterReader {
+    broker: SqsBroker,
+    sub: Subscription,
+    url: String,
+    buffer: tokio::sync::Mutex<VecDeque<Delivery>>,
+    closed: CancellationToken,
+}
+
+impl DeadLetterReader {
+    pub(crate) fn new(broker: SqsBroker, sub: Subscription, url: String) -> Self {
+        Self {
+            broker,
+            sub,
+            url,
+            buffer: tokio::sync::Mutex::new(VecDeque::new()),
+            closed: CancellationToken::new(),
+        }
+    }
+
+    fn convert(&self, m: &aws_sdk_sqs::types::Message) -> Option<Delivery> {
+        let receipt = m.receipt_handle()?.to_owned();
+        let (_, sent) = system_attributes(m);
+        let decoded = codec::decode(
+            m.body(),
+            m.message_attributes(),
+            m.message_id().unwrap_or(&receipt),
+        );
+        let mut message = decoded.message;
+        if message
+            .headers()
+            .get(headers::DEAD_LETTER_VERSION)
+            .is_none()
+        {
+            DeadLetter {
+                reason: DeadLetterReason::MaxDeliveries,
+                error_class: None,
+                error: None,
+                attempts: self.sub.delivery_limit,
+                first_failure_at: None,
+                dead_lettered_at: SystemTime::now(),
+                consumer: self.sub.consumer.clone(),
+                origin: Origin {
+                    destination: self.sub.source.clone(),
+                    route: decoded.route,
+                    ..Origin::default()
+                },
+            }
+            .write(message.headers_mut());
+        }
+        let attempt = headers::attempt(message.headers());
+        let origin = Origin {
+            destination: names_dlq(&self.sub),
+            ..Origin::default()
+        };
+        let token = DeliveryToken {
+            tag: 0,
+            lane: 0,
+            extra: Some(Box::new(receipt)),
+        };
+        Some(match sent {
+            Some(sent) => Delivery::with_published_at(message, attempt, origin, token, sent),
+            None => Delivery::new(message, attempt, origin, token),
+        })
+    }
+
+    fn receipt(d: &Delivery) -> Result<&str, BrokerError> {
+        d.token()
+            .extra
+            .as_ref()
+            .and_then(|e| e.downcast_ref::<String>())
+            .map(String::as_str)
+            .ok_or_else(|| BrokerError::Rejected("not an SQS dead letter".into()))
+    }
+}
+
+fn names_dlq(sub: &Subscription) -> String {
+    crate::names::dead_letter_queue_name(sub)
+}
+
+#[async_trait]
+impl Receiver for DeadLetterReader {
+    async fn receive(&self) -> Result<Delivery, BrokerError> {
+        let mut buffer = self.buffer.lock().await;
+        loop {
+            if let Some(d) = buffer.pop_front() {
+                return Ok(d);
+            }
+            if self.closed.is_cancelled() {
+                return Err(BrokerError::Closed);
+            }
+            let lease = whole_seconds(self.broker.inner.options.dead_letter_lease).max(1);
+            let out = self
+                .broker
+                .inner
+                .client
+                .receive_message()
+                .queue_url(&self.url)
+                .max_number_of_messages(10)
+                .wait_time_seconds(1)
+                .visibility_timeout(lease)
+                .message_attribute_names("All")
+                .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+                .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp)
+                .send()
+                .await
+                .map_err(|e| sdk_error("ReceiveMessage", e))?;
+            buffer.extend(out.messages().iter().filter_map(|m| self.convert(m)));
+        }
+    }
+
+    async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
+        self.broker
+            .inner
+            .client
+            .delete_message()
+            .queue_url(&self.url)
+            .receipt_handle(Self::receipt(delivery)?)
+            .send()
+            .await
+            .map_err(|e| sdk_error("DeleteMessage", e))?;
+        Ok(())
+    }
+
+    async fn retry(&self, _: &Delivery, _: RetryRequest) -> Result<(), BrokerError> {
+        Err(BrokerError::Unsupported {
+            backend: "sqs",
+            what: "retrying a dead letter (replay it instead)",
+        })
+    }
+
+    async fn dead_letter(&self, _: &Delivery, _: Message) -> Result<(), BrokerError> {
+        Err(BrokerError::Unsupported {
+            backend: "sqs",
+            what: "dead-lettering a dead letter",
+        })
+    }
+
+    async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
+        change_visibility(
+            &self.broker,
+            &self.url,
+            Self::receipt(delivery)?,
+            whole_seconds(delay),
+        )
+        .await
+    }
+
+    async fn close(&self) -> Result<(), BrokerError> {
+        self.closed.cancel();
+        let left: Vec<Delivery> = self.buffer.lock().await.drain(..).collect();
+        for d in left {
+            let _ = self.release(&d, Duration::ZERO).await;
+        }
+        Ok(())
+    }
+}

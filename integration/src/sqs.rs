@@ -1,0 +1,102 @@
+//! The Amazon SQS backend's conformance factory (the moto server from scripts/brokers).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use reliq_conformance::Backend;
+use reliq_core::{Broker, Subscription};
+use reliq_sqs::{Faults, SqsBroker, SqsOptions};
+
+use crate::settings;
+
+/// Connections to the local SQS endpoint; fault switches shared by all of them.
+#[derive(Default)]
+pub struct SqsBackend {
+    faults: Arc<Faults>,
+}
+
+impl SqsBackend {
+    /// A fresh backend.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A typed connection (for SQS-specific tests).
+    pub async fn connect_sqs(&self) -> anyhow::Result<SqsBroker> {
+        let url = settings::get("RELIQ_SQS_URL");
+        let options = SqsOptions {
+            faults: Some(self.faults.clone()),
+            ..SqsOptions::default()
+        };
+        Ok(SqsBroker::connect_with(&url, options).await?)
+    }
+}
+
+#[async_trait]
+impl Backend for SqsBackend {
+    fn name(&self) -> &'static str {
+        "sqs"
+    }
+
+    async fn connect(&self) -> anyhow::Result<Arc<dyn Broker>> {
+        Ok(Arc::new(self.connect_sqs().await?))
+    }
+
+    fn tiers(&self) -> [Duration; 2] {
+        // Visibility timeouts are whole seconds; 2 s leaves room for a receive round trip
+        // to the single-process emulator between a failure and its retry.
+        [Duration::from_secs(2), Duration::from_secs(4)]
+    }
+
+    fn tolerance(&self) -> Duration {
+        // Up to 1 s from rounding the delay (with jitter) up to whole seconds, and up to
+        // 1 s from moto, whose long poll re-checks messages that became visible once a
+        // second.
+        Duration::from_millis(2500)
+    }
+
+    fn quiet_period(&self) -> Duration {
+        Duration::from_secs(2)
+    }
+
+    fn crash_lease(&self) -> Duration {
+        // A crashed consumer's messages come back when the visibility timeout runs out.
+        Duration::from_secs(2)
+    }
+
+    async fn declare_source(&self, _broker: &Arc<dyn Broker>, _topic: &str) -> anyhow::Result<()> {
+        // SQS has no topics: a topic is the set of consumer queues subscribed to it, and
+        // every scenario subscribes before it publishes.
+        Ok(())
+    }
+
+    async fn set_dead_letter_available(
+        &self,
+        _broker: &Arc<dyn Broker>,
+        sub: &Subscription,
+        available: bool,
+    ) -> anyhow::Result<()> {
+        let sqs = self.connect_sqs().await?;
+        if available {
+            sqs.declare_dead_letters(sub).await?;
+        } else {
+            sqs.delete_dead_letters(sub).await?;
+        }
+        Ok(())
+    }
+
+    async fn set_retry_available(
+        &self,
+        _broker: &Arc<dyn Broker>,
+        sub: &Subscription,
+        available: bool,
+    ) -> anyhow::Result<()> {
+        self.faults.set_retry_available(&sub.consumer, available);
+        Ok(())
+    }
+
+    async fn unsettled(&self, _broker: &Arc<dyn Broker>, sub: &Subscription) -> Option<usize> {
+        self.connect_sqs().await.ok()?.not_visible(sub).await.ok()
+    }
+}
