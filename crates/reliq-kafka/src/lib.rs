@@ -9,7 +9,7 @@
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::{sync::Arc, time::Duration};
-//! use reliq_core::{BoxError, Consumer, Delivery, Destination, Message, RetryPolicy};
+//! use reliq_core::{BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy};
 //! use reliq_kafka::KafkaBroker;
 //!
 //! let broker = Arc::new(KafkaBroker::connect("kafka://127.0.0.1:9092")?);
