@@ -37,6 +37,7 @@ pub mod broker;
 pub mod classify;
 pub mod consumer;
 pub mod envelope;
+pub mod faults;
 pub mod headers;
 pub mod inbox;
 pub mod message;

@@ -29,7 +29,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -93,31 +93,8 @@ impl Default for NatsOptions {
     }
 }
 
-/// Fault injection for tests: a retry (`NakWithDelay`) only fails when the connection is
-/// gone, which a test cannot arrange for one consumer alone, so this switch simulates it.
-#[derive(Debug, Default)]
-pub struct Faults {
-    broken_retry: Mutex<HashSet<String>>,
-}
-
-impl Faults {
-    /// Make retries of `consumer` fail (or work again).
-    pub fn set_retry_available(&self, consumer: &str, available: bool) {
-        let mut set = self.broken_retry.lock().unwrap_or_else(|p| p.into_inner());
-        if available {
-            set.remove(consumer);
-        } else {
-            set.insert(consumer.to_owned());
-        }
-    }
-
-    fn retry_broken(&self, consumer: &str) -> bool {
-        self.broken_retry
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(consumer)
-    }
-}
+/// Test fault switches (shared by every backend).
+pub use reliq_core::faults::Faults;
 
 /// A connection to NATS JetStream. Cheap to clone.
 #[derive(Clone)]

@@ -48,7 +48,7 @@ pub mod codec;
 pub mod names;
 mod receiver;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -119,32 +119,8 @@ impl Default for SqsOptions {
     }
 }
 
-/// Fault injection for tests: a retry (`ChangeMessageVisibility`) only fails when the
-/// endpoint is unreachable, which a test cannot arrange for one consumer alone, so this
-/// switch simulates it.
-#[derive(Debug, Default)]
-pub struct Faults {
-    broken_retry: Mutex<HashSet<String>>,
-}
-
-impl Faults {
-    /// Make retries of `consumer` fail (or work again).
-    pub fn set_retry_available(&self, consumer: &str, available: bool) {
-        let mut set = self.broken_retry.lock().unwrap_or_else(|p| p.into_inner());
-        if available {
-            set.remove(consumer);
-        } else {
-            set.insert(consumer.to_owned());
-        }
-    }
-
-    fn retry_broken(&self, consumer: &str) -> bool {
-        self.broken_retry
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(consumer)
-    }
-}
+/// Test fault switches (shared by every backend).
+pub use reliq_core::faults::Faults;
 
 /// One consumer queue a topic's messages go to.
 #[derive(Clone, Debug)]
