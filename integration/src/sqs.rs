@@ -44,9 +44,11 @@ impl Backend for SqsBackend {
     }
 
     fn tiers(&self) -> [Duration; 2] {
-        // Visibility timeouts are whole seconds; 2 s leaves room for a receive round trip
-        // to the single-process emulator between a failure and its retry.
-        [Duration::from_secs(2), Duration::from_secs(4)]
+        // Visibility timeouts are whole seconds, and the single-process emulator re-checks
+        // a long poll about once a second: 4 s leaves room for a few receive round trips
+        // between a failure and its retry (the non-blocking scenario handles 10 messages,
+        // one at a time, in that window).
+        [Duration::from_secs(4), Duration::from_secs(8)]
     }
 
     fn tolerance(&self) -> Duration {
@@ -58,6 +60,13 @@ impl Backend for SqsBackend {
 
     fn quiet_period(&self) -> Duration {
         Duration::from_secs(2)
+    }
+
+    fn backpressure_backlog(&self) -> u32 {
+        // moto takes ~3.5 ms per message even in batches and slows down with queue depth:
+        // 10,000 messages alone would outlast the per-test limit. 1,500 still queues far
+        // more than the prefetch bound being checked.
+        1_500
     }
 
     fn crash_lease(&self) -> Duration {

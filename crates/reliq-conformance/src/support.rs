@@ -41,6 +41,13 @@ pub trait Backend: Send + Sync + 'static {
         Duration::from_secs(30)
     }
 
+    /// How many messages the backpressure scenario queues (10,000). A backend whose local
+    /// test endpoint cannot take that many in reasonable time (the single-process SQS
+    /// emulator) may queue fewer; the bound asserted (held ≤ prefetch) is the same.
+    fn backpressure_backlog(&self) -> u32 {
+        10_000
+    }
+
     /// Create the source destination `topic` so publishes to it are routable even before
     /// a consumer subscribed (a no-op where subscribing declares everything).
     async fn declare_source(&self, broker: &Arc<dyn Broker>, topic: &str) -> anyhow::Result<()>;
