@@ -106,3 +106,65 @@ async fn advisory_relays_are_idempotent() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A message terminated by another client (`+TERM`, not reliq) is parked in the DLQ by
+/// the advisory relay; reliq's own terminations (after dead-lettering) are not doubled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_terminations_are_parked_and_reliq_ones_not_doubled() -> anyhow::Result<()> {
+    use async_nats::jetstream::{self, AckKind};
+    use futures::StreamExt;
+
+    let backend = NatsBackend::new();
+    let broker = backend.connect_nats().await?;
+    let topic = unique("nats-term");
+    let sub = Subscription::new("terms", topic.clone());
+    drop(broker.subscribe(&sub).await?); // declares, starts the relay
+    broker
+        .publish(&Destination::new(topic.clone()), Message::new("foreign"))
+        .await?;
+
+    // Another client on the same durable consumer terminates it.
+    let client = async_nats::connect(reliq_integration::settings::get("RELIQ_NATS_URL")).await?;
+    let js = jetstream::new(client);
+    let consumer: jetstream::consumer::PullConsumer = js
+        .get_stream(reliq_nats::stream_name(&topic))
+        .await?
+        .get_consumer("terms")
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut batch = consumer
+        .fetch()
+        .max_messages(1)
+        .expires(Duration::from_secs(5))
+        .messages()
+        .await?;
+    let msg = batch
+        .next()
+        .await
+        .context("nothing fetched")?
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    msg.double_ack_with(AckKind::Term)
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    let dlq = broker.dead_letters(&sub).await?;
+    let dead = tokio::time::timeout(Duration::from_secs(10), dlq.receive())
+        .await
+        .context("the terminated message never reached the DLQ")??;
+    let record = DeadLetter::read(dead.headers())?;
+    ensure!(dead.payload() == b"foreign");
+    ensure!(record.reason == DeadLetterReason::Permanent, "{record:?}");
+    ensure!(
+        record
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("terminated outside reliq"))
+    );
+    ensure!(
+        tokio::time::timeout(Duration::from_secs(2), dlq.receive())
+            .await
+            .is_err(),
+        "one termination, one DLQ entry"
+    );
+    Ok(())
+}

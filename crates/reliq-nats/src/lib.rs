@@ -11,7 +11,7 @@
 //! | retry after d | `NakWithDelay(d)`: the server redelivers the original after `d`; never a plain `nak()` |
 //! | dead-letter | publish to the DLQ stream `DLQ_<stream>_<consumer>` (subject `dlq.<stream>.<consumer>`), wait for the `PubAck`, then `+TERM` |
 //! | attempt | the delivery count in the message metadata |
-//! | crash loop | `max_deliver`; an **advisory relay** turns `MAX_DELIVERIES` advisories into DLQ entries (reason `max-deliveries`), idempotently (`Nats-Msg-Id`) |
+//! | crash loop | `max_deliver`; an **advisory relay** turns `MAX_DELIVERIES` advisories into DLQ entries (reason `max-deliveries`), and `MSG_TERMINATED` advisories of terminations by other clients (reliq's own `+TERM reliq` are skipped) into entries with reason `permanent`, idempotently (`Nats-Msg-Id`) |
 //!
 //! Capabilities (documented limitations, see [`reliq_core::Capabilities`]):
 //! `attempts_count_every_delivery` (the attempt is the server's delivery count, so a release
@@ -49,6 +49,8 @@ use tokio_util::sync::CancellationToken;
 pub const KEY_HEADER: &str = "reliq-key";
 /// The server-side deduplication header.
 const MSG_ID: &str = "Nats-Msg-Id";
+/// The ack reliq sends after dead-lettering; its reason marks the termination as reliq's.
+const TERM_BY_RELIQ: &[u8] = b"+TERM reliq";
 
 /// What to do when a durable consumer already exists with a different configuration
 /// (for example an unlimited `max_deliver` left by another tool).
@@ -573,6 +575,8 @@ impl Broker for NatsBroker {
 /// The settlement handle kept in each delivery's token.
 struct NatsToken {
     acker: Arc<jetstream::message::Acker>,
+    /// The ack subject, for a `+TERM` that carries a reason.
+    reply: Option<async_nats::Subject>,
     /// Cancelled once settled: stops the in-progress keep-alive.
     settled: CancellationToken,
     stream_sequence: u64,
@@ -609,10 +613,33 @@ impl NatsReceiver {
             t.acker.ack_with(kind).await
         };
         result.map_err(connection)?;
+        self.settled(t);
+        Ok(())
+    }
+
+    fn settled(&self, t: &NatsToken) {
         if !t.settled.is_cancelled() {
             t.settled.cancel();
             self.outstanding.fetch_sub(1, Ordering::Relaxed);
         }
+    }
+
+    /// `+TERM reliq`: terminated by reliq after dead-lettering. The reason lets the
+    /// advisory relay tell these from terminations by other clients.
+    async fn term_dead_lettered(&self, d: &Delivery) -> Result<(), BrokerError> {
+        let t = self.token(d)?;
+        let Some(reply) = t.reply.clone() else {
+            return self.settle(d, AckKind::Term).await;
+        };
+        let client = &self.broker.inner.client;
+        let body = bytes::Bytes::from_static(TERM_BY_RELIQ);
+        if self.broker.inner.options.confirm_acks {
+            client.request(reply, body).await.map_err(connection)?;
+        } else {
+            client.publish(reply, body).await.map_err(connection)?;
+            client.flush().await.map_err(connection)?;
+        }
+        self.settled(t);
         Ok(())
     }
 
@@ -624,6 +651,7 @@ impl NatsReceiver {
         let seq = info.stream_sequence;
         let stream = info.stream.to_owned();
         let published: SystemTime = info.published.into();
+        let reply = msg.message.reply.clone();
         let (message, acker) = msg.split();
         let acker = Arc::new(acker);
         let fallback = format!("{stream}:{seq}");
@@ -656,6 +684,7 @@ impl NatsReceiver {
             lane: 0,
             extra: Some(Box::new(NatsToken {
                 acker,
+                reply,
                 settled,
                 stream_sequence: seq,
             })),
@@ -738,7 +767,7 @@ impl Receiver for NatsReceiver {
         self.broker
             .publish_raw(dead_letter_subject(&self.sub), h, payload)
             .await?;
-        self.settle(delivery, AckKind::Term).await
+        self.term_dead_lettered(delivery).await
     }
 
     async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
@@ -856,46 +885,71 @@ struct AdvisoryRelay {
     sub: Subscription,
 }
 
+/// The advisories the relay handles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Advisory {
+    /// `MAX_DELIVERIES`: the server will not deliver the message again.
+    MaxDeliveries,
+    /// `MSG_TERMINATED`: a client terminated it (`+TERM`); reliq's own carry reason `reliq`.
+    Terminated,
+}
+
 #[derive(serde::Deserialize)]
-struct MaxDeliveriesAdvisory {
+struct ConsumerAdvisory {
     stream_seq: u64,
+    #[serde(default)]
     deliveries: u64,
+    #[serde(default)]
+    reason: String,
 }
 
 impl AdvisoryRelay {
     async fn run(self) {
-        let subject = format!(
-            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.{}",
-            stream_name(&self.sub.source),
-            consumer_name(&self.sub.consumer)
-        );
-        let mut advisories = match self.broker.inner.client.subscribe(subject.clone()).await {
-            Ok(s) => s,
+        let stream = stream_name(&self.sub.source);
+        let consumer = consumer_name(&self.sub.consumer);
+        let client = &self.broker.inner.client;
+        let max_subject = format!("$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.{consumer}");
+        let term_subject =
+            format!("$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{stream}.{consumer}");
+        let (mut max_deliveries, mut terminated) = match tokio::try_join!(
+            client.subscribe(max_subject.clone()),
+            client.subscribe(term_subject)
+        ) {
+            Ok(subs) => subs,
             Err(e) => {
-                tracing::error!(%subject, error = %e, "cannot subscribe to MAX_DELIVERIES advisories");
+                tracing::error!(%max_subject, error = %e, "cannot subscribe to consumer advisories");
                 return;
             }
         };
-        while let Some(msg) = advisories.next().await {
-            let advisory: MaxDeliveriesAdvisory = match serde_json::from_slice(&msg.payload) {
+        loop {
+            let (msg, kind) = tokio::select! {
+                Some(m) = max_deliveries.next() => (m, Advisory::MaxDeliveries),
+                Some(m) = terminated.next() => (m, Advisory::Terminated),
+                else => return,
+            };
+            let advisory: ConsumerAdvisory = match serde_json::from_slice(&msg.payload) {
                 Ok(a) => a,
                 Err(e) => {
-                    tracing::warn!(error = %e, "unreadable MAX_DELIVERIES advisory");
+                    tracing::warn!(error = %e, "unreadable consumer advisory");
                     continue;
                 }
             };
+            if kind == Advisory::Terminated && advisory.reason.starts_with("reliq") {
+                // reliq terminated it after dead-lettering it itself.
+                continue;
+            }
             let mut wait = Duration::from_millis(100);
             // Never give up on a message the broker will not deliver again.
-            while let Err(e) = self.relay(&advisory).await {
+            while let Err(e) = self.relay(&advisory, kind).await {
                 tracing::warn!(seq = advisory.stream_seq, error = %e, retry_in = ?wait,
-                    "relaying a max-deliveries message to the DLQ failed");
+                    "relaying a message the consumer gave up on to the DLQ failed");
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(10));
             }
         }
     }
 
-    async fn relay(&self, advisory: &MaxDeliveriesAdvisory) -> Result<(), BrokerError> {
+    async fn relay(&self, advisory: &ConsumerAdvisory, kind: Advisory) -> Result<(), BrokerError> {
         let stream = self
             .broker
             .inner
@@ -916,10 +970,22 @@ impl AdvisoryRelay {
             raw.payload.clone(),
             format!("{}:{}", stream_name(&self.sub.source), advisory.stream_seq),
         );
+        let (reason, error, id_prefix) = match kind {
+            Advisory::MaxDeliveries => (DeadLetterReason::MaxDeliveries, None, "maxdel"),
+            // Terminated by a client outside reliq: parked so it is not lost.
+            Advisory::Terminated => (
+                DeadLetterReason::Permanent,
+                Some(format!(
+                    "terminated outside reliq (reason `{}`)",
+                    advisory.reason
+                )),
+                "term",
+            ),
+        };
         DeadLetter {
-            reason: DeadLetterReason::MaxDeliveries,
+            reason,
             error_class: None,
-            error: None,
+            error,
             attempts: u32::try_from(advisory.deliveries).unwrap_or(u32::MAX),
             first_failure_at: None,
             dead_lettered_at: SystemTime::now(),
@@ -936,7 +1002,7 @@ impl AdvisoryRelay {
         h.insert(
             MSG_ID,
             format!(
-                "maxdel:{}:{}",
+                "{id_prefix}:{}:{}",
                 stream_name(&self.sub.source),
                 advisory.stream_seq
             ),
@@ -945,8 +1011,8 @@ impl AdvisoryRelay {
         self.broker
             .publish_raw(dead_letter_subject(&self.sub), h, payload)
             .await?;
-        tracing::warn!(seq = advisory.stream_seq, consumer = %self.sub.consumer,
-            "max deliveries reached; message moved to the DLQ");
+        tracing::warn!(seq = advisory.stream_seq, consumer = %self.sub.consumer, %reason,
+            "the consumer gave up on a message; moved to the DLQ");
         Ok(())
     }
 }
