@@ -765,7 +765,9 @@ pub async fn retry_route_failure_keeps_source_and_makes_no_dlq_copy(
         format!("{:?}; attempts seen {attempts:?}", h.stats())
     })?;
     let s = h.shutdown().await.stats;
-    ensure!(s.dead_lettered == 0 && s.retried == 1, "{s:?}");
+    // At least one retry went through the repaired route (a call already in flight while
+    // the route was repaired can fail and retry too, so not exactly one), none before.
+    ensure!(s.dead_lettered == 0 && s.retried >= 1, "{s:?}");
     ctx.assert_no_dead_letters("c").await
 }
 
