@@ -177,11 +177,7 @@ pub(crate) fn sends(client: aws_sdk_sqs::Client, window: Duration) -> Batcher<En
                         .build();
                     match entry {
                         Ok(entry) => request = request.entries(entry),
-                        Err(err) => {
-                            return (0..n)
-                                .map(|_| Err(BrokerError::Rejected(err.to_string())))
-                                .collect();
-                        }
+                        Err(err) => return all_rejected(n, &err),
                     }
                 }
                 let out = request.send().await;
@@ -190,23 +186,33 @@ pub(crate) fn sends(client: aws_sdk_sqs::Client, window: Duration) -> Batcher<En
                     .map(|o| o.successful().iter().map(|s| s.id().to_owned()).collect())
                     .unwrap_or_default();
                 let call = out
-                    .map(|o| {
-                        o.failed()
-                            .iter()
-                            .map(|f| {
-                                (
-                                    f.id().to_owned(),
-                                    f.code().to_owned(),
-                                    f.message().unwrap_or_default().to_owned(),
-                                )
-                            })
-                            .collect()
-                    })
+                    .map(|o| failures(o.failed()))
                     .map_err(|e| sdk_error("SendMessageBatch", e));
                 per_entry(n, "SendMessageBatch", call, || ok_ids)
             })
         }),
     )
+}
+
+/// The failed entries of a batch call: (entry id, code, message).
+fn failures(failed: &[aws_sdk_sqs::types::BatchResultErrorEntry]) -> Vec<(String, String, String)> {
+    failed
+        .iter()
+        .map(|f| {
+            (
+                f.id().to_owned(),
+                f.code().to_owned(),
+                f.message().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// Every entry of a batch that could not even be built fails with the same error.
+fn all_rejected(n: usize, err: &impl std::fmt::Display) -> Vec<Result<(), BrokerError>> {
+    (0..n)
+        .map(|_| Err(BrokerError::Rejected(err.to_string())))
+        .collect()
 }
 
 /// Batched `DeleteMessage` (entries are receipt handles).
@@ -225,11 +231,7 @@ pub(crate) fn deletes(client: aws_sdk_sqs::Client, window: Duration) -> Batcher<
                         .build()
                     {
                         Ok(entry) => request = request.entries(entry),
-                        Err(err) => {
-                            return (0..n)
-                                .map(|_| Err(BrokerError::Rejected(err.to_string())))
-                                .collect();
-                        }
+                        Err(err) => return all_rejected(n, &err),
                     }
                 }
                 let out = request.send().await;
@@ -238,18 +240,7 @@ pub(crate) fn deletes(client: aws_sdk_sqs::Client, window: Duration) -> Batcher<
                     .map(|o| o.successful().iter().map(|s| s.id().to_owned()).collect())
                     .unwrap_or_default();
                 let call = out
-                    .map(|o| {
-                        o.failed()
-                            .iter()
-                            .map(|f| {
-                                (
-                                    f.id().to_owned(),
-                                    f.code().to_owned(),
-                                    f.message().unwrap_or_default().to_owned(),
-                                )
-                            })
-                            .collect()
-                    })
+                    .map(|o| failures(o.failed()))
                     .map_err(|e| sdk_error("DeleteMessageBatch", e));
                 per_entry(n, "DeleteMessageBatch", call, || ok_ids)
             })
