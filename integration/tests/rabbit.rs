@@ -496,3 +496,178 @@ async fn connection_loss_reconnects_and_unacked_delivery_comes_back() -> anyhow:
     ensure!(s.processed >= 11, "{s:?}");
     Ok(())
 }
+
+/// One queue's settings as the management API shows them.
+async fn queue_info(broker: &RabbitBroker, queue: &str) -> anyhow::Result<serde_json::Value> {
+    let api = broker.management().context("management URL")?;
+    Ok(api.queue("/", queue).await?)
+}
+
+/// A queue's info once `ready` holds (the management API lags by its statistics
+/// interval); an error with the last info after 20 s.
+async fn queue_info_when(
+    broker: &RabbitBroker,
+    queue: &str,
+    ready: impl Fn(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let info = queue_info(broker, queue).await?;
+        if ready(&info) {
+            return Ok(info);
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "queue {queue} never reached the expected state: {info:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// With a management URL the settings live in one policy per queue: the queue carries
+/// only its type, the policy holds the delivery limit / dead-lettering / TTL with the
+/// `apply-to` of this broker's version, and a changed delivery limit is applied by
+/// declaring again — no PRECONDITION_FAILED, no queue to recreate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_carry_the_settings_and_change_without_recreating_the_queue() -> anyhow::Result<()>
+{
+    let broker = RabbitBackend::broker().await?;
+    let topic = unique("policies");
+    let mut s = sub("c", &topic);
+    s.delivery_limit = 5;
+    let names = broker.declare(&s).await?;
+
+    // The management API refreshes a queue's `policy` with the statistics (5 s).
+    let main = queue_info_when(&broker, &names.queue, |q| {
+        q["policy"] == format!("reliq-{}", names.queue)
+    })
+    .await?;
+    let args = main["arguments"].as_object().context("arguments")?;
+    ensure!(
+        args.keys().collect::<Vec<_>>() == ["x-queue-type"],
+        "the queue must carry only its type: {args:?}"
+    );
+    let effective = &main["effective_policy_definition"];
+    ensure!(effective["delivery-limit"] == 4, "{effective:#}");
+    ensure!(effective["dead-letter-routing-key"] == names.parking.as_str());
+    ensure!(effective["dead-letter-strategy"] == "at-least-once");
+    ensure!(effective["overflow"] == "reject-publish");
+
+    let (delay, retry_queue) = &names.retry[0];
+    let retry = queue_info_when(&broker, retry_queue, |q| !q["policy"].is_null()).await?;
+    ensure!(retry["effective_policy_definition"]["message-ttl"] == delay.as_millis() as u64);
+    ensure!(
+        retry["effective_policy_definition"]["dead-letter-routing-key"] == names.queue.as_str()
+    );
+
+    let api = broker.management().context("management URL")?;
+    let version = api.server_version().await?;
+    let policy = api
+        .get(&format!("/api/policies/%2F/reliq-{}", names.queue))
+        .await?;
+    let apply_to = if reliq_rabbit::topology::knows_quorum_apply_to(&version) {
+        "quorum_queues"
+    } else {
+        "queues"
+    };
+    ensure!(policy["apply-to"] == apply_to, "{policy:#}");
+    ensure!(policy["priority"] == 10, "{policy:#}");
+
+    // A new delivery limit: declared again, applied through the policy.
+    s.delivery_limit = 9;
+    broker.declare(&s).await?;
+    queue_info_when(&broker, &names.queue, |q| {
+        q["effective_policy_definition"]["delivery-limit"] == 8
+    })
+    .await?;
+    Ok(())
+}
+
+/// Without policies the settings are queue arguments, fixed for the queue's life:
+/// declaring it again with another delivery limit is a configuration error naming the
+/// queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arguments_mode_fixes_settings_in_the_queue() -> anyhow::Result<()> {
+    let url = reliq_integration::settings::get("RELIQ_RABBIT_URL");
+    let broker = RabbitBroker::connect_with(
+        &url,
+        reliq_rabbit::RabbitOptions {
+            queue_settings: reliq_rabbit::QueueSettings::Arguments,
+            ..RabbitBackend::options()
+        },
+    )
+    .await?;
+    let topic = unique("arguments");
+    let mut s = sub("c", &topic);
+    s.delivery_limit = 5;
+    let names = broker.declare(&s).await?;
+    let main = queue_info(&broker, &names.queue).await?;
+    ensure!(main["arguments"]["x-delivery-limit"] == 4, "{main:#}");
+    ensure!(main["policy"].as_str().unwrap_or("").is_empty(), "{main:#}");
+    s.delivery_limit = 9;
+    match broker.declare(&s).await {
+        Err(BrokerError::Config { field, .. }) => ensure!(field == names.queue, "{field}"),
+        other => anyhow::bail!("expected a configuration error, got {other:?}"),
+    }
+    Ok(())
+}
+
+/// An operator's broader policy with a higher priority would silently replace reliq's
+/// (RabbitMQ applies one policy per queue): the declaration fails naming both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_higher_priority_policy_is_reported_at_declaration() -> anyhow::Result<()> {
+    let broker = RabbitBackend::broker().await?;
+    let api = broker.management().context("management URL")?.clone();
+    let topic = unique("shadowed");
+    let shadow = reliq_rabbit::Policy {
+        name: format!("ops-{topic}"),
+        pattern: format!("^{}\\.", topic.replace('.', "\\.")),
+        apply_to: "queues".into(),
+        priority: 50,
+        definition: serde_json::json!({"max-length": 100_000})
+            .as_object()
+            .cloned()
+            .context("object")?,
+    };
+    api.put_policy("/", &shadow).await?;
+    let result = broker.declare(&sub("c", &topic)).await;
+    api.delete_policy("/", &shadow.name).await?;
+    match result {
+        Err(BrokerError::Config { field, reason }) => {
+            ensure!(field == "policy_priority", "{field}");
+            ensure!(
+                reason.contains(&shadow.name) && reason.contains(&format!("reliq-{topic}.c")),
+                "{reason}"
+            );
+        }
+        other => anyhow::bail!("expected a configuration error, got {other:?}"),
+    }
+    Ok(())
+}
+
+/// `Policies` without a reachable management API fails at connect, naming the field —
+/// it never falls back to arguments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_without_a_management_api_fail_at_connect() -> anyhow::Result<()> {
+    let url = reliq_integration::settings::get("RELIQ_RABBIT_URL");
+    for management_url in [None, Some("http://guest:guest@127.0.0.1:1".to_owned())] {
+        let result = RabbitBroker::connect_with(
+            &url,
+            reliq_rabbit::RabbitOptions {
+                queue_settings: reliq_rabbit::QueueSettings::Policies,
+                management_url: management_url.clone(),
+                ..RabbitBackend::options()
+            },
+        )
+        .await;
+        match result {
+            Err(BrokerError::Config { field, .. }) => {
+                ensure!(field == "management_url", "{management_url:?}: {field}")
+            }
+            other => {
+                anyhow::bail!("{management_url:?}: expected a configuration error, got {other:?}")
+            }
+        }
+    }
+    Ok(())
+}

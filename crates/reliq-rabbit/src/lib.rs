@@ -46,13 +46,21 @@
 //! Message mapping: id → AMQP `message_id` and the `reliq-id` header; key → the
 //! `reliq-key` header ([`convert::KEY_HEADER`]); every header → an AMQP long string.
 //!
-//! Quorum queue settings are set as queue arguments (`x-delivery-limit`,
-//! `x-dead-letter-exchange` = `""`, `x-dead-letter-routing-key`,
-//! `x-dead-letter-strategy=at-least-once`, `x-overflow=reject-publish`); [`plan`] prints
-//! the same as `rabbitmqctl set_policy` commands, with `--apply-to queues` before 3.12
-//! and `quorum_queues` from 3.12 on. Queue arguments cannot be changed on an existing
-//! queue: redeclaring it with another delivery limit fails with
-//! [`BrokerError::Config`] (PRECONDITION_FAILED); use a policy or recreate the queue.
+//! Queue settings (`delivery-limit`, `dead-letter-exchange` = `""`,
+//! `dead-letter-routing-key`, `dead-letter-strategy=at-least-once`,
+//! `overflow=reject-publish`, `message-ttl` on the tiers) live in **policies** when a
+//! management API URL is configured ([`QueueSettings`]): one policy `reliq-<queue>` per
+//! queue, put before the queue is declared (and only when it changed — every policy change
+//! makes RabbitMQ re-match all queues of the vhost), `apply-to` = `queues` before 3.12 and
+//! `quorum_queues` from 3.12 on; before that, reliq checks that no other policy with an
+//! equal or higher priority matches the queue (an operator's broader policy would
+//! otherwise silently replace reliq's and drop the delivery limit). Without a management URL they are queue arguments, which cannot be
+//! changed on an existing queue: redeclaring it with another delivery limit fails with
+//! [`BrokerError::Config`] (PRECONDITION_FAILED). [`plan`] prints both forms, for
+//! operators who manage policies themselves.
+//!
+//! RabbitMQ 4.3's quorum-queue delayed retry is not used yet: the brokers reliq is tested
+//! against here (3.10) do not have it, so retries always go through TTL tiers.
 //!
 //! ## Capabilities
 //!
@@ -105,6 +113,7 @@ pub mod management;
 pub mod topology;
 
 pub use management::Management;
+pub use management::Policy;
 pub use topology::{Names, plan};
 
 /// The queue type reliq declares.
@@ -158,6 +167,25 @@ impl Reconnect {
     }
 }
 
+/// Where reliq puts the settings of the queues it declares (delivery limit, retry TTL,
+/// dead-letter target and strategy, overflow, expiry).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QueueSettings {
+    /// Policies when [`RabbitOptions::management_url`] is set, queue arguments otherwise.
+    /// Decided by configuration, never by whether the API happens to answer: a queue
+    /// declared with arguments during an outage would keep them for life.
+    #[default]
+    Auto,
+    /// `x-` queue arguments. They cannot be changed on an existing queue: declaring it
+    /// again with another delivery limit fails with [`BrokerError::Config`].
+    Arguments,
+    /// One policy per queue (`reliq-<queue>`, pattern `^<queue>$`), put through the
+    /// management API before the queue is declared; the queue carries only its type, so
+    /// the settings can change without recreating it. Needs
+    /// [`RabbitOptions::management_url`]; an unreachable API fails [`RabbitBroker::connect_with`].
+    Policies,
+}
+
 /// Settings of a [`RabbitBroker`].
 #[derive(Clone, Debug)]
 pub struct RabbitOptions {
@@ -167,9 +195,15 @@ pub struct RabbitOptions {
     pub confirm_timeout: Duration,
     /// Reconnect policy.
     pub reconnect: Reconnect,
-    /// The management API (`http://user:password@host:15672`), used to probe the server
-    /// version for [`RabbitBroker::plan`]; optional.
+    /// The management API (`http[s]://user:password@host:15672`): where reliq sets its
+    /// policies (see [`QueueSettings`]) and probes the server version; optional.
     pub management_url: Option<String>,
+    /// Queue settings as policies or as queue arguments.
+    pub queue_settings: QueueSettings,
+    /// Priority of reliq's policies (default 10). RabbitMQ applies only the
+    /// highest-priority policy matching a queue; reliq checks after each declaration that
+    /// no other policy with an equal or higher priority matches and fails naming it otherwise.
+    pub policy_priority: i32,
     /// `x-expires` for every queue reliq declares: RabbitMQ deletes a queue unused for
     /// this long. Off by default; tests use it so nothing is left behind.
     pub queue_expiry: Option<Duration>,
@@ -184,6 +218,8 @@ impl Default for RabbitOptions {
             confirm_timeout: Duration::from_secs(10),
             reconnect: Reconnect::default(),
             management_url: None,
+            queue_settings: QueueSettings::Auto,
+            policy_priority: 10,
             queue_expiry: None,
             connection_name: "reliq".to_owned(),
         }
@@ -270,6 +306,7 @@ struct Inner {
     url: String,
     opts: RabbitOptions,
     management: Option<Management>,
+    store: topology::SettingsStore,
     conn: Mutex<Option<Arc<Connection>>>,
     publisher: Mutex<Option<Channel>>,
     exchanges: StdMutex<HashSet<String>>,
@@ -468,6 +505,47 @@ impl Inner {
     }
 }
 
+/// Resolve [`RabbitOptions::queue_settings`] at connect time; policies need the server
+/// version (for `apply-to`) and the vhost of `url`.
+async fn settings_store(
+    url: &str,
+    options: &RabbitOptions,
+    management: Option<&Management>,
+) -> Result<topology::SettingsStore, BrokerError> {
+    let api = match (options.queue_settings, management) {
+        (QueueSettings::Arguments, _) | (QueueSettings::Auto, None) => {
+            return Ok(topology::SettingsStore::Arguments);
+        }
+        (QueueSettings::Policies, None) => {
+            return Err(BrokerError::Config {
+                field: "management_url".into(),
+                reason: "queue_settings = Policies needs the management API URL".into(),
+            });
+        }
+        (_, Some(api)) => api,
+    };
+    let version = api
+        .server_version()
+        .await
+        .map_err(|e| BrokerError::Config {
+            field: "management_url".into(),
+            reason: format!("the management API is needed to set reliq's policies: {e}"),
+        })?;
+    let vhost = url
+        .parse::<lapin::uri::AMQPUri>()
+        .map_err(|e| BrokerError::Config {
+            field: "url".into(),
+            reason: e,
+        })?
+        .vhost;
+    Ok(topology::SettingsStore::Policies {
+        api: api.clone(),
+        vhost,
+        apply_to: topology::apply_to(options.queue_type, Some(&version)),
+        priority: options.policy_priority,
+    })
+}
+
 /// A RabbitMQ connection implementing [`Broker`]. Cheap to clone (shared).
 #[derive(Clone)]
 pub struct RabbitBroker {
@@ -503,10 +581,12 @@ impl RabbitBroker {
             .as_deref()
             .map(Management::new)
             .transpose()?;
+        let store = settings_store(url, &options, management.as_ref()).await?;
         let inner = Arc::new(Inner {
             url: url.to_owned(),
             opts: options,
             management,
+            store,
             conn: Mutex::new(None),
             publisher: Mutex::new(None),
             exchanges: StdMutex::new(HashSet::new()),
@@ -533,7 +613,7 @@ impl RabbitBroker {
     /// Declare `sub`'s whole topology (idempotent); [`Broker::subscribe`] does this too.
     pub async fn declare(&self, sub: &Subscription) -> Result<Names, BrokerError> {
         let ch = self.inner.channel().await?;
-        let names = topology::declare_all(&ch, sub, &self.inner.opts).await?;
+        let names = topology::declare_all(&ch, sub, &self.inner.opts, &self.inner.store).await?;
         self.inner.known_exchange(&names.exchange);
         let _ = ch.close(200, "ok".into()).await;
         Ok(names)
@@ -553,7 +633,7 @@ impl RabbitBroker {
     /// Declare only `sub`'s parking queue (e.g. to restore a deleted one).
     pub async fn declare_dead_letter_queue(&self, sub: &Subscription) -> Result<(), BrokerError> {
         let ch = self.inner.channel().await?;
-        topology::declare_parking(&ch, sub, &self.inner.opts).await?;
+        topology::declare_parking(&ch, sub, &self.inner.opts, &self.inner.store).await?;
         let _ = ch.close(200, "ok".into()).await;
         Ok(())
     }
@@ -561,7 +641,7 @@ impl RabbitBroker {
     /// Declare only `sub`'s retry (TTL) queues (e.g. to restore deleted ones).
     pub async fn declare_retry_queues(&self, sub: &Subscription) -> Result<(), BrokerError> {
         let ch = self.inner.channel().await?;
-        topology::declare_retry(&ch, sub, &self.inner.opts).await?;
+        topology::declare_retry(&ch, sub, &self.inner.opts, &self.inner.store).await?;
         let _ = ch.close(200, "ok".into()).await;
         Ok(())
     }
@@ -708,10 +788,13 @@ impl RabbitReceiver {
         let ch = self.inner.channel().await?;
         match self.role {
             Role::Consumer => {
-                topology::declare_all(&ch, &self.sub, &self.inner.opts).await?;
+                topology::declare_all(&ch, &self.sub, &self.inner.opts, &self.inner.store).await?;
                 self.inner.known_exchange(&self.names.exchange);
             }
-            Role::Parking => topology::declare_parking(&ch, &self.sub, &self.inner.opts).await?,
+            Role::Parking => {
+                topology::declare_parking(&ch, &self.sub, &self.inner.opts, &self.inner.store)
+                    .await?
+            }
         }
         let prefetch = u16::try_from(self.sub.prefetch.max(1)).unwrap_or(u16::MAX);
         ch.basic_qos(prefetch, BasicQosOptions::default())

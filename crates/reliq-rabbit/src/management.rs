@@ -1,26 +1,31 @@
-//! A minimal client for RabbitMQ's management HTTP API (plain `http://` only): enough to
-//! probe the server version, read queue counters and set policies. It speaks HTTP/1.0 so
-//! the response is never chunked, and needs no HTTP client crate.
+//! A small client for RabbitMQ's management HTTP API ([reqwest]): probe the server
+//! version, read queue counters, set and delete policies, close connections (tests).
+//!
+//! `http://` and `https://` (rustls on ring, the platform's trust store) are accepted;
+//! credentials come from the URL's userinfo and are sent as HTTP basic auth, never logged.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use reliq_core::BrokerError;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use reqwest::{Method, StatusCode, Url};
+use rustls_platform_verifier::BuilderVerifierExt as _;
+use serde_json::Value;
 
 /// A management API endpoint, e.g. `http://guest:guest@127.0.0.1:15672`.
 #[derive(Clone)]
 pub struct Management {
-    authority: String,
-    auth: Option<String>,
-    timeout: Duration,
+    base: Url,
+    user: String,
+    password: String,
+    http: reqwest::Client,
 }
 
 impl std::fmt::Debug for Management {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Never print the credentials.
+        // `base` has its credentials stripped; never print them.
         f.debug_struct("Management")
-            .field("authority", &self.authority)
+            .field("base", &self.base.as_str())
             .finish_non_exhaustive()
     }
 }
@@ -32,28 +37,7 @@ fn config(reason: impl Into<String>) -> BrokerError {
     }
 }
 
-fn base64(input: &[u8]) -> String {
-    const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(input.len().div_ceil(3) * 4);
-    for chunk in input.chunks(3) {
-        let b = [
-            chunk[0],
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(char::from(T[((n >> (18 - 6 * i)) & 63) as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-/// Percent-encode one path segment (queue and vhost names).
+/// Percent-encode one path segment (queue, policy and vhost names).
 pub fn encode_segment(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
@@ -66,126 +50,174 @@ pub fn encode_segment(s: &str) -> String {
     out
 }
 
-fn percent_decode(s: &str) -> String {
+fn percent_decode(s: &str) -> Result<String, BrokerError> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let Some(v) = s
+        if bytes[i] == b'%' {
+            let v = s
                 .get(i + 1..i + 3)
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-        {
+                .ok_or_else(|| config("bad percent-encoding in the credentials"))?;
             out.push(v);
             i += 3;
-            continue;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
         }
-        out.push(bytes[i]);
-        i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    String::from_utf8(out).map_err(|_| config("credentials are not UTF-8"))
+}
+
+/// A rustls configuration on the ring provider (the one lapin uses) with the platform's
+/// certificate verifier: no second crypto provider in the process.
+fn tls_config() -> Result<rustls::ClientConfig, BrokerError> {
+    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .and_then(|b| b.with_platform_verifier())
+        .map(|b| b.with_no_client_auth())
+        .map_err(|e| config(format!("TLS setup failed: {e}")))
+}
+
+/// A policy as the management API stores it (`PUT /api/policies/<vhost>/<name>`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Policy {
+    /// The policy name.
+    pub name: String,
+    /// The queue-name regex it applies to.
+    pub pattern: String,
+    /// `queues`, `quorum_queues`, `classic_queues`, …
+    pub apply_to: String,
+    /// Highest priority wins when several policies match a queue.
+    pub priority: i32,
+    /// The settings (`delivery-limit`, `message-ttl`, …).
+    pub definition: serde_json::Map<String, Value>,
 }
 
 impl Management {
-    /// Parse `http://[user:password@]host:port[/]`.
+    /// Parse `http[s]://[user:password@]host:port[/]`.
     pub fn new(url: &str) -> Result<Self, BrokerError> {
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| config("only http:// management URLs are supported"))?;
-        let rest = rest.trim_end_matches('/');
-        let (auth, authority) = match rest.rsplit_once('@') {
-            Some((userinfo, host)) => {
-                let (user, pass) = userinfo.split_once(':').unwrap_or((userinfo, ""));
-                let creds = format!("{}:{}", percent_decode(user), percent_decode(pass));
-                (Some(base64(creds.as_bytes())), host.to_owned())
-            }
-            None => (None, rest.to_owned()),
-        };
-        if authority.is_empty() || authority.contains('/') {
+        let mut base = Url::parse(url).map_err(|e| config(format!("not a URL: {e}")))?;
+        if !matches!(base.scheme(), "http" | "https") {
+            return Err(config("expected http://… or https://…"));
+        }
+        if base.host_str().is_none_or(str::is_empty) {
             return Err(config("expected http://user:password@host:port"));
         }
+        let user = percent_decode(base.username())?;
+        let password = percent_decode(base.password().unwrap_or(""))?;
+        // Strip the credentials: they go in the Authorization header, and the URL may end
+        // up in an error message.
+        let _ = base.set_username("");
+        let _ = base.set_password(None);
+        base.set_path("/");
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .tls_backend_preconfigured(tls_config()?)
+            .build()
+            .map_err(|e| config(format!("HTTP client setup failed: {e}")))?;
         Ok(Self {
-            authority,
-            auth,
-            timeout: Duration::from_secs(5),
+            base,
+            user,
+            password,
+            http,
         })
     }
 
     async fn request(
         &self,
-        method: &str,
+        method: Method,
         path: &str,
-        body: Option<&str>,
-    ) -> Result<(u16, String), BrokerError> {
-        let io = async {
-            let mut stream = TcpStream::connect(&self.authority).await?;
-            let mut req = format!("{method} {path} HTTP/1.0\r\nHost: {}\r\n", self.authority);
-            if let Some(a) = &self.auth {
-                req.push_str(&format!("Authorization: Basic {a}\r\n"));
+        body: Option<&Value>,
+    ) -> Result<(StatusCode, String), BrokerError> {
+        let url = self
+            .base
+            .join(path.trim_start_matches('/'))
+            .map_err(|e| config(format!("bad path {path}: {e}")))?;
+        let mut req = self
+            .http
+            .request(method, url)
+            .basic_auth(&self.user, Some(&self.password));
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let resp = req.send().await.map_err(|e| {
+            if e.is_timeout() {
+                BrokerError::Timeout(Duration::from_secs(5))
+            } else {
+                BrokerError::Connection(format!("management API: {e}"))
             }
-            if let Some(b) = body {
-                req.push_str(&format!(
-                    "Content-Type: application/json\r\nContent-Length: {}\r\n",
-                    b.len()
-                ));
-            }
-            req.push_str("\r\n");
-            if let Some(b) = body {
-                req.push_str(b);
-            }
-            stream.write_all(req.as_bytes()).await?;
-            let mut raw = Vec::new();
-            stream.read_to_end(&mut raw).await?;
-            Ok::<_, std::io::Error>(raw)
-        };
-        let raw = tokio::time::timeout(self.timeout, io)
+        })?;
+        let status = resp.status();
+        let text = resp
+            .text()
             .await
-            .map_err(|_| BrokerError::Timeout(self.timeout))?
             .map_err(|e| BrokerError::Connection(format!("management API: {e}")))?;
-        let text = String::from_utf8_lossy(&raw);
-        let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| BrokerError::Connection("management API: malformed response".into()))?;
-        Ok((status, body.to_owned()))
+        Ok((status, text))
+    }
+
+    fn refused(method: &str, path: &str, status: StatusCode, body: &str) -> BrokerError {
+        BrokerError::Rejected(format!(
+            "management API {method} {path}: HTTP {status}: {}",
+            body.chars().take(200).collect::<String>()
+        ))
     }
 
     /// `GET path` → JSON.
-    pub async fn get(&self, path: &str) -> Result<serde_json::Value, BrokerError> {
-        let (status, body) = self.request("GET", path, None).await?;
-        if status != 200 {
-            return Err(BrokerError::Rejected(format!(
-                "management API GET {path}: HTTP {status}"
-            )));
+    pub async fn get(&self, path: &str) -> Result<Value, BrokerError> {
+        let (status, body) = self.request(Method::GET, path, None).await?;
+        if status != StatusCode::OK {
+            return Err(Self::refused("GET", path, status, &body));
         }
         serde_json::from_str(&body).map_err(|e| BrokerError::Other(Box::new(e)))
     }
 
     /// `PUT path` with a JSON body.
-    pub async fn put(&self, path: &str, body: &serde_json::Value) -> Result<(), BrokerError> {
-        let (status, text) = self.request("PUT", path, Some(&body.to_string())).await?;
-        if !(200..300).contains(&status) {
-            return Err(BrokerError::Rejected(format!(
-                "management API PUT {path}: HTTP {status}: {}",
-                text.chars().take(200).collect::<String>()
-            )));
+    pub async fn put(&self, path: &str, body: &Value) -> Result<(), BrokerError> {
+        let (status, text) = self.request(Method::PUT, path, Some(body)).await?;
+        if !status.is_success() {
+            return Err(Self::refused("PUT", path, status, &text));
         }
         Ok(())
     }
 
     /// `DELETE path` (404 counts as done).
     pub async fn delete(&self, path: &str) -> Result<(), BrokerError> {
-        let (status, text) = self.request("DELETE", path, None).await?;
-        if !(200..300).contains(&status) && status != 404 {
-            return Err(BrokerError::Rejected(format!(
-                "management API DELETE {path}: HTTP {status}: {}",
-                text.chars().take(200).collect::<String>()
-            )));
+        let (status, text) = self.request(Method::DELETE, path, None).await?;
+        if !status.is_success() && status != StatusCode::NOT_FOUND {
+            return Err(Self::refused("DELETE", path, status, &text));
         }
         Ok(())
+    }
+
+    /// Create or replace a policy in `vhost`.
+    pub async fn put_policy(&self, vhost: &str, policy: &Policy) -> Result<(), BrokerError> {
+        let body = serde_json::json!({
+            "pattern": policy.pattern,
+            "definition": policy.definition,
+            "priority": policy.priority,
+            "apply-to": policy.apply_to,
+        });
+        self.put(
+            &format!(
+                "/api/policies/{}/{}",
+                encode_segment(vhost),
+                encode_segment(&policy.name)
+            ),
+            &body,
+        )
+        .await
+    }
+
+    /// Delete a policy (a missing one counts as deleted).
+    pub async fn delete_policy(&self, vhost: &str, name: &str) -> Result<(), BrokerError> {
+        self.delete(&format!(
+            "/api/policies/{}/{}",
+            encode_segment(vhost),
+            encode_segment(name)
+        ))
+        .await
     }
 
     /// Force-close every connection whose client-side name (`connection_name`) is
@@ -219,8 +251,9 @@ impl Management {
             .ok_or_else(|| BrokerError::Rejected("no rabbitmq_version in /api/overview".into()))
     }
 
-    /// One queue's counters (`/api/queues/<vhost>/<name>`), as JSON.
-    pub async fn queue(&self, vhost: &str, name: &str) -> Result<serde_json::Value, BrokerError> {
+    /// One queue's counters and settings (`/api/queues/<vhost>/<name>`), as JSON; its
+    /// `policy` field names the policy in effect.
+    pub async fn queue(&self, vhost: &str, name: &str) -> Result<Value, BrokerError> {
         self.get(&format!(
             "/api/queues/{}/{}",
             encode_segment(vhost),
@@ -235,14 +268,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_urls_and_encodes() {
-        assert_eq!(base64(b"guest:guest"), "Z3Vlc3Q6Z3Vlc3Q=");
-        assert_eq!(base64(b"ab"), "YWI=");
-        assert_eq!(base64(b"abc"), "YWJj");
-        let m = Management::new("http://guest:guest@127.0.0.1:15672/").unwrap();
-        assert_eq!(m.authority, "127.0.0.1:15672");
-        assert!(!format!("{m:?}").contains("guest"));
+    fn parses_urls_and_hides_credentials() {
+        let m = Management::new("http://gu%40est:p%3Ass@127.0.0.1:15672/").unwrap();
+        assert_eq!(m.base.as_str(), "http://127.0.0.1:15672/");
+        assert_eq!((m.user.as_str(), m.password.as_str()), ("gu@est", "p:ss"));
+        assert!(!format!("{m:?}").contains("p:ss") && !format!("{m:?}").contains("p%3Ass"));
+        assert!(Management::new("https://user:pw@rabbit.example:15671").is_ok());
         assert_eq!(encode_segment("/"), "%2F");
-        assert!(Management::new("https://x").is_err());
+        assert!(Management::new("ftp://x").is_err());
+        assert!(Management::new("not a url").is_err());
     }
 }

@@ -23,7 +23,26 @@ use reliq_core::{BrokerError, Subscription};
 use std::fmt::Write as _;
 use std::time::Duration;
 
+use crate::management::{Management, Policy};
 use crate::{QueueType, RabbitError, RabbitOptions};
+
+/// Where the settings of reliq's queues (delivery limit, TTL, dead-lettering, overflow)
+/// live on this broker — resolved once at connect time from
+/// [`RabbitOptions::queue_settings`].
+#[derive(Clone, Debug)]
+pub(crate) enum SettingsStore {
+    /// As `x-` queue arguments: fixed for the queue's lifetime.
+    Arguments,
+    /// As one policy per queue, set through the management API before the queue is
+    /// declared; the queue itself carries only `x-queue-type` (and can be re-tuned by
+    /// changing the policy).
+    Policies {
+        api: Management,
+        vhost: String,
+        apply_to: &'static str,
+        priority: i32,
+    },
+}
 
 /// Every name one subscription uses.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -85,6 +104,7 @@ fn millis(d: Duration) -> i64 {
 #[derive(Clone, Debug)]
 struct QueueSpec {
     name: String,
+    queue_type: QueueType,
     role: &'static str,
     args: Vec<(&'static str, ArgValue)>,
 }
@@ -104,20 +124,58 @@ impl ArgValue {
     }
 
     fn json(&self) -> String {
+        self.value().to_string()
+    }
+}
+
+impl ArgValue {
+    fn value(&self) -> serde_json::Value {
         match self {
-            Self::Text(s) => serde_json::Value::String(s.clone()).to_string(),
-            Self::Int(n) => n.to_string(),
+            Self::Text(s) => serde_json::Value::String(s.clone()),
+            Self::Int(n) => serde_json::Value::from(*n),
         }
     }
 }
 
+/// The queue type is an argument only: it cannot be a policy key.
+const QUEUE_TYPE: &str = "x-queue-type";
+
 impl QueueSpec {
-    fn table(&self) -> FieldTable {
+    /// The AMQP argument table: every argument, or only the queue type when the rest is
+    /// in a policy.
+    fn table(&self, all: bool) -> FieldTable {
         let mut t = FieldTable::default();
-        for (k, v) in &self.args {
+        for (k, v) in self.args.iter().filter(|(k, _)| all || *k == QUEUE_TYPE) {
             t.insert(ShortString::from(*k), v.amqp());
         }
         t
+    }
+
+    /// The policy name for this queue.
+    fn policy_name(&self) -> String {
+        format!("reliq-{}", self.name)
+    }
+
+    /// The policy definition: the arguments without `x-` (the policy keys), sorted by
+    /// key (as the management API returns them); empty when the queue has only a type.
+    fn policy_definition(&self) -> serde_json::Map<String, serde_json::Value> {
+        self.args
+            .iter()
+            .filter(|(k, _)| *k != QUEUE_TYPE)
+            .map(|(k, v)| (k.trim_start_matches("x-").to_owned(), v.value()))
+            .collect()
+    }
+
+    /// The policy that carries this queue's settings, or `None` when it has none.
+    fn policy(&self, apply_to: &str, priority: i32) -> Option<Policy> {
+        let definition = self.policy_definition();
+        (!definition.is_empty()).then(|| Policy {
+            name: self.policy_name(),
+            pattern: format!("^{}$", regex_escape(&self.name)),
+            apply_to: apply_to.to_owned(),
+            priority,
+            definition,
+        })
     }
 }
 
@@ -154,6 +212,7 @@ fn dead_lettering(opts: &RabbitOptions, target: &str) -> Vec<(&'static str, ArgV
 fn parking_spec(names: &Names, opts: &RabbitOptions) -> QueueSpec {
     QueueSpec {
         name: names.parking.clone(),
+        queue_type: opts.queue_type,
         role: "parking queue (DLQ)",
         args: base_args(opts),
     }
@@ -170,6 +229,7 @@ fn main_spec(sub: &Subscription, names: &Names, opts: &RabbitOptions) -> QueueSp
     args.extend(dead_lettering(opts, &names.parking));
     QueueSpec {
         name: names.queue.clone(),
+        queue_type: opts.queue_type,
         role: "consumer queue",
         args,
     }
@@ -185,6 +245,7 @@ fn retry_specs(names: &Names, opts: &RabbitOptions) -> Vec<QueueSpec> {
             args.extend(dead_lettering(opts, &names.queue));
             QueueSpec {
                 name: name.clone(),
+                queue_type: opts.queue_type,
                 role: "retry queue (TTL tier)",
                 args,
             }
@@ -192,17 +253,118 @@ fn retry_specs(names: &Names, opts: &RabbitOptions) -> Vec<QueueSpec> {
         .collect()
 }
 
-async fn declare_queue(ch: &Channel, spec: &QueueSpec) -> Result<(), BrokerError> {
+async fn declare_queue(
+    ch: &Channel,
+    spec: &QueueSpec,
+    store: &SettingsStore,
+) -> Result<(), BrokerError> {
+    let in_policy = match store {
+        SettingsStore::Arguments => false,
+        SettingsStore::Policies {
+            api,
+            vhost,
+            apply_to,
+            priority,
+        } => match spec.policy(apply_to, *priority) {
+            Some(p) => {
+                check_not_shadowed(api, vhost, &spec.name, spec.queue_type, &p).await?;
+                // Before the declaration, so the queue never exists without its settings.
+                ensure_policy(api, vhost, &p).await?;
+                true
+            }
+            None => false,
+        },
+    };
     ch.queue_declare(
         short("queue", &spec.name)?,
         QueueDeclareOptions {
             durable: true,
             ..QueueDeclareOptions::default()
         },
-        spec.table(),
+        spec.table(!in_policy),
     )
     .await
     .map_err(|e| RabbitError::declare(&spec.name, e))?;
+    Ok(())
+}
+
+/// Put `policy` unless the broker already has exactly it: every policy change makes
+/// RabbitMQ re-match all queues of the vhost, so a restarting consumer must not cause one.
+async fn ensure_policy(api: &Management, vhost: &str, policy: &Policy) -> Result<(), BrokerError> {
+    let path = format!(
+        "/api/policies/{}/{}",
+        crate::management::encode_segment(vhost),
+        crate::management::encode_segment(&policy.name)
+    );
+    let current = api.get(&path).await.ok();
+    let same = current.as_ref().is_some_and(|c| {
+        c.get("pattern").and_then(|v| v.as_str()) == Some(policy.pattern.as_str())
+            && c.get("apply-to").and_then(|v| v.as_str()) == Some(policy.apply_to.as_str())
+            && c.get("priority").and_then(serde_json::Value::as_i64)
+                == Some(i64::from(policy.priority))
+            && c.get("definition").and_then(|v| v.as_object()) == Some(&policy.definition)
+    });
+    if !same {
+        tracing::info!(policy = %policy.name, definition = %serde_json::Value::Object(policy.definition.clone()), "setting RabbitMQ policy");
+        api.put_policy(vhost, policy).await?;
+    }
+    Ok(())
+}
+
+/// Check that no other policy would win over `policy` on `queue`: RabbitMQ applies only
+/// the highest-priority matching policy, so an operator's broader policy with a higher
+/// (or equal) priority would silently drop reliq's delivery limit and dead-lettering.
+/// Checked against the policy list rather than the queue's `policy` field, which the
+/// management API only refreshes with the statistics (every 5 s by default).
+async fn check_not_shadowed(
+    api: &Management,
+    vhost: &str,
+    queue: &str,
+    queue_type: QueueType,
+    policy: &Policy,
+) -> Result<(), BrokerError> {
+    let list = api
+        .get(&format!(
+            "/api/policies/{}",
+            crate::management::encode_segment(vhost)
+        ))
+        .await?;
+    for other in list.as_array().into_iter().flatten() {
+        let name = other.get("name").and_then(|v| v.as_str()).unwrap_or("");
+        let priority = other
+            .get("priority")
+            .and_then(serde_json::Value::as_i64)
+            .unwrap_or(0);
+        if name == policy.name || priority < i64::from(policy.priority) {
+            continue;
+        }
+        let applies = match other.get("apply-to").and_then(|v| v.as_str()) {
+            Some("all" | "queues") => true,
+            Some("quorum_queues") => queue_type == QueueType::Quorum,
+            Some("classic_queues") => queue_type == QueueType::Classic,
+            _ => false,
+        };
+        let pattern = other.get("pattern").and_then(|v| v.as_str()).unwrap_or("");
+        let matches = match regex::Regex::new(pattern) {
+            Ok(re) => re.is_match(queue),
+            Err(e) => {
+                tracing::warn!(policy = name, pattern, error = %e, "cannot evaluate a policy pattern; assuming it does not match");
+                false
+            }
+        };
+        if applies && matches {
+            return Err(BrokerError::Config {
+                field: "policy_priority".into(),
+                reason: format!(
+                    "policy `{name}` (priority {priority}) matches queue `{queue}` and would \
+                     replace reliq's `{}` (priority {}): raise RabbitOptions::policy_priority \
+                     above it, narrow that policy's pattern, or use operator policies for \
+                     cluster-wide limits",
+                    policy.name, policy.priority
+                ),
+            });
+        }
+    }
     Ok(())
 }
 
@@ -235,11 +397,12 @@ pub(crate) async fn declare_all(
     ch: &Channel,
     sub: &Subscription,
     opts: &RabbitOptions,
+    store: &SettingsStore,
 ) -> Result<Names, BrokerError> {
     let names = Names::of(sub);
     declare_exchange(ch, &names.exchange).await?;
-    declare_queue(ch, &parking_spec(&names, opts)).await?;
-    declare_queue(ch, &main_spec(sub, &names, opts)).await?;
+    declare_queue(ch, &parking_spec(&names, opts), store).await?;
+    declare_queue(ch, &main_spec(sub, &names, opts), store).await?;
     ch.queue_bind(
         short("queue", &names.queue)?,
         short("exchange", &names.exchange)?,
@@ -250,7 +413,7 @@ pub(crate) async fn declare_all(
     .await
     .map_err(|e| RabbitError::declare(&names.queue, e))?;
     for spec in retry_specs(&names, opts) {
-        declare_queue(ch, &spec).await?;
+        declare_queue(ch, &spec, store).await?;
     }
     Ok(names)
 }
@@ -260,8 +423,9 @@ pub(crate) async fn declare_parking(
     ch: &Channel,
     sub: &Subscription,
     opts: &RabbitOptions,
+    store: &SettingsStore,
 ) -> Result<(), BrokerError> {
-    declare_queue(ch, &parking_spec(&Names::of(sub), opts)).await
+    declare_queue(ch, &parking_spec(&Names::of(sub), opts), store).await
 }
 
 /// Declare only the retry queues of `sub`.
@@ -269,9 +433,10 @@ pub(crate) async fn declare_retry(
     ch: &Channel,
     sub: &Subscription,
     opts: &RabbitOptions,
+    store: &SettingsStore,
 ) -> Result<(), BrokerError> {
     for spec in retry_specs(&Names::of(sub), opts) {
-        declare_queue(ch, &spec).await?;
+        declare_queue(ch, &spec, store).await?;
     }
     Ok(())
 }
@@ -287,16 +452,12 @@ pub fn knows_quorum_apply_to(version: &str) -> bool {
     (major, minor) >= (3, 12)
 }
 
-fn policy_json(spec: &QueueSpec) -> String {
-    // Policy keys are the queue argument names without `x-`; the queue type is not a
-    // policy key.
-    let body: Vec<String> = spec
-        .args
-        .iter()
-        .filter(|(k, _)| *k != "x-queue-type")
-        .map(|(k, v)| format!("\"{}\":{}", k.trim_start_matches("x-"), v.json()))
-        .collect();
-    format!("{{{}}}", body.join(","))
+/// The policy `apply-to` value for `queue_type` on a broker of `server_version`.
+pub(crate) fn apply_to(queue_type: QueueType, server_version: Option<&str>) -> &'static str {
+    match (queue_type, server_version) {
+        (QueueType::Quorum, Some(v)) if knows_quorum_apply_to(v) => "quorum_queues",
+        _ => "queues",
+    }
 }
 
 fn regex_escape(name: &str) -> String {
@@ -327,10 +488,7 @@ fn regex_escape(name: &str) -> String {
 /// ```
 pub fn plan(sub: &Subscription, opts: &RabbitOptions, server_version: Option<&str>) -> String {
     let names = Names::of(sub);
-    let apply_to = match (opts.queue_type, server_version) {
-        (QueueType::Quorum, Some(v)) if knows_quorum_apply_to(v) => "quorum_queues",
-        _ => "queues",
-    };
+    let apply_to = apply_to(opts.queue_type, server_version);
     let mut specs = vec![parking_spec(&names, opts), main_spec(sub, &names, opts)];
     specs.extend(retry_specs(&names, opts));
     let mut out = String::new();
@@ -363,20 +521,22 @@ pub fn plan(sub: &Subscription, opts: &RabbitOptions, server_version: Option<&st
     );
     let _ = writeln!(
         out,
-        "\n# equivalent policies (queue arguments take precedence):"
+        "\n# the same settings as policies (what reliq sets through the management API \
+         when RabbitOptions::queue_settings resolves to Policies; the queues then carry \
+         only x-queue-type):"
     );
-    for spec in &specs {
-        let json = policy_json(spec);
-        if json == "{}" {
-            continue;
-        }
+    for policy in specs
+        .iter()
+        .filter_map(|s| s.policy(apply_to, opts.policy_priority))
+    {
         let _ = writeln!(
             out,
-            "rabbitmqctl set_policy reliq-{} '^{}$' '{}' --apply-to {}",
-            spec.name,
-            regex_escape(&spec.name),
-            json,
-            apply_to
+            "rabbitmqctl set_policy {} '{}' '{}' --priority {} --apply-to {}",
+            policy.name,
+            policy.pattern,
+            serde_json::Value::Object(policy.definition),
+            policy.priority,
+            policy.apply_to
         );
     }
     out
@@ -446,7 +606,7 @@ mod tests {
         assert!(old.contains("binding orders -> orders.inventory key=order.*"));
         assert!(old.contains(
             "rabbitmqctl set_policy reliq-orders.inventory '^orders\\.inventory$' \
-             '{\"delivery-limit\":7,\"dead-letter-exchange\":\"\",\"dead-letter-routing-key\":\"orders.inventory.dlq\",\"overflow\":\"reject-publish\",\"dead-letter-strategy\":\"at-least-once\"}' --apply-to queues"
+             '{\"dead-letter-exchange\":\"\",\"dead-letter-routing-key\":\"orders.inventory.dlq\",\"dead-letter-strategy\":\"at-least-once\",\"delivery-limit\":7,\"overflow\":\"reject-publish\"}' --priority 10 --apply-to queues"
         ), "{old}");
         assert!(old.contains("\"message-ttl\":30000"));
         let new = plan(&sub(), &opts, Some("4.1.0"));
