@@ -39,7 +39,7 @@ down:
     docker compose down
 
 # Start the brokers the tests need, run every test (doc, unit, property, conformance,
-# real-broker), check the broker script's own promises (scripts/brokers-selftest), and
+# real-broker, then the broker-restart tests on their own), check the broker script's own promises (scripts/brokers-selftest), and
 # stop the brokers this recipe started — also on failure.
 test:
     #!/usr/bin/env bash
@@ -51,6 +51,8 @@ test:
     rc=0
     cargo test --workspace --doc --quiet || rc=1
     cargo nextest run --workspace --no-fail-fast || rc=1
+    # Broker restarts, alone: they would break the tests above if run beside them.
+    cargo nextest run --workspace --no-fail-fast --profile disruptive || rc=1
     scripts/brokers-selftest || rc=1
     exit $rc
 
