@@ -1,6 +1,7 @@
 //! Mapping between a reliq [`Message`] and an AMQP message.
 //!
-//! - the message id → AMQP `message_id` **and** the `reliq-id` header;
+//! - the message id → AMQP `message_id` (an id longer than 255 bytes → the `reliq-id`
+//!   header instead);
 //! - the key → the `reliq-key` header;
 //! - every reliq/user header → an AMQP long-string header;
 //! - delivery mode 2 (persistent).
@@ -42,15 +43,19 @@ pub(crate) fn properties(message: &Message) -> Result<BasicProperties, BrokerErr
     for (name, value) in message.headers().iter() {
         put(name, value)?;
     }
-    put(headers::MESSAGE_ID, message.id().as_str())?;
+    // The id travels as the AMQP `message_id`; only an id longer than a short string
+    // (255 bytes) needs the `reliq-id` header instead.
+    let id = ShortString::try_new(message.id().as_str()).ok();
+    if id.is_none() {
+        put(headers::MESSAGE_ID, message.id().as_str())?;
+    }
     if let Some(key) = message.key() {
         put(KEY_HEADER, key)?;
     }
     let mut props = BasicProperties::default()
         .with_delivery_mode(PERSISTENT)
         .with_headers(table);
-    // Ids longer than a short string stay in the `reliq-id` header only.
-    if let Ok(id) = ShortString::try_new(message.id().as_str()) {
+    if let Some(id) = id {
         props = props.with_message_id(id);
     }
     Ok(props)
@@ -264,6 +269,27 @@ mod tests {
             v
         };
         assert_eq!(sorted(back.headers()), sorted(m.headers()));
+    }
+
+    #[test]
+    fn the_id_is_sent_once_and_long_ids_travel_in_a_header() {
+        let short = Message::new("p");
+        let props = properties(&short).unwrap();
+        assert_eq!(
+            props.message_id().as_ref().map(|s| s.as_str()),
+            Some(short.id().as_str())
+        );
+        assert!(
+            props
+                .headers()
+                .as_ref()
+                .is_none_or(|t| !t.inner().contains_key(headers::MESSAGE_ID))
+        );
+
+        let long = Message::with_id_and_payload("i".repeat(300), "p");
+        let props = properties(&long).unwrap();
+        assert!(props.message_id().is_none());
+        assert_eq!(message(&props, b"p").id(), long.id());
     }
 
     #[test]

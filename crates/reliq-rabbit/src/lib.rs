@@ -43,7 +43,8 @@
 //! | delivery limit | quorum `x-delivery-limit` = [`Subscription::delivery_limit`]; the broker dead-letters (at-least-once) to the parking queue; [`Broker::dead_letters`] turns its `x-death` into a reliq [`DeadLetter`](reliq_core::DeadLetter) record with reason `max-deliveries` |
 //! | `send_to_consumer` (replay) | publish to the default exchange with routing key = the consumer's queue |
 //!
-//! Message mapping: id → AMQP `message_id` and the `reliq-id` header; key → the
+//! Message mapping: id → AMQP `message_id` (the `reliq-id` header for ids over 255
+//! bytes); key → the
 //! `reliq-key` header ([`convert::KEY_HEADER`]); every header → an AMQP long string.
 //!
 //! Queue settings (`delivery-limit`, `dead-letter-exchange` = `""`,
@@ -302,13 +303,35 @@ impl From<RabbitError> for BrokerError {
     }
 }
 
+/// Where a publish goes, for error messages (formatted only when one is needed).
+#[derive(Clone, Copy)]
+enum Target<'a> {
+    /// An exchange and routing key.
+    Exchange(&'a str, &'a str),
+    /// A queue through the default exchange, with its role.
+    Queue(&'static str, &'a str),
+}
+
+impl std::fmt::Display for Target<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Exchange(exchange, route) => write!(f, "exchange `{exchange}` route `{route}`"),
+            Self::Queue(role, queue) => write!(f, "{role} `{queue}`"),
+        }
+    }
+}
+
 struct Inner {
     url: String,
     opts: RabbitOptions,
     management: Option<Management>,
     store: topology::SettingsStore,
     conn: Mutex<Option<Arc<Connection>>>,
-    publisher: Mutex<Option<Channel>>,
+    /// The shared publishing channel (read on every publish: a plain lock, held only to
+    /// clone the handle).
+    publisher: StdMutex<Option<Channel>>,
+    /// Serialises reopening the publishing channel.
+    publisher_reopen: Mutex<()>,
     exchanges: StdMutex<HashSet<String>>,
 }
 
@@ -381,18 +404,29 @@ impl Inner {
 
     /// The shared publishing channel (confirm mode), reopened when closed.
     async fn publisher(&self) -> Result<Channel, BrokerError> {
-        let mut guard = self.publisher.lock().await;
-        if let Some(ch) = guard.as_ref()
-            && ch.status().connected()
-        {
-            return Ok(ch.clone());
+        if let Some(ch) = self.open_publisher() {
+            return Ok(ch);
+        }
+        let _reopening = self.publisher_reopen.lock().await;
+        if let Some(ch) = self.open_publisher() {
+            return Ok(ch); // reopened by a concurrent publish meanwhile
         }
         let ch = self.channel().await?;
         ch.confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(|e| RabbitError::client("confirm.select", e))?;
-        *guard = Some(ch.clone());
+        *self.publisher.lock().unwrap_or_else(|p| p.into_inner()) = Some(ch.clone());
         Ok(ch)
+    }
+
+    /// The publishing channel, if it is open.
+    fn open_publisher(&self) -> Option<Channel> {
+        self.publisher
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .filter(|ch| ch.status().connected())
+            .cloned()
     }
 
     /// Check (once per process) that `exchange` exists, on a throwaway channel: a publish
@@ -455,7 +489,7 @@ impl Inner {
         exchange: &str,
         routing_key: &str,
         message: &Message,
-        what: &str,
+        what: Target<'_>,
     ) -> Result<(), BrokerError> {
         self.ensure_exchange(exchange).await?;
         let props = convert::properties(message)?;
@@ -495,7 +529,7 @@ impl Inner {
         }
     }
 
-    fn publish_failed(&self, exchange: &str, what: &str, e: lapin::Error) -> BrokerError {
+    fn publish_failed(&self, exchange: &str, what: Target<'_>, e: lapin::Error) -> BrokerError {
         if reply_code(&e) == Some(404) {
             // The channel is closed by now; `publisher()` opens a new one next time.
             self.forget_exchange(exchange);
@@ -588,7 +622,8 @@ impl RabbitBroker {
             management,
             store,
             conn: Mutex::new(None),
-            publisher: Mutex::new(None),
+            publisher: StdMutex::new(None),
+            publisher_reopen: Mutex::new(()),
             exchanges: StdMutex::new(HashSet::new()),
         });
         // The first connection fails fast: a wrong URL is a configuration error.
@@ -716,7 +751,7 @@ impl Broker for RabbitBroker {
                 &destination.topic,
                 route,
                 &message,
-                &format!("exchange `{}` route `{route}`", destination.topic),
+                Target::Exchange(&destination.topic, route),
             )
             .await
     }
@@ -742,7 +777,7 @@ impl Broker for RabbitBroker {
     ) -> Result<(), BrokerError> {
         let queue = topology::queue_name(subscription);
         self.inner
-            .publish_to("", &queue, &message, &format!("queue `{queue}`"))
+            .publish_to("", &queue, &message, Target::Queue("queue", &queue))
             .await
     }
 }
@@ -981,7 +1016,7 @@ impl Receiver for RabbitReceiver {
             None => drop(h.remove(headers::ORIGINAL_ROUTE)),
         }
         self.inner
-            .publish_to("", queue, &copy, &format!("retry queue `{queue}`"))
+            .publish_to("", queue, &copy, Target::Queue("retry queue", queue))
             .await?;
         self.ack_on(&ch, delivery).await
     }
@@ -991,7 +1026,7 @@ impl Receiver for RabbitReceiver {
         let ch = self.channel_of(delivery)?;
         let parking = &self.names.parking;
         self.inner
-            .publish_to("", parking, &dead, &format!("parking queue `{parking}`"))
+            .publish_to("", parking, &dead, Target::Queue("parking queue", parking))
             .await?;
         self.ack_on(&ch, delivery).await
     }

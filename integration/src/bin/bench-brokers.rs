@@ -2,8 +2,11 @@
 //! client crate on the same broker, in the same run.
 //!
 //! ```sh
-//! cargo run --release -p reliq-integration --bin bench-brokers -- --broker rabbit --messages 5000
+//! cargo run --release -p reliq-integration --bin bench-brokers -- --broker rabbit --messages 5000 --rounds 5
 //! ```
+//!
+//! Each round measures both sides (alternating which goes first); the report gives the
+//! median and the range per side and the ratio of the medians.
 //!
 //! Measures, each as msg/s and as a ratio reliq / raw:
 //! - **publish**: `--messages` confirmed publishes, 64 in flight (reliq `Broker::publish`
@@ -21,7 +24,7 @@ use anyhow::{Context, bail, ensure};
 use futures::StreamExt;
 use reliq_conformance::support::unique;
 use reliq_core::{
-    BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy, Transient,
+    BoxError, Broker, Consumer, Delivery, Destination, Message, MessageId, RetryPolicy, Transient,
 };
 use reliq_integration::settings;
 
@@ -150,7 +153,7 @@ mod raw_rabbit {
         )
         .await?;
         // Same broker work as reliq's publish: a durable topic exchange routing to the
-        // queue, persistent messages carrying a message id.
+        // queue, persistent messages carrying a message id (a UUID, as reliq's).
         ch.exchange_declare(
             queue.as_str().into(),
             lapin::ExchangeKind::Topic,
@@ -194,7 +197,7 @@ mod raw_rabbit {
                         &body,
                         BasicProperties::default()
                             .with_delivery_mode(2)
-                            .with_message_id(format!("raw-{i}").into()),
+                            .with_message_id(MessageId::generate().as_str().into()),
                     )
                     .await?;
                 Ok::<bool, lapin::Error>(confirm.await?.is_ack())
@@ -261,7 +264,7 @@ mod raw_nats {
             pending.push(async move {
                 // Same server work as reliq's publish: deduplication by message id.
                 let mut headers = async_nats::HeaderMap::new();
-                headers.insert("Nats-Msg-Id", format!("raw-{i}").as_str());
+                headers.insert("Nats-Msg-Id", MessageId::generate().as_str());
                 js.publish_with_headers(subject, headers, payload(i).into())
                     .await?
                     .await?;
@@ -379,6 +382,67 @@ mod raw_kafka {
     }
 }
 
+/// The median of `xs` (sorted in place).
+fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let mid = xs.len() / 2;
+    if xs.len() % 2 == 0 {
+        (xs[mid - 1] + xs[mid]) / 2.0
+    } else {
+        xs[mid]
+    }
+}
+
+/// One measurement per side and round; reported as median (min–max).
+#[derive(Default)]
+struct Series {
+    reliq: Vec<f64>,
+    raw: Vec<f64>,
+}
+
+impl Series {
+    fn line(&mut self, what: &str) -> String {
+        let range = |xs: &[f64]| {
+            let (lo, hi) = xs
+                .iter()
+                .fold((f64::MAX, 0.0f64), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
+            format!("{lo:.0}–{hi:.0}")
+        };
+        let (reliq, raw) = (median(&mut self.reliq), median(&mut self.raw));
+        format!(
+            "  {what:<20} reliq {reliq:>9.0} msg/s ({}) | raw {raw:>9.0} msg/s ({}) | ratio of medians {:.2}",
+            range(&self.reliq),
+            range(&self.raw),
+            reliq / raw
+        )
+    }
+}
+
+async fn raw_publish(broker: &str, n: usize) -> anyhow::Result<f64> {
+    match broker {
+        "rabbit" => raw_rabbit::publish(n).await,
+        "nats" => raw_nats::publish(n).await,
+        _ => raw_kafka::publish(n).await,
+    }
+}
+
+async fn raw_consume(broker: &str, n: usize) -> anyhow::Result<f64> {
+    match broker {
+        "rabbit" => raw_rabbit::consume(n).await,
+        "nats" => raw_nats::consume(n).await,
+        _ => raw_kafka::consume(n).await,
+    }
+}
+
+/// reliq's confirmed publish into a fresh topology (a bound consumer queue).
+async fn reliq_publish_fresh(broker: &Arc<dyn Broker>, n: usize) -> anyhow::Result<f64> {
+    let topic = unique("bench-pub");
+    let builder =
+        Consumer::builder(broker.clone(), "sink").subscribe(topic.clone(), None::<String>);
+    drop(broker.subscribe(&builder.subscription()?).await?);
+    reliq_publish(broker, &topic, n).await
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let broker_name = arg("--broker").context("--broker rabbit|nats|kafka")?;
@@ -386,35 +450,33 @@ async fn main() -> anyhow::Result<()> {
         .map(|v| v.parse())
         .transpose()?
         .unwrap_or(5000);
+    let rounds: usize = arg("--rounds").map(|v| v.parse()).transpose()?.unwrap_or(5);
     let broker = connect(&broker_name).await?;
     // warm-up: connections, topology caches
     reliq_consume(&broker, false, n.min(500)).await?;
 
-    let reliq_pub = {
-        let topic = unique("bench-pub");
-        let builder =
-            Consumer::builder(broker.clone(), "sink").subscribe(topic.clone(), None::<String>);
-        drop(broker.subscribe(&builder.subscription()?).await?);
-        reliq_publish(&broker, &topic, n).await?
-    };
-    let (raw_pub, raw_con) = match broker_name.as_str() {
-        "rabbit" => (raw_rabbit::publish(n).await?, raw_rabbit::consume(n).await?),
-        "nats" => (raw_nats::publish(n).await?, raw_nats::consume(n).await?),
-        _ => (raw_kafka::publish(n).await?, raw_kafka::consume(n).await?),
-    };
-    let reliq_con = reliq_consume(&broker, false, n).await?;
+    // Rounds alternate which side goes first, so a broker slowing down over the run (a
+    // growing log, a GC) weighs on both sides alike.
+    let (mut publish, mut consume) = (Series::default(), Series::default());
+    for round in 0..rounds {
+        if round % 2 == 0 {
+            publish.reliq.push(reliq_publish_fresh(&broker, n).await?);
+            publish.raw.push(raw_publish(&broker_name, n).await?);
+            consume.reliq.push(reliq_consume(&broker, false, n).await?);
+            consume.raw.push(raw_consume(&broker_name, n).await?);
+        } else {
+            publish.raw.push(raw_publish(&broker_name, n).await?);
+            publish.reliq.push(reliq_publish_fresh(&broker, n).await?);
+            consume.raw.push(raw_consume(&broker_name, n).await?);
+            consume.reliq.push(reliq_consume(&broker, false, n).await?);
+        }
+    }
     let failure = reliq_consume(&broker, true, n.min(2000)).await?;
     println!(
-        "{broker_name}: {n} messages, {IN_FLIGHT} publishes in flight, prefetch {PREFETCH}, 2 worker threads"
+        "{broker_name}: {n} messages x {rounds} rounds, {IN_FLIGHT} publishes in flight, prefetch {PREFETCH}, 2 worker threads"
     );
-    println!(
-        "  publish (confirmed): reliq {reliq_pub:>9.0} msg/s | raw {raw_pub:>9.0} msg/s | ratio {:.2}",
-        reliq_pub / raw_pub
-    );
-    println!(
-        "  consume (no-op):     reliq {reliq_con:>9.0} msg/s | raw {raw_con:>9.0} msg/s | ratio {:.2}",
-        reliq_con / raw_con
-    );
+    println!("{}", publish.line("publish (confirmed):"));
+    println!("{}", consume.line("consume (no-op):"));
     println!("  failure path (every message retried once after 1 s): reliq {failure:.0} msg/s");
     Ok(())
 }
