@@ -386,7 +386,7 @@ mod raw_kafka {
 fn median(xs: &mut [f64]) -> f64 {
     xs.sort_by(f64::total_cmp);
     let mid = xs.len() / 2;
-    if xs.len() % 2 == 0 {
+    if xs.len().is_multiple_of(2) {
         (xs[mid - 1] + xs[mid]) / 2.0
     } else {
         xs[mid]
@@ -459,7 +459,7 @@ async fn main() -> anyhow::Result<()> {
     // growing log, a GC) weighs on both sides alike.
     let (mut publish, mut consume) = (Series::default(), Series::default());
     for round in 0..rounds {
-        if round % 2 == 0 {
+        if round.is_multiple_of(2) {
             publish.reliq.push(reliq_publish_fresh(&broker, n).await?);
             publish.raw.push(raw_publish(&broker_name, n).await?);
             consume.reliq.push(reliq_consume(&broker, false, n).await?);
