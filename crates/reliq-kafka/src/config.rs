@@ -193,8 +193,9 @@ impl KafkaConfig {
             ("session.timeout.ms", "6000".into()),
             ("heartbeat.interval.ms", "500".into()),
             ("fetch.wait.max.ms", "100".into()),
-            // A small local fetch queue (flow control pauses partitions anyway) that is
-            // refilled quickly: the default 1 s back-off would stall every refill.
+            // librdkafka's fetch queue is the second stage of flow control (the poll
+            // thread stops taking records while the runtime's buffer is full): small and
+            // bounded, refilled quickly (the default 1 s back-off would stall refills).
             (
                 "queued.min.messages",
                 prefetch.max(1).saturating_mul(2).to_string(),

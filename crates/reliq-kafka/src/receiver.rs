@@ -27,6 +27,15 @@ use crate::{DUE_AT_HEADER, Inner, KafkaError, SOURCE_OFFSET_HEADER, SOURCE_PARTI
 
 /// Longest a poll blocks, so settlements (commits, resumes) are applied promptly.
 const POLL_SLICE: Duration = Duration::from_millis(20);
+/// While the buffer ahead of the runtime is full the poll thread stops taking records
+/// but leaves them in librdkafka's own bounded fetch queue (`queued.max.messages.kbytes`),
+/// checking again every [`FULL_RECHECK`]. Pausing would discard that queue and cost a
+/// refetch (hundreds of milliseconds) on resume; only a buffer full for longer than this
+/// pauses the partitions, so the poll loop goes back to serving rebalances and
+/// `max.poll.interval.ms` while slow handlers catch up.
+const FLOW_PAUSE_AFTER: Duration = Duration::from_secs(1);
+/// How often a full buffer is checked for room.
+const FULL_RECHECK: Duration = Duration::from_millis(1);
 /// Prefix of the commit metadata that carries the crash-loop counter.
 const COUNTER_PREFIX: &str = "reliq-deliveries";
 
@@ -87,9 +96,8 @@ impl Part {
 }
 
 /// Most deliveries buffered ahead of the runtime (which itself holds at most
-/// `prefetch`): four times the prefetch, at least 16. librdkafka refetches a partition
-/// only some hundred milliseconds after a resume, so a buffer of one prefetch would leave
-/// the handlers idle after every pause.
+/// `prefetch`): four times the prefetch, at least 16, so the handlers never wait for the
+/// poll thread.
 pub(crate) fn buffer_bound(prefetch: u32) -> usize {
     (prefetch.max(1) as usize).saturating_mul(4).max(16)
 }
@@ -100,23 +108,44 @@ struct State {
     /// Deliveries pushed to the stream and not yet taken by the runtime: the buffer
     /// ahead of the runtime, bounded by flow control.
     queued: usize,
-    /// Flow control is holding every partition paused.
-    throttled: bool,
     next_generation: u64,
 }
 
 impl State {
-    /// Pause when the buffer ahead of the runtime reaches [`buffer_bound`], resume when
-    /// it is down to a quarter (hysteresis: a resumed fetch brings a batch).
-    fn update_throttle(&mut self, prefetch: u32) -> bool {
+    /// The buffer ahead of the runtime has reached [`buffer_bound`].
+    fn full(&self, prefetch: u32) -> bool {
+        self.queued >= buffer_bound(prefetch)
+    }
+}
+
+/// Flow control of one poll thread (see [`FLOW_PAUSE_AFTER`]).
+#[derive(Default)]
+struct Flow {
+    /// Since when the buffer has been full.
+    full_since: Option<Instant>,
+    /// The partitions are paused because the buffer stayed full; they resume once it is
+    /// down to a quarter.
+    paused: bool,
+}
+
+impl Flow {
+    /// Update with the buffer state; `true` = take no records now (the caller waits
+    /// briefly and checks again), `false` = poll (records, or only events while the
+    /// partitions are paused).
+    fn hold_back(&mut self, queued: usize, prefetch: u32, now: Instant) -> bool {
         let high = buffer_bound(prefetch);
-        let low = high / 4;
-        if self.queued >= high {
-            self.throttled = true;
-        } else if self.queued <= low {
-            self.throttled = false;
+        if queued < high {
+            self.full_since = None;
+            if self.paused && queued <= high / 4 {
+                self.paused = false;
+            }
+            return false;
         }
-        self.throttled
+        let since = *self.full_since.get_or_insert(now);
+        if now.duration_since(since) >= FLOW_PAUSE_AFTER {
+            self.paused = true;
+        }
+        !self.paused
     }
 }
 
@@ -325,8 +354,15 @@ impl Shared {
     }
 
     fn poll_loop(self: Arc<Self>, client: usize, consumer: BaseConsumer<Ctx>) {
+        let mut flow = Flow::default();
         while !self.is_stopped() {
-            let timeout = self.service(client, &consumer);
+            let queued = lock(&self.state).queued;
+            let hold_back = flow.hold_back(queued, self.sub.prefetch, Instant::now());
+            let timeout = self.service(client, &consumer, flow.paused);
+            if hold_back {
+                std::thread::sleep(FULL_RECHECK);
+                continue;
+            }
             match consumer.poll(timeout) {
                 None => {}
                 Some(Ok(m)) => self.on_record(client, &consumer, &m),
@@ -371,16 +407,17 @@ impl Shared {
         tpl
     }
 
-    /// Commit what moved, hand out due relay records, pause/resume for flow control.
-    /// Returns how long the next poll may block.
-    fn service(&self, client: usize, consumer: &BaseConsumer<Ctx>) -> Duration {
+    /// Commit what moved, hand out due relay records, pause/resume (relay heads not due
+    /// yet; every partition while `flow_paused`). Returns how long the next poll may
+    /// block.
+    fn service(&self, client: usize, consumer: &BaseConsumer<Ctx>, flow_paused: bool) -> Duration {
         let topic = self.clients[client].topic.as_str();
         let now = SystemTime::now();
         let mut due = Vec::new();
         let mut commit = TopicPartitionList::new();
         {
             let mut s = lock(&self.state);
-            let throttled = s.update_throttle(self.sub.prefetch);
+            let full = s.full(self.sub.prefetch);
             for ((c, p), part) in s.parts.iter_mut() {
                 if *c != client {
                     continue;
@@ -388,7 +425,7 @@ impl Shared {
                 if let Some(pos) = part.tracker.take_commit() {
                     let _ = commit.add_partition_offset(topic, *p, Offset::Offset(pos));
                 }
-                while !throttled && part.held.front().is_some_and(|h| h.due <= now) {
+                while !full && part.held.front().is_some_and(|h| h.due <= now) {
                     if let Some(h) = part.held.pop_front() {
                         due.push((*p, h));
                     }
@@ -403,15 +440,13 @@ impl Shared {
         for (partition, h) in due {
             self.hand_out(client, consumer, partition, h.offset, h.delivery);
         }
-        // Flow control: pause every partition while `prefetch` deliveries wait for the
-        // runtime (which itself holds at most `prefetch`), and relay partitions while
+        // Pause every partition while flow control says so, and relay partitions while
         // their head is not due.
         let mut pause = TopicPartitionList::new();
         let mut resume = TopicPartitionList::new();
         let mut next_due: Option<Duration> = None;
         {
             let mut s = lock(&self.state);
-            let throttled = s.update_throttle(self.sub.prefetch);
             for ((c, p), part) in s.parts.iter_mut() {
                 if *c != client {
                     continue;
@@ -420,7 +455,7 @@ impl Shared {
                     let wait = h.due.duration_since(now).unwrap_or_default();
                     next_due = Some(next_due.map_or(wait, |n| n.min(wait)));
                 }
-                let want = throttled || !part.held.is_empty();
+                let want = flow_paused || !part.held.is_empty();
                 if want != part.paused {
                     part.paused = want;
                     let list = if want { &mut pause } else { &mut resume };
@@ -911,6 +946,29 @@ impl Drop for KafkaReceiver {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_buffer_holds_records_back_then_pauses_until_a_quarter_is_left() {
+        let mut flow = Flow::default();
+        let t0 = Instant::now();
+        let high = buffer_bound(8); // 32
+        assert!(!flow.hold_back(high - 1, 8, t0), "room: poll");
+        assert!(flow.hold_back(high, 8, t0), "full: hold back, no pause");
+        assert!(flow.hold_back(high, 8, t0 + FLOW_PAUSE_AFTER / 2));
+        assert!(!flow.paused);
+        // Room again before the pause: poll at once, and the clock restarts.
+        assert!(!flow.hold_back(high - 1, 8, t0 + FLOW_PAUSE_AFTER / 2));
+        assert!(flow.hold_back(high, 8, t0 + FLOW_PAUSE_AFTER));
+        assert!(!flow.paused);
+        // Full for longer: pause and poll (events only) ...
+        assert!(!flow.hold_back(high, 8, t0 + FLOW_PAUSE_AFTER * 2));
+        assert!(flow.paused);
+        // ... until the runtime has drained it to a quarter.
+        assert!(!flow.hold_back(high / 2, 8, t0 + FLOW_PAUSE_AFTER * 3));
+        assert!(flow.paused);
+        assert!(!flow.hold_back(high / 4, 8, t0 + FLOW_PAUSE_AFTER * 3));
+        assert!(!flow.paused);
+    }
 
     #[test]
     fn counter_metadata_round_trips() {
