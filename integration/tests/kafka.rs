@@ -1,12 +1,17 @@
 //! Kafka-specific behaviour beyond the portable suite, on the real broker.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::ensure;
-use reliq_conformance::support::{Recorder, wait_until};
+use reliq_conformance::support::{Recorder, unique, wait_until};
 use reliq_conformance::{Backend, Ctx};
-use reliq_core::{BoxError, Delivery, Message, RetryPolicy, Transient};
+use reliq_core::{
+    BoxError, Broker, Consumer, ConsumerHandle, Delivery, Destination, Message, RetryPolicy,
+    Transient,
+};
 use reliq_integration::kafka::KafkaBackend;
+use reliq_kafka::KafkaBroker;
 
 mod kafka {
     use super::*;
@@ -71,6 +76,165 @@ mod kafka {
             "{s:?}"
         );
         ensure!(backend.name() == "kafka");
+        Ok(())
+    }
+
+    /// A member of group `c` on `topic` that records into `rec` (1 ms of work each).
+    async fn member(
+        broker: &KafkaBroker,
+        topic: &str,
+        rec: &Recorder,
+    ) -> anyhow::Result<ConsumerHandle> {
+        let r = rec.clone();
+        Ok(
+            Consumer::builder(Arc::new(broker.clone()) as Arc<dyn Broker>, "c")
+                .subscribe(topic.to_owned(), None::<String>)
+                .retry(RetryPolicy::tiers([Duration::from_secs(1)]))
+                .max_in_flight(16)
+                .start(move |d: Delivery| {
+                    let r = r.clone();
+                    async move {
+                        r.call(&d);
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                        r.effect(d.id());
+                        Ok::<(), BoxError>(())
+                    }
+                })
+                .await?,
+        )
+    }
+
+    /// 2,000 keyed records on 3 partitions; a second member joins the group mid-run and
+    /// leaves (gracefully) later: nothing is lost, the newcomer really took partitions,
+    /// and a record is processed twice only when its commit was in flight at a
+    /// rebalance (revoked partitions drain their in-flight records and commit first, so
+    /// at most a handful).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_member_joining_and_leaving_mid_run_loses_nothing() -> anyhow::Result<()> {
+        const TOTAL: usize = 2_000;
+        let url = format!(
+            "{}&reliq.partitions=3&reliq.group.prefix={}.",
+            reliq_integration::kafka::url(),
+            unique("join")
+        );
+        let (a, b) = (KafkaBroker::connect(&url)?, KafkaBroker::connect(&url)?);
+        let topic = unique("join-leave");
+        a.ensure_topics(std::slice::from_ref(&topic)).await?;
+        let (rec_a, rec_b) = (Recorder::new(), Recorder::new());
+        let first = member(&a, &topic, &rec_a).await?;
+
+        let publisher = {
+            let (a, topic) = (a.clone(), topic.clone());
+            tokio::spawn(async move {
+                let dest = Destination::new(topic);
+                let mut ids = Vec::with_capacity(TOTAL);
+                for i in 0..TOTAL {
+                    let m = Message::new(format!("{i}")).with_key(format!("k{i}"));
+                    ids.push(m.id().clone());
+                    a.publish(&dest, m).await?;
+                    tokio::time::sleep(Duration::from_millis(3)).await;
+                }
+                Ok::<_, anyhow::Error>(ids)
+            })
+        };
+        let processed = |rec_a: &Recorder, rec_b: &Recorder| {
+            let mut ids = rec_a.effects();
+            for (id, n) in rec_b.effects() {
+                *ids.entry(id).or_default() += n;
+            }
+            ids
+        };
+        wait_until(
+            "500 processed by the first member",
+            Duration::from_secs(60),
+            || rec_a.effect_count() >= 500,
+        )
+        .await?;
+        let second = member(&b, &topic, &rec_b).await?;
+        wait_until(
+            "the second member takes records",
+            Duration::from_secs(60),
+            || rec_b.effect_count() >= 100,
+        )
+        .await?;
+        let left = second.shutdown().await;
+        let ids = publisher.await??;
+        wait_until("every record processed", Duration::from_secs(90), || {
+            processed(&rec_a, &rec_b).len() >= TOTAL
+        })
+        .await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        first.shutdown().await;
+
+        let effects = processed(&rec_a, &rec_b);
+        for id in &ids {
+            ensure!(effects.contains_key(id), "record {id} was lost");
+        }
+        ensure!(effects.len() == TOTAL, "{} distinct records", effects.len());
+        let twice: Vec<_> = effects.iter().filter(|(_, n)| **n > 1).collect();
+        println!(
+            "member b processed {} records ({:?}); processed twice: {}",
+            rec_b.effect_count(),
+            left.stats,
+            twice.len()
+        );
+        ensure!(
+            twice.len() <= 32,
+            "{} records processed twice: more than the commits in flight at two rebalances",
+            twice.len()
+        );
+        Ok(())
+    }
+
+    /// The relay restarted while a retry waits in its tier: the due time comes from the
+    /// record's timestamp, so the new relay waits only the remainder, not a full tier.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_restarted_mid_delay_waits_only_the_remainder() -> anyhow::Result<()> {
+        let backend = KafkaBackend::new();
+        let ctx = Ctx::new(&backend, "relay-restart").await?;
+        let tier = Duration::from_secs(8);
+        let rec = Recorder::new();
+        let start = |rec: &Recorder| {
+            let r = rec.clone();
+            ctx.consumer("c")
+                .retry(RetryPolicy::tiers([tier]).max_attempts(2))
+                .start(move |d: Delivery| {
+                    let r = r.clone();
+                    async move {
+                        r.call(&d);
+                        if d.attempt() == 1 {
+                            return Err(Transient::msg("downstream 503").into());
+                        }
+                        r.effect(d.id());
+                        Ok::<(), BoxError>(())
+                    }
+                })
+        };
+        let first = start(&rec).await?;
+        let m = Message::new("flaky");
+        let id = m.id().clone();
+        ctx.publish(m).await?;
+        wait_until("first attempt", Duration::from_secs(30), || {
+            rec.calls_for(&id).len() == 1
+        })
+        .await?;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let s = first.shutdown().await.stats;
+        ensure!(s.retried == 1, "{s:?}");
+        let second = start(&rec).await?;
+        wait_until("retried by the new relay", Duration::from_secs(30), || {
+            rec.calls_for(&id).len() == 2
+        })
+        .await?;
+        let calls = rec.calls_for(&id);
+        let waited = calls[1].at - calls[0].at;
+        ensure!(waited >= tier, "retried after {waited:?}, before the tier");
+        ensure!(
+            waited <= tier + Duration::from_millis(1500),
+            "retried after {waited:?}: the new relay restarted the delay"
+        );
+        let s = second.shutdown().await.stats;
+        ensure!(s.processed == 1 && s.dead_lettered == 0, "{s:?}");
         Ok(())
     }
 }
