@@ -7,8 +7,8 @@ use anyhow::ensure;
 use reliq_conformance::support::{Recorder, unique, wait_until};
 use reliq_conformance::{Backend, Ctx};
 use reliq_core::{
-    BoxError, Broker, Consumer, ConsumerHandle, Delivery, Destination, Message, RetryPolicy,
-    Transient,
+    BoxError, Broker, Consumer, ConsumerHandle, DeadLetter, DeadLetterReason, Delivery,
+    Destination, Message, Poison, RetryPolicy, Subscription, Transient,
 };
 use reliq_integration::kafka::KafkaBackend;
 use reliq_kafka::KafkaBroker;
@@ -235,6 +235,102 @@ mod kafka {
         );
         let s = second.shutdown().await.stats;
         ensure!(s.processed == 1 && s.dead_lettered == 0, "{s:?}");
+        Ok(())
+    }
+
+    /// Blocking mode (`reliq.retry=blocking`): one partition, ten keyed records, four
+    /// handlers. The partition runs one record at a time in offset order; a record that
+    /// fails twice is retried in place after the policy's delays (300 ms, 600 ms) while
+    /// the records behind it wait; a poison record goes to the DLQ and the partition moves
+    /// on; no retry topic is created.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn blocking_mode_retries_in_place_in_partition_order() -> anyhow::Result<()> {
+        let url = format!(
+            "{}&reliq.retry=blocking&reliq.partitions=1&reliq.group.prefix={}.",
+            reliq_integration::kafka::url(),
+            unique("blocking")
+        );
+        let broker = KafkaBroker::connect(&url)?;
+        let topic = unique("blocking");
+        broker.ensure_topics(std::slice::from_ref(&topic)).await?;
+        let tiers = [Duration::from_millis(300), Duration::from_millis(600)];
+        let rec = Recorder::new();
+        let r = rec.clone();
+        let h = Consumer::builder(Arc::new(broker.clone()) as Arc<dyn Broker>, "c")
+            .subscribe(topic.clone(), None::<String>)
+            .retry(RetryPolicy::tiers(tiers).max_attempts(4))
+            .concurrency(4)
+            .start(move |d: Delivery| {
+                let r = r.clone();
+                async move {
+                    r.call(&d);
+                    match d.payload() {
+                        b"flaky" if d.attempt() <= 2 => {
+                            return Err(Transient::msg("downstream 503").into());
+                        }
+                        b"poison" => return Err(Poison::msg("cannot decode").into()),
+                        _ => {}
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    r.effect(d.id());
+                    Ok::<(), BoxError>(())
+                }
+            })
+            .await?;
+        let names: Vec<String> = (0..10)
+            .map(|i| match i {
+                3 => "flaky".to_owned(),
+                6 => "poison".to_owned(),
+                i => format!("m{i}"),
+            })
+            .collect();
+        let dest = Destination::new(topic.clone());
+        for n in &names {
+            broker
+                .publish(&dest, Message::new(n.clone()).with_key("one-key"))
+                .await?;
+        }
+        wait_until("nine records processed", Duration::from_secs(60), || {
+            rec.effect_count() == 9
+        })
+        .await?;
+        let calls = rec.calls();
+        let order: Vec<String> = calls
+            .iter()
+            .map(|c| String::from_utf8_lossy(&c.payload).into_owned())
+            .collect();
+        let mut expected: Vec<String> = names[..3].to_vec();
+        expected.extend(["flaky", "flaky", "flaky"].map(String::from));
+        expected.extend(names[4..].iter().cloned());
+        ensure!(order == expected, "calls in order {order:?}");
+        for (i, tier) in tiers.iter().enumerate() {
+            let waited = calls[4 + i].at - calls[3 + i].at;
+            ensure!(
+                waited >= *tier && waited <= *tier + Duration::from_secs(1),
+                "retry {} after {waited:?}, policy delay {tier:?}",
+                i + 1
+            );
+            ensure!(calls[4 + i].attempt == i as u32 + 2, "{:?}", calls[4 + i]);
+        }
+        let s = h.shutdown().await.stats;
+        ensure!(
+            s.retried == 2 && s.dead_lettered == 1 && s.processed == 9,
+            "{s:?}"
+        );
+
+        let mut sub = Subscription::new("c", topic.clone());
+        sub.retry_tiers = tiers.to_vec();
+        ensure!(
+            !broker.topic_exists(&sub.retry_name(tiers[0])).await?,
+            "blocking mode created a retry topic"
+        );
+        let dlq = broker.dead_letters(&sub).await?;
+        let parked = tokio::time::timeout(Duration::from_secs(30), dlq.receive()).await??;
+        ensure!(parked.payload() == b"poison");
+        let record = DeadLetter::read(parked.headers())?;
+        ensure!(record.reason == DeadLetterReason::Poison, "{record:?}");
+        dlq.ack(&parked).await?;
+        dlq.close().await?;
         Ok(())
     }
 }

@@ -17,6 +17,24 @@ pub enum BufferPolicy {
     FailFast,
 }
 
+/// How a consumer retries a failed record.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RetryMode {
+    /// Non-blocking (default): the copy goes to the tier's retry topic
+    /// `<topic>.<group>.retry.<delay>` and a relay hands it back when due; the partition
+    /// moves on meanwhile (order between a retried record and later ones is not kept).
+    #[default]
+    Topics,
+    /// Blocking, for ordered consumers: each partition runs one record at a time; a
+    /// failed record is retried in place after the policy's backoff while its partition
+    /// is paused (records read past it are dropped and read again after it: the
+    /// partition seeks back). No retry topics. Poison and permanent failures still go to
+    /// the DLQ topic, and the partition moves on. A crash during the backoff restarts the
+    /// record's retry budget (the attempt count is not in Kafka); the delivery limit
+    /// still ends a crash loop.
+    Blocking,
+}
+
 /// Settings of a [`KafkaBroker`](crate::KafkaBroker).
 ///
 /// Built from a URL `kafka://host:port[,host:port]?key=value&…`: keys starting with
@@ -33,6 +51,7 @@ pub enum BufferPolicy {
 /// | `reliq.send.timeout.ms` | 30000 | how long a publish may wait for its delivery report |
 /// | `reliq.rebalance.drain.ms` | 10000 | how long a revoke waits for in-flight records to settle |
 /// | `reliq.group.prefix` | (empty) | prepended to every consumer group id reliq joins (a namespace: environments, tenants, test runs) |
+/// | `reliq.retry` | `topics` | [`RetryMode`]: `topics` (non-blocking) or `blocking` (ordered, in place) |
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`.
@@ -53,6 +72,8 @@ pub struct KafkaConfig {
     pub rebalance_drain: Duration,
     /// Prepended to every consumer group id (the consumer name in headers is unchanged).
     pub group_prefix: String,
+    /// Retry through retry topics or in place.
+    pub retry_mode: RetryMode,
 }
 
 impl KafkaConfig {
@@ -67,6 +88,7 @@ impl KafkaConfig {
             buffer_messages: 10_000,
             send_timeout: Duration::from_secs(30),
             rebalance_drain: Duration::from_secs(10),
+            retry_mode: RetryMode::Topics,
             group_prefix: String::new(),
         }
     }
@@ -141,6 +163,13 @@ impl KafkaConfig {
                     config.rebalance_drain = Duration::from_millis(number(v)?)
                 }
                 "reliq.group.prefix" => config.group_prefix = v.to_owned(),
+                "reliq.retry" => {
+                    config.retry_mode = match v {
+                        "topics" => RetryMode::Topics,
+                        "blocking" => RetryMode::Blocking,
+                        _ => return Err(bad(k, "expected `topics` or `blocking`".into())),
+                    };
+                }
                 other if other.starts_with("reliq.") => {
                     return Err(bad(other, "unknown reliq setting".into()));
                 }
@@ -226,6 +255,10 @@ mod tests {
         assert_eq!(c.bootstrap, "h1:9092,h2:9093");
         assert_eq!(c.buffer, BufferPolicy::FailFast);
         assert_eq!(c.replication, 3);
+        assert_eq!(c.retry_mode, RetryMode::Topics);
+        let b = KafkaConfig::from_url("kafka://h:1?reliq.retry=blocking").expect("valid URL");
+        assert_eq!(b.retry_mode, RetryMode::Blocking);
+        assert!(KafkaConfig::from_url("kafka://h:1?reliq.retry=sometimes").is_err());
         assert_eq!(
             c.client.get("session.timeout.ms").map(String::as_str),
             Some("7000")

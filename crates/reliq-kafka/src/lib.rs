@@ -28,9 +28,10 @@
 //! |---|---|
 //! | `publish` | produce with `acks=all`, `enable.idempotence=true`; returns after the delivery report. The message id travels in the `reliq-id` record header, the key is the record key, every reliq header is a record header. The producer buffer is bounded (`queue.buffering.max.messages`) with a [`BufferPolicy`]: block up to a timeout, or fail fast. |
 //! | `subscribe` | creates (admin API, idempotently) the source, one retry topic per tier `<topic>.<group>.retry.<ms>ms` and the DLQ `<topic>.<group>.dlq`; joins consumer group `<group>` on the source and one **relay** group `<group>.retry.<ms>ms` per tier. |
-//! | `receive` | one poll thread per Kafka consumer (never sleeps: it only ever blocks in `poll` with a short timeout) hands records to one bounded stream. When the records handed out and not settled reach [`Subscription::prefetch`](reliq_core::Subscription), every partition is **paused**, and resumed when settlements free room. |
+//! | `receive` | one poll thread per Kafka consumer hands records to one bounded stream. While that buffer is full (4 × [`Subscription::prefetch`](reliq_core::Subscription)) the thread stops taking records, which wait in librdkafka's bounded fetch queue; a buffer full for over a second **pauses** every partition, so the thread goes back to serving rebalances, and resumes them when a quarter is left. |
 //! | `ack` | marks the offset done in a per-partition [`OffsetTracker`]; the poll thread commits the **highest contiguous done position** (never past an unfinished record). |
-//! | `retry` | produces the copy (headers carry `reliq-attempt`) to the tier's topic, waits for the delivery report, **then** marks the source offset done. The tier's relay holds each partition paused until its head record is due (record timestamp + tier delay), on a timer in its poll loop, then hands it to the same stream; settling it commits on the retry topic. |
+//! | `retry` (blocking, `reliq.retry=blocking`) | see [`RetryMode::Blocking`]: one record per partition at a time; the failed record is held, its partition paused and sought back to the record after it, and the record handed out again after the policy's delay; no retry topics. |
+//! | `retry` (default) | produces the copy (headers carry `reliq-attempt`) to the tier's topic, waits for the delivery report, **then** marks the source offset done. The tier's relay holds each partition paused until its head record is due (record timestamp + tier delay), on a timer in its poll loop, then hands it to the same stream; settling it commits on the retry topic. |
 //! | `dead_letter` | produces to `<topic>.<group>.dlq`, waits for the report, then marks the source done. The record carries the dead-letter record plus original topic, partition and offset. |
 //! | `release` | the offset stays uncommitted; the same record is handed out again after the delay (in this process), or by the next owner of the partition. |
 //! | delivery limit | the framework's own counter, kept durably in the **commit metadata** of the partition's committed position (see below). |
@@ -68,9 +69,11 @@
 //! - `rejects_unroutable = false`: brokers with `auto.create.topics.enable=true` (the
 //!   default) create a topic on first publish, so publishing to a new topic succeeds.
 //! - `exact_retry_delay = false`: a retry waits for its tier's delay (the policy's
-//!   schedule picks the tier), not for a per-message delay with jitter.
+//!   schedule picks the tier), not for a per-message delay with jitter; `true` in
+//!   blocking mode (the record waits in this process for exactly the policy's delay).
 //! - `delivery_limit = true`: the framework counter above.
-//! - `consumer_redelivery = true` when the consumer has at least one retry tier.
+//! - `consumer_redelivery = true` when the consumer has at least one retry tier; `false`
+//!   in blocking mode (no per-consumer topic: replay to the source topic instead).
 //!
 //! Settings come from the URL, see [`KafkaConfig`].
 
@@ -92,7 +95,7 @@ use reliq_core::{
     Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription, headers,
 };
 
-pub use config::{BufferPolicy, KafkaConfig};
+pub use config::{BufferPolicy, KafkaConfig, RetryMode};
 pub use tracker::OffsetTracker;
 
 /// Backend-private header: when a record on a retry topic is due (ms since the epoch),
@@ -378,11 +381,14 @@ impl Broker for KafkaBroker {
     }
 
     fn capabilities(&self) -> Capabilities {
+        let blocking = self.inner.config.retry_mode == RetryMode::Blocking;
         Capabilities {
             rejects_unroutable: false,
-            exact_retry_delay: false,
+            // Blocking mode waits exactly the policy's delay (jitter included).
+            exact_retry_delay: blocking,
             delivery_limit: true,
-            consumer_redelivery: true,
+            // Replay to one consumer goes through its first retry topic.
+            consumer_redelivery: !blocking,
             // The attempt travels in the `reliq-attempt` header of the retry copy.
             attempts_count_every_delivery: false,
             deduplicates_publishes: false,

@@ -22,6 +22,7 @@ use reliq_core::{
 };
 use tokio::sync::mpsc;
 
+use crate::config::RetryMode;
 use crate::tracker::OffsetTracker;
 use crate::{DUE_AT_HEADER, Inner, KafkaError, SOURCE_OFFSET_HEADER, SOURCE_PARTITION_HEADER};
 
@@ -70,8 +71,17 @@ struct Part {
     busy: usize,
     revoking: bool,
     paused: bool,
-    /// Relay records waiting for their due time (head first).
+    /// Relay records waiting for their due time (head first); in blocking mode, the
+    /// failed record waiting for its retry.
     held: VecDeque<Held>,
+    /// Blocking mode: a record of this partition is with the runtime (or held for its
+    /// retry); later records wait in `waiting`.
+    out: bool,
+    /// Blocking mode: records read behind the one that is out, in offset order.
+    waiting: VecDeque<(i64, Delivery)>,
+    /// Blocking mode: a retry was requested; the poll thread drops `waiting` and seeks
+    /// back to its first offset.
+    rewind: bool,
     /// The committed position when the partition was assigned.
     head: Option<i64>,
     /// The counter found in the commit metadata: (offset, deliveries).
@@ -88,6 +98,9 @@ impl Part {
             revoking: false,
             paused: false,
             held: VecDeque::new(),
+            out: false,
+            waiting: VecDeque::new(),
+            rewind: false,
             head,
             head_count,
             counted: false,
@@ -217,7 +230,11 @@ impl KafkaReceiver {
             group: sub.consumer.clone(),
             role: Role::Source,
         }];
-        for delay in &sub.retry_tiers {
+        let relays = match inner.config.retry_mode {
+            RetryMode::Topics => sub.retry_tiers.as_slice(),
+            RetryMode::Blocking => &[],
+        };
+        for delay in relays {
             let topic = sub.retry_name(*delay);
             if clients.iter().any(|c| c.topic == topic) {
                 continue;
@@ -310,6 +327,12 @@ impl KafkaReceiver {
 impl Shared {
     fn is_stopped(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
+    }
+
+    /// Whether `client` retries in place, one record per partition at a time.
+    fn blocking(&self, client: usize) -> bool {
+        self.clients[client].role == Role::Source
+            && self.inner.config.retry_mode == RetryMode::Blocking
     }
 
     /// DLQ reader: assign every partition at its committed position.
@@ -415,12 +438,24 @@ impl Shared {
         let now = SystemTime::now();
         let mut due = Vec::new();
         let mut commit = TopicPartitionList::new();
+        let mut rewind = Vec::new();
         {
             let mut s = lock(&self.state);
             let full = s.full(self.sub.prefetch);
+            let mut dropped = 0;
             for ((c, p), part) in s.parts.iter_mut() {
                 if *c != client {
                     continue;
+                }
+                if part.rewind {
+                    // Blocking retry: forget what was read past the failed record and
+                    // read it again after the retry (bounded memory while it waits).
+                    part.rewind = false;
+                    if let Some((first, _)) = part.waiting.front() {
+                        rewind.push((*p, *first));
+                    }
+                    dropped += part.waiting.len();
+                    part.waiting.clear();
                 }
                 if let Some(pos) = part.tracker.take_commit() {
                     let _ = commit.add_partition_offset(topic, *p, Offset::Offset(pos));
@@ -431,6 +466,13 @@ impl Shared {
                     }
                 }
             }
+            s.queued = s.queued.saturating_sub(dropped);
+        }
+        for (partition, offset) in rewind {
+            // The partition is paused below while its retry is held.
+            if let Err(e) = consumer.seek(topic, partition, Offset::Offset(offset), POLL_SLICE) {
+                tracing::warn!(error = %e, partition, offset, "seeking back for a blocking retry failed");
+            }
         }
         if commit.count() > 0
             && let Err(e) = consumer.commit(&commit, CommitMode::Async)
@@ -438,7 +480,11 @@ impl Shared {
             tracing::warn!(error = %e, "commit failed; done records may be redelivered");
         }
         for (partition, h) in due {
-            self.hand_out(client, consumer, partition, h.offset, h.delivery);
+            if self.blocking(client) {
+                self.resend(h.delivery);
+            } else {
+                self.hand_out(client, consumer, partition, h.offset, h.delivery);
+            }
         }
         // Pause every partition while flow control says so, and relay partitions while
         // their head is not due.
@@ -590,14 +636,33 @@ impl Shared {
                 }
             }
         }
+        let blocking = self.blocking(client);
         let mut s = lock(&self.state);
         let Some(part) = s.parts.get_mut(&(client, partition)) else {
             return;
         };
-        if part.revoking || !part.tracker.handed_out(offset) {
+        if part.revoking {
             return;
         }
+        if blocking && (part.out || !part.waiting.is_empty()) {
+            // One record per partition at a time: this one waits for the one out.
+            part.waiting.push_back((offset, delivery));
+            s.queued += 1;
+            return;
+        }
+        if !part.tracker.handed_out(offset) {
+            return;
+        }
+        part.out = blocking;
         s.queued += 1;
+        if self.tx.send(delivery).is_err() {
+            tracing::debug!("receiver gone; record left uncommitted");
+        }
+    }
+
+    /// Hand out again a record that is already tracked (a blocking retry when due).
+    fn resend(&self, delivery: Delivery) {
+        lock(&self.state).queued += 1;
         if self.tx.send(delivery).is_err() {
             tracing::debug!("receiver gone; record left uncommitted");
         }
@@ -718,6 +783,22 @@ impl Shared {
             Some(part) if part.generation == info.generation => {
                 part.busy = part.busy.saturating_sub(1);
                 part.tracker.complete(offset);
+                if part.out {
+                    // Blocking mode: the partition's next record, in order.
+                    part.out = false;
+                    let mut skipped = 0;
+                    while let Some((next, d)) = part.waiting.pop_front() {
+                        if part.tracker.handed_out(next) {
+                            part.out = true;
+                            if self.tx.send(d).is_err() {
+                                tracing::debug!("receiver gone; record left uncommitted");
+                            }
+                            break;
+                        }
+                        skipped += 1; // already seen (cannot happen in offset order)
+                    }
+                    s.queued = s.queued.saturating_sub(skipped);
+                }
             }
             _ => tracing::debug!(
                 partition,
@@ -725,6 +806,44 @@ impl Shared {
                 "settled after its partition was revoked; the new owner may deliver it again"
             ),
         }
+    }
+}
+
+impl Shared {
+    /// Blocking mode: hold the record (its partition paused, what was read past it
+    /// dropped and read again later) and hand it out again after the policy's delay.
+    /// The offset stays unfinished, so nothing past it is committed meanwhile.
+    fn retry_in_place(
+        &self,
+        delivery: &Delivery,
+        info: &TokenInfo,
+        retry: RetryRequest,
+    ) -> Result<(), BrokerError> {
+        let attempt = headers::attempt(retry.message.headers());
+        let token = DeliveryToken {
+            tag: delivery.token().tag,
+            lane: delivery.token().lane,
+            extra: Some(Box::new(TokenInfo {
+                client: info.client,
+                generation: info.generation,
+            })),
+        };
+        let again = Delivery::new(retry.message, attempt, delivery.origin().clone(), token);
+        let partition = i32::try_from(delivery.token().lane).unwrap_or(-1);
+        let mut s = lock(&self.state);
+        if let Some(part) = s.parts.get_mut(&(info.client, partition))
+            && part.generation == info.generation
+        {
+            part.busy = part.busy.saturating_sub(1);
+            part.held.push_back(Held {
+                due: SystemTime::now() + retry.delay,
+                offset: i64::try_from(delivery.token().tag).unwrap_or(i64::MAX),
+                delivery: again,
+            });
+            part.rewind = true;
+        }
+        // Otherwise revoked meanwhile: uncommitted, the new owner delivers it.
+        Ok(())
     }
 }
 
@@ -851,6 +970,11 @@ impl Receiver for KafkaReceiver {
                 backend: "kafka",
                 what: "retrying from a dead-letter reader",
             });
+        }
+        if let Some(info) = token(delivery)
+            && shared.blocking(info.client)
+        {
+            return shared.retry_in_place(delivery, info, retry);
         }
         let tiers = &shared.sub.retry_tiers;
         let delay = tiers
