@@ -1,0 +1,157 @@
+//! SQS-specific behaviour beyond the portable suite, on the local endpoint (moto) from
+//! `scripts/brokers`: the visibility extender, dead-lettering a message that already
+//! uses every message attribute, and the redrive policy ending a crash loop.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, ensure};
+use reliq_conformance::support::{Recorder, unique, wait_until};
+use reliq_core::{
+    BoxError, Broker, Consumer, DeadLetter, DeadLetterReason, Delivery, Destination, Message,
+    Permanent, Subscription,
+};
+use reliq_integration::sqs::SqsBackend;
+
+async fn broker() -> anyhow::Result<Arc<dyn Broker>> {
+    Ok(Arc::new(SqsBackend::new().connect_sqs().await?))
+}
+
+/// The first dead-lettered message of `sub`, acknowledged.
+async fn one_dead_letter(
+    broker: &Arc<dyn Broker>,
+    sub: &Subscription,
+) -> anyhow::Result<(Delivery, DeadLetter)> {
+    let dlq = broker.dead_letters(sub).await?;
+    let parked = tokio::time::timeout(Duration::from_secs(30), dlq.receive())
+        .await
+        .context("nothing dead-lettered within 30 s")??;
+    let record = DeadLetter::read(parked.headers())?;
+    dlq.ack(&parked).await?;
+    dlq.close().await?;
+    Ok((parked, record))
+}
+
+/// A handler running three times the visibility timeout (2 s lease, 6 s handler) is not
+/// redelivered: the extender renews the lease until the message is settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_three_times_the_visibility_timeout_is_not_redelivered() -> anyhow::Result<()> {
+    let broker = broker().await?;
+    let topic = unique("extender");
+    let rec = Recorder::new();
+    let r = rec.clone();
+    let h = Consumer::builder(broker.clone(), "c")
+        .subscribe(topic.clone(), None::<String>)
+        .lease(Duration::from_secs(2))
+        .handler_timeout(Duration::from_secs(30))
+        .start(move |d: Delivery| {
+            let r = r.clone();
+            async move {
+                r.call(&d);
+                tokio::time::sleep(Duration::from_secs(6)).await;
+                r.effect(d.id());
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await?;
+    let m = Message::new("slow");
+    let id = m.id().clone();
+    broker.publish(&Destination::new(topic.clone()), m).await?;
+    wait_until("processed", Duration::from_secs(30), || {
+        rec.effect_count() == 1
+    })
+    .await?;
+    // Longer than a lease: a copy that became visible again would arrive meanwhile.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    ensure!(
+        rec.calls_for(&id).len() == 1,
+        "redelivered: {} calls",
+        rec.calls_for(&id).len()
+    );
+    let s = h.shutdown().await.stats;
+    ensure!(s.processed == 1 && s.received == 1, "{s:?}");
+    Ok(())
+}
+
+/// A message that already carries 10 user headers (SQS allows 10 message attributes in
+/// all) still dead-letters with its complete record, and keeps every user header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_user_attributes_still_dead_letter_with_metadata() -> anyhow::Result<()> {
+    let broker = broker().await?;
+    let topic = unique("ten-attrs");
+    let builder = Consumer::builder(broker.clone(), "c").subscribe(topic.clone(), None::<String>);
+    let sub = builder.subscription()?;
+    let h = builder
+        .start(|_d: Delivery| async move {
+            Err::<(), BoxError>(Permanent::msg("order rejected").into())
+        })
+        .await?;
+    let mut m = Message::new("{}").with_key("customer-7");
+    for i in 0..10 {
+        m = m.with_header(format!("user-{i}"), format!("value-{i}"));
+    }
+    let id = m.id().clone();
+    broker.publish(&Destination::new(topic.clone()), m).await?;
+    let (parked, record) = one_dead_letter(&broker, &sub).await?;
+    h.shutdown().await;
+    ensure!(parked.id() == &id && parked.key() == Some("customer-7"));
+    ensure!(record.reason == DeadLetterReason::Permanent, "{record:?}");
+    ensure!(record.consumer == "c" && record.attempts == 1, "{record:?}");
+    ensure!(
+        record
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("order rejected")),
+        "{record:?}"
+    );
+    for i in 0..10 {
+        ensure!(
+            parked.headers().get(&format!("user-{i}")) == Some(format!("value-{i}").as_str()),
+            "user-{i} lost: {:?}",
+            parked.headers()
+        );
+    }
+    Ok(())
+}
+
+/// A message whose consumer dies every time (never settled) is moved by the queue's
+/// redrive policy after `maxReceiveCount` (= the delivery limit) receives; read back, it
+/// is a `max-deliveries` dead letter with its id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn never_settled_message_is_redriven_as_max_deliveries() -> anyhow::Result<()> {
+    let broker = broker().await?;
+    let topic = unique("redrive");
+    let mut sub = Subscription::new("c", topic.clone());
+    sub.delivery_limit = 3;
+    sub.lease = Duration::from_secs(1);
+    sub.prefetch = 1;
+    let rx = broker.subscribe(&sub).await?;
+    let m = Message::new("crashes the consumer");
+    let id = m.id().clone();
+    broker.publish(&Destination::new(topic.clone()), m).await?;
+    let mut receives = 0;
+    while receives < 3 {
+        // Not settled: the lease runs out, as when the process is killed.
+        let d = tokio::time::timeout(Duration::from_secs(20), rx.receive())
+            .await
+            .with_context(|| format!("receive {} never came", receives + 1))??;
+        ensure!(d.id() == &id);
+        receives += 1;
+        drop(d); // unsettled: the extender stops, the lease runs out
+    }
+    // The next receive finds the count exhausted: SQS moves it to the DLQ instead.
+    let again = tokio::time::timeout(Duration::from_secs(5), rx.receive()).await;
+    ensure!(
+        again.is_err(),
+        "delivered a 4th time with maxReceiveCount 3"
+    );
+    rx.close().await?;
+    let (parked, record) = one_dead_letter(&broker, &sub).await?;
+    ensure!(parked.id() == &id);
+    ensure!(
+        record.reason == DeadLetterReason::MaxDeliveries,
+        "{record:?}"
+    );
+    ensure!(record.consumer == "c", "{record:?}");
+    Ok(())
+}
