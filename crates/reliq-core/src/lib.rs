@@ -41,6 +41,7 @@ pub mod faults;
 pub mod headers;
 pub mod inbox;
 pub mod message;
+pub mod outbox;
 pub mod replay;
 pub mod retry;
 pub mod telemetry;
@@ -56,8 +57,9 @@ pub use consumer::{
 };
 pub use envelope::{Aggregate, Envelope};
 pub use headers::{DeadLetter, DeadLetterReason, HeaderError, Origin};
-pub use inbox::{Claim, Inbox, InboxError, MemoryInbox};
+pub use inbox::{Claim, Duplicate, Inbox, InboxError, MemoryInbox};
 pub use message::{Headers, Message, MessageId};
+pub use outbox::{OutboxError, OutboxRecord, OutboxStore, Relay, RelayHandle, RelayStats};
 pub use replay::{Replay, ReplayEntry, ReplayFilter, ReplayReport, ReplayTarget};
 pub use retry::{Decision, Failure, FinalRoute, PanicAction, PolicyError, RetryPolicy, Schedule};
 pub use telemetry::Clock;
