@@ -5,7 +5,10 @@
 //! reliable consumer on any backend.
 //!
 //! Backends (reliq-memory, reliq-kafka, reliq-rabbit, reliq-nats, reliq-sqs) implement
-//! the small [`Broker`] / [`Receiver`] seam; everything else is here, written once.
+//! the small [`Broker`] / [`Receiver`] seam; everything else is here, written once. The
+//! durable stores (reliq-postgres, reliq-sqlite) implement [`Inbox`] and
+//! [`OutboxStore`]; the outbox [`Relay`] and the [`Duplicate`] answer of a handler's
+//! transactional inbox claim are here too.
 //!
 //! ```
 //! use std::time::Duration;
