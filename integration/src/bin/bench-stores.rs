@@ -17,6 +17,7 @@
 //!
 //! Each store runs in an isolated schema / file, removed at the end.
 
+use reliq_integration::settings;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,16 +25,6 @@ use anyhow::{bail, ensure};
 use reliq_core::{Broker, Destination, Message, MessageId, Relay, Subscription};
 use reliq_integration::stores::{Harness, Lite, Pg, unique};
 use reliq_memory::MemoryBroker;
-
-fn arg(name: &str) -> Option<String> {
-    let mut args = std::env::args();
-    while let Some(a) = args.next() {
-        if a == name {
-            return args.next();
-        }
-    }
-    None
-}
 
 fn ids(n: usize) -> Vec<MessageId> {
     let run = unique("bench");
@@ -112,9 +103,9 @@ async fn bench<H: Harness>(name: &str, n: usize, per_tx: usize) -> anyhow::Resul
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
-    let n: usize = arg("--messages").map_or(Ok(2000), |s| s.parse())?;
-    let per_tx: usize = arg("--batch").map_or(Ok(100), |s| s.parse())?;
-    let store = arg("--store").unwrap_or_else(|| "all".into());
+    let n: usize = settings::arg("--messages").map_or(Ok(2000), |s| s.parse())?;
+    let per_tx: usize = settings::arg("--batch").map_or(Ok(100), |s| s.parse())?;
+    let store = settings::arg("--store").unwrap_or_else(|| "all".into());
     ensure!(
         n > 0 && per_tx > 0,
         "--messages and --batch must be positive"
