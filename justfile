@@ -81,3 +81,7 @@ example broker="memory":
 # Benchmarks (results go to BENCHMARKS.md by hand, with the command that made them).
 bench:
     cargo run --release -p reliq-integration --bin bench-memory
+
+# Inbox claim cost and outbox relay throughput on PostgreSQL and SQLite (needs `just up-local`).
+bench-stores messages="2000":
+    cargo run --release -p reliq-integration --bin bench-stores -- --messages {{messages}}

@@ -7,3 +7,4 @@ pub mod nats;
 pub mod rabbit;
 pub mod settings;
 pub mod sqs;
+pub mod stores;

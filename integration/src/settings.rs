@@ -28,6 +28,18 @@ pub fn file_value(key: &str) -> Option<String> {
         .map(|(_, v)| v.trim().to_owned())
 }
 
+/// The value after `name` on the command line (`--messages 5000`), for the benchmark
+/// binaries.
+pub fn arg(name: &str) -> Option<String> {
+    let mut args = std::env::args();
+    while let Some(a) = args.next() {
+        if a == name {
+            return args.next();
+        }
+    }
+    None
+}
+
 /// The `host:port` part of a URL such as `kafka://127.0.0.1:9092` or
 /// `sqs://127.0.0.1:4566?region=us-east-1`.
 pub fn authority(url: &str) -> &str {

@@ -389,3 +389,85 @@ async fn replay_filters_by_class_reason_time_and_limit() {
         "the replayed copy waits in the consumer's queue"
     );
 }
+
+#[derive(Debug, thiserror::Error)]
+#[error("reserving stock")]
+struct Reserve(#[source] reliq_core::Duplicate);
+
+#[tokio::test(start_paused = true)]
+async fn handler_duplicate_marker_acks_skips_and_counts() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use reliq_core::Broker;
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder.install().unwrap();
+
+    // The handler's own "transactional" store: a set of applied ids.
+    let applied = Arc::new(Mutex::new(HashSet::new()));
+    let calls = Arc::new(AtomicU32::new(0));
+    let broker = MemoryBroker::new();
+    let (a, c) = (applied.clone(), calls.clone());
+    let h = Consumer::builder(Arc::new(broker.clone()), "dedup")
+        .subscribe("t", None::<String>)
+        .retry(RetryPolicy::tiers([secs(1)]).max_attempts(3))
+        .start(move |d: Delivery| {
+            let (a, c) = (a.clone(), c.clone());
+            async move {
+                c.fetch_add(1, Ordering::SeqCst);
+                let first = a.lock().unwrap().insert(d.id().clone());
+                let claim = if first {
+                    reliq_core::Claim::First
+                } else {
+                    reliq_core::Claim::Duplicate
+                };
+                match (claim.first_or_skip(), d.payload()) {
+                    (Ok(()), _) => Ok(()),
+                    // Wrapped in the handler's own error: found through `source()`.
+                    (Err(dup), b"wrapped") => Err(Box::new(Reserve(dup)) as BoxError),
+                    (Err(dup), _) => Err(dup.into()),
+                }
+            }
+        })
+        .await
+        .unwrap();
+    for payload in ["plain", "plain", "wrapped"] {
+        let m = Message::with_id_and_payload("same-id", payload);
+        broker.publish(&Destination::new("t"), m).await.unwrap();
+    }
+    wait_for("all settled", || {
+        let s = h.stats();
+        s.processed + s.duplicates == 3
+    })
+    .await;
+    let stats = h.shutdown().await.stats;
+    assert_eq!((stats.processed, stats.duplicates), (1, 2), "{stats:?}");
+    assert_eq!(
+        (stats.retried, stats.dead_lettered, stats.released),
+        (0, 0, 0)
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "no retry of a duplicate");
+    let sub = Subscription::new("dedup", "t");
+    assert_eq!(
+        broker.faults().depth(&sub),
+        (0, 0),
+        "duplicates were acknowledged"
+    );
+    assert_eq!(broker.faults().dead_letter_depth(&sub), 0);
+
+    let snapshot = snapshotter.snapshot().into_vec();
+    let duplicates = snapshot.iter().find_map(|(key, _, _, v)| {
+        let k = key.key();
+        let ours = k
+            .labels()
+            .any(|l| l.key() == "consumer" && l.value() == "dedup");
+        match v {
+            DebugValue::Counter(n) if k.name() == "reliq_messages_duplicate_total" && ours => {
+                Some(*n)
+            }
+            _ => None,
+        }
+    });
+    assert_eq!(duplicates, Some(2));
+}

@@ -31,7 +31,7 @@ use tracing::Instrument;
 use crate::broker::{Broker, BrokerError, Delivery, Receiver, RetryRequest, Subscription};
 use crate::classify::{BoxError, Classifier, ErrorClass};
 use crate::headers::{self, DeadLetter, DeadLetterReason};
-use crate::inbox::{Claim, Inbox};
+use crate::inbox::{Claim, Duplicate, Inbox};
 use crate::retry::{Decision, Failure, PolicyError, RetryPolicy};
 use crate::telemetry::{Clock, ConsumerMetrics, SettleOp, TraceParent};
 
@@ -336,7 +336,8 @@ pub struct StatsSnapshot {
     pub dead_lettered: u64,
     /// Dropped by [`crate::FinalRoute::Discard`].
     pub discarded: u64,
-    /// Skipped as duplicates by the inbox.
+    /// Skipped as duplicates: found by the runtime's inbox, or reported by the handler
+    /// with [`Duplicate`].
     pub duplicates: u64,
     /// Released back to the broker unsettled (failed settlement, shutdown).
     pub released: u64,
@@ -610,6 +611,8 @@ where
 
 enum Outcome {
     Done,
+    /// The handler returned [`Duplicate`]: ack, skip, count.
+    Duplicate,
     Failed(ErrorClass, String),
 }
 
@@ -680,10 +683,7 @@ where
             match inbox.claim(&self.name, d.id()).await {
                 Ok(Claim::First) => {}
                 Ok(Claim::Duplicate) => {
-                    Stats::bump(&self.stats.duplicates);
-                    self.metrics.duplicates.increment(1);
-                    tracing::debug!("duplicate: already handled, acknowledging");
-                    self.ack(d).await;
+                    self.skip_duplicate(d).await;
                     return None;
                 }
                 Err(e) => {
@@ -702,17 +702,13 @@ where
         let call = AssertUnwindSafe(async {
             match self.handler_timeout {
                 Some(limit) => match tokio::time::timeout(limit, (self.handler)(d.clone())).await {
-                    Ok(r) => r.map_err(|e| {
-                        (self.classifier.classify(e.as_ref()), chain_text(e.as_ref()))
-                    }),
-                    Err(_) => Err((
+                    Ok(r) => r.map_err(|e| self.failure(e)),
+                    Err(_) => Err(Outcome::Failed(
                         ErrorClass::Transient,
                         format!("handler timed out after {limit:?}"),
                     )),
                 },
-                None => (self.handler)(d.clone())
-                    .await
-                    .map_err(|e| (self.classifier.classify(e.as_ref()), chain_text(e.as_ref()))),
+                None => (self.handler)(d.clone()).await.map_err(|e| self.failure(e)),
             }
         })
         .catch_unwind()
@@ -723,7 +719,7 @@ where
             .record(started.elapsed().as_secs_f64());
         let outcome = match call {
             Ok(Ok(())) => Outcome::Done,
-            Ok(Err((class, text))) => Outcome::Failed(class, text),
+            Ok(Err(outcome)) => outcome,
             Err(panic) => {
                 Stats::bump(&self.stats.panics);
                 let text = panic_text(panic.as_ref());
@@ -737,6 +733,24 @@ where
         Some(outcome)
     }
 
+    /// What a handler error means: a [`Duplicate`] marker anywhere in its chain, or a
+    /// failure of the class the classifier gives it.
+    fn failure(&self, e: BoxError) -> Outcome {
+        if Duplicate::is_in(e.as_ref()) {
+            Outcome::Duplicate
+        } else {
+            Outcome::Failed(self.classifier.classify(e.as_ref()), chain_text(e.as_ref()))
+        }
+    }
+
+    /// Acknowledge a delivery whose effect already happened, and count it.
+    async fn skip_duplicate(&self, d: &Delivery) {
+        Stats::bump(&self.stats.duplicates);
+        self.metrics.duplicates.increment(1);
+        tracing::debug!("duplicate: already handled, acknowledging");
+        self.ack(d).await;
+    }
+
     /// Forget this delivery's inbox claim: its effect did not happen.
     async fn abandon_claim(&self, d: &Delivery) {
         if let Some(inbox) = &self.inbox
@@ -748,13 +762,16 @@ where
 
     async fn settle(&self, d: &Delivery, outcome: Outcome) {
         let (class, text) = match outcome {
-            Outcome::Done => {
+            Outcome::Done | Outcome::Duplicate => {
+                // A duplicate's effect exists too (an earlier delivery made it).
                 if let Some(inbox) = &self.inbox
                     && let Err(e) = inbox.complete(&self.name, d.id()).await
                 {
                     tracing::warn!(error = %e, "inbox complete failed");
                 }
-                if self.ack(d).await {
+                if matches!(outcome, Outcome::Duplicate) {
+                    self.skip_duplicate(d).await;
+                } else if self.ack(d).await {
                     Stats::bump(&self.stats.processed);
                     self.metrics.processed.increment(1);
                 }

@@ -9,8 +9,25 @@
 //! thing for stores that cannot share the handler's transaction: `claim` before the
 //! handler, `complete` after it succeeded, `abandon` when it failed (the retry must be
 //! able to claim again).
+//!
+//! With the transactional style the handler itself learns that a message is a duplicate
+//! (its claim answered [`Claim::Duplicate`]); it returns the [`Duplicate`] marker, and the
+//! runtime acknowledges the delivery, does not retry it, and counts it as a duplicate:
+//!
+//! ```
+//! use reliq_core::{BoxError, Claim, Delivery};
+//! # async fn claim_in_tx(_: &Delivery) -> Result<Claim, BoxError> { Ok(Claim::First) }
+//! async fn handle(d: Delivery) -> Result<(), BoxError> {
+//!     // let mut tx = pool.begin().await?;
+//!     claim_in_tx(&d).await?.first_or_skip()?;   // a duplicate returns `Duplicate` here
+//!     // … the business change, in the same transaction …
+//!     // tx.commit().await?;
+//!     Ok(())
+//! }
+//! ```
 
 use std::collections::HashMap;
+use std::error::Error as StdError;
 use std::sync::Mutex;
 
 use async_trait::async_trait;
@@ -25,6 +42,53 @@ pub enum Claim {
     /// Already applied (or being applied right now by another delivery of the same id):
     /// acknowledge and skip.
     Duplicate,
+}
+
+impl Claim {
+    /// The claim of a store's insert: [`Claim::First`] if it inserted the row,
+    /// [`Claim::Duplicate`] if the row was already there.
+    pub fn inserted(inserted: bool) -> Self {
+        if inserted {
+            Claim::First
+        } else {
+            Claim::Duplicate
+        }
+    }
+
+    /// `Ok(())` for [`Claim::First`], `Err(Duplicate)` for [`Claim::Duplicate`]: lets a
+    /// handler write `claim(…).await?.first_or_skip()?` and hand a duplicate to the
+    /// runtime.
+    pub fn first_or_skip(self) -> Result<(), Duplicate> {
+        match self {
+            Claim::First => Ok(()),
+            Claim::Duplicate => Err(Duplicate),
+        }
+    }
+}
+
+/// A handler's answer "this message was already applied: acknowledge it and skip it".
+///
+/// Return it — alone, or anywhere in the `source()` chain of the error the handler
+/// returns, like the classification markers — when a transactional inbox claim answered
+/// [`Claim::Duplicate`]. The runtime then acknowledges the delivery, does not retry or
+/// dead-letter it, and counts it in `StatsSnapshot::duplicates` and
+/// `reliq_messages_duplicate_total`, as it does for duplicates its own [`Inbox`] finds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, thiserror::Error)]
+#[error("already handled by this consumer (inbox duplicate)")]
+pub struct Duplicate;
+
+impl Duplicate {
+    /// Is a [`Duplicate`] anywhere in `error`'s `source()` chain?
+    pub fn is_in(error: &(dyn StdError + 'static)) -> bool {
+        let mut link = Some(error);
+        while let Some(e) = link {
+            if e.is::<Duplicate>() {
+                return true;
+            }
+            link = e.source();
+        }
+        false
+    }
 }
 
 /// The inbox store failed.
@@ -128,5 +192,22 @@ mod tests {
         assert_eq!(inbox.claim("c", &id).await.unwrap(), Claim::Duplicate);
         assert!(inbox.contains("c", &id));
         assert_eq!(inbox.completed("c"), 1);
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("handler failed")]
+    struct Wrapper(#[source] Duplicate);
+
+    #[test]
+    fn duplicate_is_found_through_the_source_chain() {
+        assert_eq!(Claim::First.first_or_skip(), Ok(()));
+        assert_eq!(Claim::Duplicate.first_or_skip(), Err(Duplicate));
+        let direct: crate::BoxError = Box::new(Duplicate);
+        assert!(Duplicate::is_in(direct.as_ref()));
+        let wrapped: crate::BoxError = Box::new(crate::Transient::new(Wrapper(Duplicate)));
+        assert!(Duplicate::is_in(wrapped.as_ref()));
+        // Text never counts, only the type.
+        let text: crate::BoxError = "already handled by this consumer (inbox duplicate)".into();
+        assert!(!Duplicate::is_in(text.as_ref()));
     }
 }

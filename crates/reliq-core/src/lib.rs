@@ -5,7 +5,10 @@
 //! reliable consumer on any backend.
 //!
 //! Backends (reliq-memory, reliq-kafka, reliq-rabbit, reliq-nats, reliq-sqs) implement
-//! the small [`Broker`] / [`Receiver`] seam; everything else is here, written once.
+//! the small [`Broker`] / [`Receiver`] seam; everything else is here, written once. The
+//! durable stores (reliq-postgres, reliq-sqlite) implement [`Inbox`] and
+//! [`OutboxStore`]; the outbox [`Relay`] and the [`Duplicate`] answer of a handler's
+//! transactional inbox claim are here too.
 //!
 //! ```
 //! use std::time::Duration;
@@ -41,6 +44,7 @@ pub mod faults;
 pub mod headers;
 pub mod inbox;
 pub mod message;
+pub mod outbox;
 pub mod replay;
 pub mod retry;
 pub mod telemetry;
@@ -56,8 +60,9 @@ pub use consumer::{
 };
 pub use envelope::{Aggregate, Envelope};
 pub use headers::{DeadLetter, DeadLetterReason, HeaderError, Origin};
-pub use inbox::{Claim, Inbox, InboxError, MemoryInbox};
+pub use inbox::{Claim, Duplicate, Inbox, InboxError, MemoryInbox};
 pub use message::{Headers, Message, MessageId};
+pub use outbox::{OutboxError, OutboxRecord, OutboxStore, Relay, RelayHandle, RelayStats};
 pub use replay::{Replay, ReplayEntry, ReplayFilter, ReplayReport, ReplayTarget};
 pub use retry::{Decision, Failure, FinalRoute, PanicAction, PolicyError, RetryPolicy, Schedule};
 pub use telemetry::Clock;

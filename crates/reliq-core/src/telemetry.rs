@@ -15,6 +15,14 @@
 //! | `reliq_in_flight` | gauge | |
 //! | `reliq_settle_failures_total` | counter | `operation` = `ack\|retry\|dead_letter\|release` (`dead_letter` = DLQ publish failures) |
 //! | `reliq_messages_replayed_total` | counter | |
+//!
+//! The outbox relay's metrics carry a `relay` label (the relay's name) instead:
+//!
+//! | name | type |
+//! |---|---|
+//! | `reliq_outbox_published_total` | counter |
+//! | `reliq_outbox_publish_failures_total` | counter |
+//! | `reliq_outbox_store_failures_total` | counter |
 
 use std::time::{Duration, SystemTime};
 
@@ -43,6 +51,13 @@ pub const IN_FLIGHT: &str = "reliq_in_flight";
 pub const SETTLE_FAILURES: &str = "reliq_settle_failures_total";
 /// `reliq_messages_replayed_total`
 pub const REPLAYED: &str = "reliq_messages_replayed_total";
+
+/// `reliq_outbox_published_total`
+pub const OUTBOX_PUBLISHED: &str = "reliq_outbox_published_total";
+/// `reliq_outbox_publish_failures_total`
+pub const OUTBOX_PUBLISH_FAILURES: &str = "reliq_outbox_publish_failures_total";
+/// `reliq_outbox_store_failures_total`
+pub const OUTBOX_STORE_FAILURES: &str = "reliq_outbox_store_failures_total";
 
 /// A settlement operation, for `reliq_settle_failures_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +128,24 @@ impl ConsumerMetrics {
 
     pub fn discarded(&self, reason: DeadLetterReason) -> &Counter {
         &self.discarded[reason_index(reason)]
+    }
+}
+
+/// Metric handles of one outbox relay.
+pub(crate) struct RelayMetrics {
+    pub published: Counter,
+    pub publish_failures: Counter,
+    pub store_failures: Counter,
+}
+
+impl RelayMetrics {
+    pub fn new(relay: &str) -> Self {
+        let r = relay.to_owned();
+        Self {
+            published: counter!(OUTBOX_PUBLISHED, "relay" => r.clone()),
+            publish_failures: counter!(OUTBOX_PUBLISH_FAILURES, "relay" => r.clone()),
+            store_failures: counter!(OUTBOX_STORE_FAILURES, "relay" => r),
+        }
     }
 }
 

@@ -38,9 +38,22 @@
 //! | `nats://…`, `tls://…` | `nats` | `reliq-nats` |
 //! | `sqs://host:port?region=…`, `sqs://?region=…` | `sqs` | `reliq-sqs` (`host:port` = an endpoint over http, e.g. an emulator; empty = real AWS with the default credential chain) |
 
+//!
+//! ## Durable inbox and outbox
+//!
+//! | cargo feature | module | crate |
+//! |---|---|---|
+//! | `postgres` | `reliq::postgres` | `reliq-postgres`: inbox and outbox on PostgreSQL, relay woken by `LISTEN/NOTIFY` |
+//! | `sqlite` | `reliq::sqlite` | `reliq-sqlite`: inbox and outbox on SQLite, relay polling |
+
 use std::sync::Arc;
 
 pub use reliq_core::*;
+
+#[cfg(feature = "postgres")]
+pub use reliq_postgres as postgres;
+#[cfg(feature = "sqlite")]
+pub use reliq_sqlite as sqlite;
 
 #[cfg(feature = "memory")]
 pub use reliq_memory as memory;

@@ -31,16 +31,6 @@ use reliq_integration::settings;
 const IN_FLIGHT: usize = 64;
 const PREFETCH: u32 = 256;
 
-fn arg(name: &str) -> Option<String> {
-    let mut args = std::env::args();
-    while let Some(a) = args.next() {
-        if a == name {
-            return args.next();
-        }
-    }
-    None
-}
-
 fn payload(i: usize) -> Vec<u8> {
     format!("{{\"n\":{i},\"pad\":\"{}\"}}", "x".repeat(100)).into_bytes()
 }
@@ -445,8 +435,8 @@ async fn reliq_publish_fresh(broker: &Arc<dyn Broker>, n: usize) -> anyhow::Resu
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
-    let broker_name = arg("--broker").context("--broker rabbit|nats|kafka")?;
-    let n: usize = arg("--messages")
+    let broker_name = settings::arg("--broker").context("--broker rabbit|nats|kafka")?;
+    let n: usize = settings::arg("--messages")
         .map(|v| v.parse())
         .transpose()?
         .unwrap_or(5000);

@@ -10,6 +10,7 @@
 //! `--only runtime|raw` runs one side (for callgrind); `--repeat` repeats the pair.
 #![allow(unsafe_code)] // the counting allocator
 
+use reliq_integration::settings;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -134,23 +135,16 @@ async fn raw(n: usize) -> anyhow::Result<Run> {
     })
 }
 
-fn arg(name: &str) -> Option<String> {
-    let mut args = std::env::args();
-    while let Some(a) = args.next() {
-        if a == name {
-            return args.next();
-        }
-    }
-    None
-}
-
 fn main() -> anyhow::Result<()> {
-    let n: usize = arg("--messages")
+    let n: usize = settings::arg("--messages")
         .map(|v| v.parse())
         .transpose()?
         .unwrap_or(200_000);
-    let repeat: usize = arg("--repeat").map(|v| v.parse()).transpose()?.unwrap_or(3);
-    let only = arg("--only");
+    let repeat: usize = settings::arg("--repeat")
+        .map(|v| v.parse())
+        .transpose()?
+        .unwrap_or(3);
+    let only = settings::arg("--only");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

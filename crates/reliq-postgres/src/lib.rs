@@ -1,0 +1,116 @@
+//! # reliq-postgres
+//!
+//! PostgreSQL stores for reliq, for production: an **inbox** that makes a consumer's
+//! effect happen once, and an **outbox** that publishes the events a transaction produced,
+//! both written in the caller's own transaction.
+//!
+//! - [`PgInbox::claim`] records `(consumer, message id)` inside the business transaction
+//!   (`INSERT … ON CONFLICT DO NOTHING RETURNING 1`): the claim and the business change
+//!   commit or roll back together. A redelivered or replayed copy finds the claim, the
+//!   handler returns [`reliq_core::Duplicate`], and the runtime acknowledges it, skips it
+//!   and counts it (`reliq_messages_duplicate_total`).
+//! - [`PgOutbox::enqueue`] writes a message (with its stable id) in the business
+//!   transaction; a [`reliq_core::Relay`] publishes it after the commit through any
+//!   broker, with the broker's confirm, and marks the row sent. Idle relays wake up on
+//!   `LISTEN reliq_outbox` (a trigger notifies on commit), with a poll as fallback.
+//!
+//! The schema comes with the crate: [`migrate`] creates `reliq_inbox` and `reliq_outbox`
+//! and records its migrations in its own table, `_reliq_migrations`, so it never mixes
+//! with the application's `_sqlx_migrations`.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use reliq_core::{BoxError, Consumer, Delivery, Destination, Message};
+//! use reliq_postgres::{PgInbox, PgOutbox, sqlx::PgPool};
+//!
+//! # async fn demo(broker: Arc<dyn reliq_core::Broker>) -> Result<(), BoxError> {
+//! let pool = PgPool::connect("postgres://reliq:reliq@127.0.0.1:5432/reliq").await?;
+//! reliq_postgres::migrate(&pool).await?;
+//! let (inbox, outbox) = (PgInbox::new(pool.clone()), PgOutbox::new(pool.clone()));
+//!
+//! // Consumer: claim + effect + outgoing event in one transaction; ack after COMMIT.
+//! let (p, i, o) = (pool.clone(), inbox.clone(), outbox.clone());
+//! let consumer = Consumer::builder(broker.clone(), "inventory")
+//!     .subscribe("orders", None::<String>)
+//!     .start(move |d: Delivery| {
+//!         let (pool, inbox, outbox) = (p.clone(), i.clone(), o.clone());
+//!         async move {
+//!             let mut tx = pool.begin().await?;
+//!             inbox.claim(&mut tx, "inventory", d.id()).await?.first_or_skip()?;
+//!             sqlx::query("UPDATE stock SET reserved = reserved + 1 WHERE sku = $1")
+//!                 .bind(d.text()?)
+//!                 .execute(&mut *tx)
+//!                 .await?;
+//!             let event = Message::with_id_and_payload(format!("{}:reserved", d.id()), "…");
+//!             outbox.enqueue(&mut tx, &Destination::new("inventory"), &event).await?;
+//!             tx.commit().await?;
+//!             Ok::<(), BoxError>(())
+//!         }
+//!     })
+//!     .await?;
+//!
+//! // Relay: publishes committed outbox rows, in order, with confirms.
+//! let relay = outbox.relay(broker).build()?.start();
+//! # let _ = (consumer, relay); Ok(()) }
+//! ```
+//!
+//! ## Retention: the replay horizon
+//!
+//! An inbox row must live at least as long as a copy of its message can still arrive:
+//! the broker's redelivery window, retry tiers, the DLQ's retention (a dead-lettered
+//! message may be replayed by an operator), and any archive you replay from. Purge only
+//! ids older than that horizon — [`PgInbox::purge`] deletes claims older than the age you
+//! give. If events may be replayed from the DLQ for 14 days, purge after 14 days plus a
+//! margin, never after a week: a replay past the purge applies its effect a second time.
+//! Sent outbox rows are kept (they record what was published, and keep `enqueue`
+//! idempotent for their id) until [`PgOutbox::purge_sent`].
+
+mod inbox;
+mod outbox;
+
+pub use inbox::PgInbox;
+pub use outbox::{OUTBOX_CHANNEL, PgOutbox};
+/// The sqlx version these stores are built with (its pools and transactions are what
+/// the API takes).
+pub use sqlx;
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::migrate::Migrator;
+
+/// The table where [`migrate`] records the migrations it applied.
+pub const MIGRATIONS_TABLE: &str = "_reliq_migrations";
+
+/// Errors of the PostgreSQL stores.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A query failed.
+    #[error("postgres: {0}")]
+    Database(#[from] sqlx::Error),
+    /// Applying the schema failed.
+    #[error("postgres: migrating the reliq schema failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A duration does not fit the database's range.
+    #[error("duration {0:?} is out of range")]
+    Duration(Duration),
+}
+
+/// Create or update the `reliq_inbox` and `reliq_outbox` tables (idempotent; safe to call
+/// from several processes at once: sqlx takes an advisory lock).
+pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
+    let mut migrator: Migrator = sqlx::migrate!("./migrations");
+    migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+    migrator.run(pool).await?;
+    Ok(())
+}
+
+/// A duration as seconds for `make_interval(secs => …)`.
+fn seconds(d: Duration) -> Result<f64, Error> {
+    let s = d.as_secs_f64();
+    if s.is_finite() && s < 1e12 {
+        Ok(s)
+    } else {
+        Err(Error::Duration(d))
+    }
+}

@@ -1,0 +1,134 @@
+//! # reliq-sqlite
+//!
+//! SQLite stores for reliq, the embedded default: an **inbox** that makes a consumer's
+//! effect happen once, and an **outbox** that publishes the events a transaction
+//! produced, both written in the caller's own transaction.
+//!
+//! - [`SqliteInbox::claim`] records `(consumer, message id)` inside the business
+//!   transaction (`INSERT … ON CONFLICT DO NOTHING RETURNING 1`): the claim and the
+//!   business change commit or roll back together. A redelivered or replayed copy finds
+//!   the claim, the handler returns [`reliq_core::Duplicate`], and the runtime
+//!   acknowledges it, skips it and counts it (`reliq_messages_duplicate_total`).
+//! - [`SqliteOutbox::enqueue`] writes a message (with its stable id) in the business
+//!   transaction; a [`reliq_core::Relay`] publishes it after the commit through any
+//!   broker, with the broker's confirm, and marks the row sent. SQLite cannot notify, so
+//!   an idle relay polls (every 100 ms by default); rows are leased to one relay at a time
+//!   through the `lease_owner` / `leased_until` columns.
+//!
+//! The schema comes with the crate: [`migrate`] creates `reliq_inbox` and `reliq_outbox`
+//! and records its migrations in its own table, `_reliq_migrations`, so it never mixes
+//! with the application's `_sqlx_migrations`. [`connect`] opens a pool with the settings
+//! these stores want (WAL, a busy timeout, `synchronous = FULL`).
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use reliq_core::{BoxError, Consumer, Delivery, Destination, Message};
+//! use reliq_sqlite::{SqliteInbox, SqliteOutbox};
+//!
+//! # async fn demo(broker: Arc<dyn reliq_core::Broker>) -> Result<(), BoxError> {
+//! let pool = reliq_sqlite::connect("sqlite://inventory.db").await?;
+//! reliq_sqlite::migrate(&pool).await?;
+//! let (inbox, outbox) = (SqliteInbox::new(pool.clone()), SqliteOutbox::new(pool.clone()));
+//!
+//! // Consumer: claim + effect + outgoing event in one transaction; ack after COMMIT.
+//! let (p, i, o) = (pool.clone(), inbox.clone(), outbox.clone());
+//! let consumer = Consumer::builder(broker.clone(), "inventory")
+//!     .subscribe("orders", None::<String>)
+//!     .start(move |d: Delivery| {
+//!         let (pool, inbox, outbox) = (p.clone(), i.clone(), o.clone());
+//!         async move {
+//!             // IMMEDIATE: take the write lock now, not on the first write.
+//!             let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+//!             inbox.claim(&mut tx, "inventory", d.id()).await?.first_or_skip()?;
+//!             sqlx::query("UPDATE stock SET reserved = reserved + 1 WHERE sku = ?")
+//!                 .bind(d.text()?)
+//!                 .execute(&mut *tx)
+//!                 .await?;
+//!             let event = Message::with_id_and_payload(format!("{}:reserved", d.id()), "…");
+//!             outbox.enqueue(&mut tx, &Destination::new("inventory"), &event).await?;
+//!             tx.commit().await?;
+//!             Ok::<(), BoxError>(())
+//!         }
+//!     })
+//!     .await?;
+//!
+//! // Relay: publishes committed outbox rows, in order, with confirms.
+//! let relay = outbox.relay(broker).build()?.start();
+//! # let _ = (consumer, relay); Ok(()) }
+//! ```
+//!
+//! ## Retention: the replay horizon
+//!
+//! An inbox row must live at least as long as a copy of its message can still arrive:
+//! the broker's redelivery window, retry tiers, the DLQ's retention (a dead-lettered
+//! message may be replayed by an operator), and any archive you replay from. Purge only
+//! ids older than that horizon — [`SqliteInbox::purge`] deletes claims older than the age
+//! you give. If events may be replayed from the DLQ for 14 days, purge after 14 days plus
+//! a margin, never after a week: a replay past the purge applies its effect a second
+//! time. Sent outbox rows are kept (they record what was published, and keep `enqueue`
+//! idempotent for their id) until [`SqliteOutbox::purge_sent`].
+
+mod inbox;
+mod outbox;
+
+pub use inbox::SqliteInbox;
+pub use outbox::SqliteOutbox;
+/// The sqlx version these stores are built with (its pools and transactions are what
+/// the API takes).
+pub use sqlx;
+
+use std::str::FromStr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sqlx::SqlitePool;
+use sqlx::migrate::Migrator;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+
+/// The table where [`migrate`] records the migrations it applied.
+pub const MIGRATIONS_TABLE: &str = "_reliq_migrations";
+
+/// Errors of the SQLite stores.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A query failed.
+    #[error("sqlite: {0}")]
+    Database(#[from] sqlx::Error),
+    /// Applying the schema failed.
+    #[error("sqlite: migrating the reliq schema failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    /// A duration does not fit the database's range.
+    #[error("duration {0:?} is out of range")]
+    Duration(Duration),
+}
+
+/// Open a pool on `url` (`sqlite://path.db`, created if missing) with WAL journaling,
+/// `synchronous = FULL` (a committed claim survives a power cut) and a 5 s busy timeout.
+pub async fn connect(url: &str) -> Result<SqlitePool, Error> {
+    let options = SqliteConnectOptions::from_str(url)?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Full)
+        .busy_timeout(Duration::from_secs(5));
+    Ok(SqlitePoolOptions::new().connect_with(options).await?)
+}
+
+/// Create or update the `reliq_inbox` and `reliq_outbox` tables (idempotent).
+pub async fn migrate(pool: &SqlitePool) -> Result<(), Error> {
+    let mut migrator: Migrator = sqlx::migrate!("./migrations");
+    migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+    migrator.run(pool).await?;
+    Ok(())
+}
+
+/// Now as Unix milliseconds (the schema's time unit).
+fn now_ms() -> i64 {
+    let since = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A duration as milliseconds.
+fn millis(d: Duration) -> Result<i64, Error> {
+    i64::try_from(d.as_millis()).map_err(|_| Error::Duration(d))
+}
