@@ -155,3 +155,91 @@ async fn never_settled_message_is_redriven_as_max_deliveries() -> anyhow::Result
     ensure!(record.consumer == "c", "{record:?}");
     Ok(())
 }
+
+/// FIFO queues (`fifo=true`): three keys (message groups) of ten messages each, four
+/// handlers with per-key ordering, one message retried once: every group is processed in
+/// publish order — the retried message holds its group until it succeeds — while the
+/// groups run side by side; a second publish of an id is dropped by SQS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_groups_keep_their_order_with_concurrency() -> anyhow::Result<()> {
+    let url = format!(
+        "{}&fifo=true",
+        reliq_integration::settings::get("RELIQ_SQS_URL")
+    );
+    let broker: Arc<dyn Broker> = Arc::new(reliq_sqs::SqsBroker::connect(&url).await?);
+    ensure!(broker.capabilities().deduplicates_publishes);
+    let topic = unique("fifo");
+    let builder = Consumer::builder(broker.clone(), "c")
+        .subscribe(topic.clone(), None::<String>)
+        .retry(reliq_core::RetryPolicy::tiers([Duration::from_secs(1)]).max_attempts(3))
+        .ordering(reliq_core::Ordering::PerKey)
+        .concurrency(4)
+        // A short lease keeps the long poll short (half the lease): moto does not answer
+        // a waiting poll when a FIFO group frees up, SQS does.
+        .lease(Duration::from_secs(4));
+    // Declare the queue, publish everything, then consume: moto forgets a deduplication
+    // id once its message is deleted (SQS keeps it 5 minutes), so the second publish of
+    // an id must happen while the first copy is still queued.
+    broker
+        .subscribe(&builder.subscription()?)
+        .await?
+        .close()
+        .await?;
+    let dest = Destination::new(topic.clone());
+    let mut published = Vec::new();
+    for i in 0..10 {
+        for k in 0..3 {
+            let m = Message::new(format!("k{k}-{i}")).with_key(format!("k{k}"));
+            published.push(m.clone());
+            broker.publish(&dest, m).await?;
+        }
+    }
+    broker.publish(&dest, published[0].clone()).await?;
+    let rec = Recorder::new();
+    let r = rec.clone();
+    let h = builder
+        .start(move |d: Delivery| {
+            let r = r.clone();
+            async move {
+                r.call(&d);
+                if d.payload() == b"k1-3" && d.attempt() == 1 {
+                    return Err(reliq_core::Transient::msg("downstream 503").into());
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                r.effect(d.id());
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await?;
+    wait_until("30 processed", Duration::from_secs(60), || {
+        rec.effect_count() == 30
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let calls = rec.calls();
+    let effects = rec.effects();
+    ensure!(
+        effects.values().all(|n| *n == 1),
+        "a message was processed twice: {effects:?}"
+    );
+    for k in 0..3 {
+        let key = format!("k{k}");
+        let order: Vec<String> = calls
+            .iter()
+            .filter(|c| c.key.as_deref() == Some(key.as_str()))
+            .map(|c| String::from_utf8_lossy(&c.payload).into_owned())
+            .collect();
+        let mut expected: Vec<String> = (0..10).map(|i| format!("{key}-{i}")).collect();
+        if k == 1 {
+            expected.insert(3, "k1-3".into()); // its retry, before k1-4
+        }
+        ensure!(order == expected, "group {key} in order {order:?}");
+    }
+    let s = h.shutdown().await.stats;
+    ensure!(
+        s.processed == 30 && s.retried == 1 && s.dead_lettered == 0,
+        "{s:?}"
+    );
+    ensure!(s.max_running > 1, "groups never ran side by side: {s:?}");
+    Ok(())
+}

@@ -170,10 +170,13 @@ pub(crate) fn sends(client: aws_sdk_sqs::Client, window: Duration) -> Batcher<En
                 let n = entries.len();
                 let mut request = client.send_message_batch().queue_url(url);
                 for (i, e) in entries.into_iter().enumerate() {
+                    let (group, dedup) = e.fifo.unzip();
                     let entry = SendMessageBatchRequestEntry::builder()
                         .id(i.to_string())
                         .message_body(e.body)
                         .set_message_attributes(Some(e.attributes))
+                        .set_message_group_id(group)
+                        .set_message_deduplication_id(dedup)
                         .build();
                     match entry {
                         Ok(entry) => request = request.entries(entry),

@@ -41,6 +41,27 @@ pub struct Encoded {
     pub body: String,
     /// The message attributes (≤ 10).
     pub attributes: HashMap<String, MessageAttributeValue>,
+    /// FIFO queues only: `MessageGroupId` and `MessageDeduplicationId`
+    /// (see [`Encoded::for_fifo`]).
+    pub fifo: Option<(String, String)>,
+}
+
+/// The message group of keyless messages on FIFO queues: one group, so they keep their
+/// publish order among themselves.
+pub const DEFAULT_GROUP: &str = "reliq-keyless";
+
+impl Encoded {
+    /// The same message for a FIFO queue: group = the message key (or
+    /// [`DEFAULT_GROUP`]), deduplication id = `dedup` (made valid by
+    /// [`fifo_token`](crate::names::fifo_token)).
+    pub fn for_fifo(&self, key: Option<&str>, dedup: &str) -> Self {
+        let mut fifo = self.clone();
+        fifo.fifo = Some((
+            crate::names::fifo_token(key.unwrap_or(DEFAULT_GROUP)),
+            crate::names::fifo_token(dedup),
+        ));
+        fifo
+    }
 }
 
 /// A decoded SQS message.
@@ -121,7 +142,11 @@ pub fn encode(message: &Message, route: Option<&str>) -> Result<Encoded, BrokerE
     // serde_json escapes control characters, so the JSON is always valid SQS text.
     let json = serde_json::Value::Object(packed).to_string();
     attributes.insert(RELIQ_ATTRIBUTE.into(), string_attribute(json)?);
-    Ok(Encoded { body, attributes })
+    Ok(Encoded {
+        body,
+        attributes,
+        fifo: None,
+    })
 }
 
 /// Decode an SQS message; `sqs_id` is the id when the message carries no reliq id.

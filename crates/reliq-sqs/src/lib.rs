@@ -13,11 +13,12 @@
 //! | dead-letter | `SendMessage` to the DLQ queue `<source>_<consumer>_dlq` with the record, then `DeleteMessage` |
 //! | attempt | `ApproximateReceiveCount` |
 //! | crash loop | the `RedrivePolicy`; a message moved by it carries no reliq record, and [`Broker::dead_letters`] reads it as `max-deliveries` |
+//! | FIFO ([`SqsOptions::fifo`], URL `fifo=true`) | queues `….fifo`; `MessageGroupId` = the key (keyless: one shared group), `MessageDeduplicationId` = the message id (DLQ copies and replays get unique ones, so SQS never drops them as duplicates); the receiver hands out **one message per group at a time** — SQS returns several of a group in one receive — and when one goes back (retry, release) the group's later messages held here go back too, so SQS delivers the group again in order. A retry therefore holds its group (ordered, in-place retries). |
 //! | metadata | at most 10 message attributes: reliq's headers, id and key packed into one JSON attribute `reliq`, user headers as attributes while they fit (see [`codec`]) |
 //!
 //! Capabilities (documented limitations, see [`reliq_core::Capabilities`]):
-//! `attempts_count_every_delivery` (a release or a crash also uses an attempt), no
-//! publish deduplication (standard queues; FIFO queues are not supported yet), exact
+//! `attempts_count_every_delivery` (a release or a crash also uses an attempt), publish
+//! deduplication only on FIFO queues ([`SqsOptions::fifo`]), exact
 //! retry delays (to the second), `send_to_consumer` supported (replay goes to one
 //! consumer's queue).
 //!
@@ -102,6 +103,16 @@ pub struct SqsOptions {
     /// (`SendMessageBatch` / `DeleteMessageBatch`, ≤ 10 entries); zero still batches
     /// what arrives together.
     pub batch_window: Duration,
+    /// Declare FIFO queues (`.fifo`, also via the URL option `fifo=true`): the message key
+    /// is the `MessageGroupId` (keyless messages share one group), the message id the
+    /// `MessageDeduplicationId`, so a producer's retry of a publish within SQS's 5-minute
+    /// window is dropped by SQS. Order holds within a group: the receiver hands out one
+    /// message per group at a time, so any concurrency keeps it (groups run side by
+    /// side). A retry (`ChangeMessageVisibility`) holds its whole group: later messages
+    /// with the same key wait until the retried one is settled — in-place, ordered
+    /// retries. Replay (`send_to_consumer`) uses a fresh deduplication id, so it is not
+    /// dropped as a duplicate of the original.
+    pub fifo: bool,
     /// Fault injection for tests (see [`Faults`]).
     pub faults: Option<Arc<Faults>>,
 }
@@ -114,6 +125,7 @@ impl Default for SqsOptions {
             max_lease_extension: Duration::from_secs(60 * 60),
             dead_letter_lease: Duration::from_secs(60),
             batch_window: Duration::from_millis(5),
+            fifo: false,
             faults: None,
         }
     }
@@ -226,6 +238,7 @@ struct SqsUrl {
     endpoint: Option<String>,
     region: Option<String>,
     credentials: Option<(String, String)>,
+    fifo: bool,
 }
 
 fn parse_url(url: &str) -> Result<SqsUrl, BrokerError> {
@@ -252,15 +265,17 @@ fn parse_url(url: &str) -> Result<SqsUrl, BrokerError> {
     };
     let mut region = None;
     let mut tls = false;
+    let mut fifo = false;
     for kv in query.split('&').filter(|kv| !kv.is_empty()) {
         let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
         match k {
             "region" => region = Some(v.to_owned()),
             "tls" => tls = v == "true" || v == "1",
+            "fifo" => fifo = v == "true" || v == "1",
             other => {
                 return Err(config(
                     &format!("url query `{other}`"),
-                    "unknown SQS URL option (known: region, tls)",
+                    "unknown SQS URL option (known: region, tls, fifo)",
                 ));
             }
         }
@@ -279,6 +294,7 @@ fn parse_url(url: &str) -> Result<SqsUrl, BrokerError> {
         endpoint,
         region,
         credentials,
+        fifo,
     })
 }
 
@@ -326,6 +342,10 @@ impl SqsBroker {
                 "no region: add ?region=… or configure AWS_REGION",
             ));
         }
+        let options = SqsOptions {
+            fifo: options.fifo || parsed.fifo,
+            ..options
+        };
         Ok(Self::from_client(aws_sdk_sqs::Client::new(&conf), options))
     }
 
@@ -367,6 +387,8 @@ impl SqsBroker {
     }
 
     /// Create `name` with `attributes` and `tags`, or bring an existing one up to date.
+    /// A FIFO name (`.fifo`) is created with `FifoQueue=true`, which SQS accepts only at
+    /// creation.
     async fn ensure_queue(
         &self,
         name: &str,
@@ -390,6 +412,9 @@ impl SqsBroker {
             return Ok(url);
         }
         let mut create = client.create_queue().queue_name(name);
+        if names::is_fifo(name) {
+            create = create.attributes(QueueAttributeName::FifoQueue, "true");
+        }
         for (k, v) in attributes {
             create = create.attributes(k.clone(), v.clone());
         }
@@ -433,7 +458,7 @@ impl SqsBroker {
     /// the SQS maximum). Returns its URL.
     pub async fn declare_dead_letters(&self, sub: &Subscription) -> Result<String, BrokerError> {
         self.ensure_queue(
-            &names::dead_letter_queue_name(sub),
+            &names::dead_letter_queue_name(sub, self.inner.options.fifo),
             &[(
                 QueueAttributeName::MessageRetentionPeriod,
                 (14 * 24 * 60 * 60).to_string(),
@@ -450,7 +475,10 @@ impl SqsBroker {
     /// Delete the subscription's dead-letter queue (for fault-injection tests: the DLQ
     /// becomes unavailable; [`SqsBroker::declare_dead_letters`] restores it).
     pub async fn delete_dead_letters(&self, sub: &Subscription) -> Result<(), BrokerError> {
-        if let Some(url) = self.queue_url(&names::dead_letter_queue_name(sub)).await? {
+        if let Some(url) = self
+            .queue_url(&names::dead_letter_queue_name(sub, self.inner.options.fifo))
+            .await?
+        {
             self.inner
                 .client
                 .delete_queue()
@@ -481,7 +509,7 @@ impl SqsBroker {
         }
         let url = self
             .ensure_queue(
-                &names::queue_name(sub),
+                &names::queue_name(sub, self.inner.options.fifo),
                 &[
                     (
                         QueueAttributeName::VisibilityTimeout,
@@ -520,9 +548,11 @@ impl SqsBroker {
     /// waiting out a retry delay (`ApproximateNumberOfMessagesNotVisible`).
     pub async fn not_visible(&self, sub: &Subscription) -> Result<usize, BrokerError> {
         let url = self
-            .queue_url(&names::queue_name(sub))
+            .queue_url(&names::queue_name(sub, self.inner.options.fifo))
             .await?
-            .ok_or_else(|| BrokerError::Unroutable(names::queue_name(sub)))?;
+            .ok_or_else(|| {
+                BrokerError::Unroutable(names::queue_name(sub, self.inner.options.fifo))
+            })?;
         let out = self
             .inner
             .client
@@ -645,12 +675,21 @@ impl SqsBroker {
         Ok(targets)
     }
 
+    /// Send `encoded` (made from `message`) to the queue at `url`; a FIFO queue gets the
+    /// message's group and `dedup` as its deduplication id.
     pub(crate) async fn send(
         &self,
         url: &str,
         encoded: &codec::Encoded,
+        message: &Message,
+        dedup: &str,
     ) -> Result<(), BrokerError> {
-        self.inner.sends.send(url, encoded.clone()).await
+        let entry = if names::is_fifo(url) {
+            encoded.for_fifo(message.key(), dedup)
+        } else {
+            encoded.clone()
+        };
+        self.inner.sends.send(url, entry).await
     }
 
     pub(crate) async fn delete(&self, url: &str, receipt: &str) -> Result<(), BrokerError> {
@@ -661,6 +700,7 @@ impl SqsBroker {
         &self,
         destination: &Destination,
         encoded: &codec::Encoded,
+        message: &Message,
     ) -> Result<(), BrokerError> {
         let targets = self.targets(&destination.topic).await?;
         let route = destination.route.as_deref();
@@ -671,8 +711,12 @@ impl SqsBroker {
         if chosen.is_empty() {
             return Err(BrokerError::Unroutable(destination.to_string()));
         }
-        let results =
-            futures::future::join_all(chosen.iter().map(|t| self.send(&t.url, encoded))).await;
+        let results = futures::future::join_all(
+            chosen
+                .iter()
+                .map(|t| self.send(&t.url, encoded, message, message.id().as_str())),
+        )
+        .await;
         results.into_iter().collect()
     }
 }
@@ -690,7 +734,8 @@ impl Broker for SqsBroker {
             delivery_limit: true,
             consumer_redelivery: true,
             attempts_count_every_delivery: true,
-            deduplicates_publishes: false,
+            // FIFO queues drop a second publish of an id within 5 minutes.
+            deduplicates_publishes: self.inner.options.fifo,
         }
     }
 
@@ -700,11 +745,11 @@ impl Broker for SqsBroker {
         message: Message,
     ) -> Result<(), BrokerError> {
         let encoded = codec::encode(&message, destination.route.as_deref())?;
-        match self.publish_once(destination, &encoded).await {
+        match self.publish_once(destination, &encoded, &message).await {
             // A cached queue was deleted: list again once.
             Err(BrokerError::Unroutable(_)) => {
                 self.forget_topic(&destination.topic);
-                self.publish_once(destination, &encoded).await
+                self.publish_once(destination, &encoded, &message).await
             }
             other => other,
         }
@@ -739,13 +784,15 @@ impl Broker for SqsBroker {
         subscription: &Subscription,
         message: Message,
     ) -> Result<(), BrokerError> {
-        let name = names::queue_name(subscription);
+        let name = names::queue_name(subscription, self.inner.options.fifo);
         let url = self
             .queue_url(&name)
             .await?
             .ok_or(BrokerError::Unroutable(name))?;
         let encoded = codec::encode(&message, None)?;
-        self.send(&url, &encoded).await
+        // Replay delivers again on purpose: not the original's deduplication id.
+        let dedup = format!("{}-replay-{}", message.id(), receiver::unique_suffix());
+        self.send(&url, &encoded, &message, &dedup).await
     }
 }
 

@@ -1,8 +1,10 @@
 //! Queue names and the topic → queues convention.
 //!
-//! SQS queue names allow `[A-Za-z0-9_-]` and at most 80 characters. Every other character
-//! becomes `_`; a name that is still too long keeps its first characters (at most 63) and
-//! ends in a 16-hex-digit FNV-1a hash of the full name, so it stays unique and stable.
+//! SQS queue names allow `[A-Za-z0-9_-]` and at most 80 characters (FIFO queues end in
+//! `.fifo`, within the 80). Every other character becomes `_`; a base name over 75
+//! characters keeps its first characters (at most 59) and ends in a 16-hex-digit FNV-1a
+//! hash of the full name, so it stays unique and stable; FIFO queues add `.fifo` to the
+//! same base.
 //!
 //! A consumer's queue is `<source>-<consumer>`: its name starts with [`topic_prefix`] of
 //! its source, which is how a publisher finds the queues of a topic (`ListQueues` with
@@ -13,7 +15,13 @@ use reliq_core::Subscription;
 
 /// SQS's queue name limit.
 pub const MAX_QUEUE_NAME: usize = 80;
-const KEEP: usize = MAX_QUEUE_NAME - 17;
+/// The suffix SQS requires of FIFO queue names.
+pub const FIFO_SUFFIX: &str = ".fifo";
+/// Longest name before the FIFO suffix: standard and FIFO queues of one subscription
+/// share their base name (and so the topic prefix).
+const MAX_BASE: usize = MAX_QUEUE_NAME - FIFO_SUFFIX.len();
+/// Characters kept from a name that is too long (the rest is a 16-hex-digit hash).
+const KEEP: usize = MAX_BASE - 16;
 
 /// Tag: the topic a consumer queue subscribes to (exact, unsanitized).
 pub const SOURCE_TAG: &str = "reliq-source";
@@ -44,7 +52,7 @@ fn fnv1a(s: &str) -> u64 {
 }
 
 fn fit(full: String, keep: usize) -> String {
-    if full.len() <= MAX_QUEUE_NAME {
+    if full.len() <= MAX_BASE {
         return full;
     }
     // `full` is ASCII after sanitizing, so byte slicing is safe.
@@ -60,16 +68,27 @@ pub fn topic_prefix(topic: &str) -> String {
     p
 }
 
-/// The queue of one consumer of one source: `<source>-<consumer>`.
-pub fn queue_name(sub: &Subscription) -> String {
+/// Whether `url` (or a name) is a FIFO queue's.
+pub fn is_fifo(url: &str) -> bool {
+    url.ends_with(FIFO_SUFFIX)
+}
+
+fn with_kind(base: String, fifo: bool) -> String {
+    if fifo { base + FIFO_SUFFIX } else { base }
+}
+
+/// The queue of one consumer of one source: `<source>-<consumer>` (`.fifo` appended for
+/// FIFO queues).
+pub fn queue_name(sub: &Subscription, fifo: bool) -> String {
     let full = format!("{}-{}", sanitize(&sub.source), sanitize(&sub.consumer));
-    fit(full, topic_prefix(&sub.source).len())
+    with_kind(fit(full, topic_prefix(&sub.source).len()), fifo)
 }
 
 /// The consumer's dead-letter queue: [`Subscription::dead_letter_name`], sanitized
-/// (`<source>_<consumer>_dlq`).
-pub fn dead_letter_queue_name(sub: &Subscription) -> String {
-    fit(sanitize(&sub.dead_letter_name()), KEEP)
+/// (`<source>_<consumer>_dlq`, `.fifo` appended for FIFO queues: a FIFO queue's DLQ must
+/// be FIFO too).
+pub fn dead_letter_queue_name(sub: &Subscription, fifo: bool) -> String {
+    with_kind(fit(sanitize(&sub.dead_letter_name()), KEEP), fifo)
 }
 
 /// Whether a route matches a subscription filter (`*` one word, `#` any number of words,
@@ -94,6 +113,21 @@ pub fn filter_matches(filter: Option<&str>, route: Option<&str>) -> bool {
     go(&pattern, &words)
 }
 
+/// A value for `MessageGroupId` / `MessageDeduplicationId`: at most 128 characters of
+/// ASCII 33–126. Anything else (a longer or non-ASCII id or key) becomes `sha256-<hex>`
+/// of it, so distinct values stay distinct.
+pub fn fifo_token(value: &str) -> String {
+    let fits =
+        !value.is_empty() && value.len() <= 128 && value.bytes().all(|b| (33..=126).contains(&b));
+    if fits {
+        return value.to_owned();
+    }
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(value.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256-{hex}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,18 +135,39 @@ mod tests {
     #[test]
     fn names_are_valid_and_start_with_the_topic_prefix() {
         let sub = Subscription::new("inventory", "orders.eu");
-        assert_eq!(queue_name(&sub), "orders_eu-inventory");
-        assert_eq!(dead_letter_queue_name(&sub), "orders_eu_inventory_dlq");
-        assert!(queue_name(&sub).starts_with(&topic_prefix("orders.eu")));
-        let long = Subscription::new("c".repeat(70), "t".repeat(70));
-        let name = queue_name(&long);
-        assert!(name.len() <= MAX_QUEUE_NAME, "{name}");
-        assert!(name.starts_with(&topic_prefix(&long.source)));
-        assert_ne!(
-            name,
-            queue_name(&Subscription::new("d".repeat(70), "t".repeat(70)))
+        assert_eq!(queue_name(&sub, false), "orders_eu-inventory");
+        assert_eq!(
+            dead_letter_queue_name(&sub, false),
+            "orders_eu_inventory_dlq"
         );
-        assert!(dead_letter_queue_name(&long).len() <= MAX_QUEUE_NAME);
+        assert_eq!(queue_name(&sub, true), "orders_eu-inventory.fifo");
+        assert_eq!(
+            dead_letter_queue_name(&sub, true),
+            "orders_eu_inventory_dlq.fifo"
+        );
+        assert!(queue_name(&sub, false).starts_with(&topic_prefix("orders.eu")));
+        let long = Subscription::new("c".repeat(70), "t".repeat(70));
+        for fifo in [false, true] {
+            let name = queue_name(&long, fifo);
+            assert!(name.len() <= MAX_QUEUE_NAME, "{name}");
+            assert!(name.starts_with(&topic_prefix(&long.source)));
+            assert_eq!(is_fifo(&name), fifo);
+            assert_ne!(
+                name,
+                queue_name(&Subscription::new("d".repeat(70), "t".repeat(70)), fifo)
+            );
+            assert!(dead_letter_queue_name(&long, fifo).len() <= MAX_QUEUE_NAME);
+        }
+    }
+
+    #[test]
+    fn fifo_tokens_are_valid_and_distinct() {
+        assert_eq!(fifo_token("0190-abc"), "0190-abc");
+        let spaced = fifo_token("customer 7");
+        assert!(spaced.starts_with("sha256-") && spaced.len() <= 128);
+        assert_ne!(spaced, fifo_token("customer 8"));
+        assert!(fifo_token(&"x".repeat(200)).len() <= 128);
+        assert!(fifo_token("").starts_with("sha256-"));
     }
 
     #[test]

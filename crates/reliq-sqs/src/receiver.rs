@@ -1,7 +1,7 @@
 //! Receiving from a consumer queue (a background long poll bounded by the prefetch, a
 //! visibility extender per delivery) and reading a dead-letter queue.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -36,6 +36,8 @@ struct Lease {
 /// The settlement handle kept in each delivery's token.
 struct SqsToken {
     receipt: String,
+    /// FIFO queues: the message's `MessageGroupId`.
+    group: Option<String>,
     lease: Arc<Lease>,
     done: AtomicBool,
     counter: Arc<Counter>,
@@ -78,6 +80,9 @@ struct Shared {
     sub: Subscription,
     declared: Declared,
     buffer: Mutex<VecDeque<Delivery>>,
+    /// FIFO queues: per message group, whether one of its messages is with the runtime,
+    /// and the group's later messages received meanwhile (see [`Groups`]).
+    groups: Mutex<Groups>,
     ready: Notify,
     counter: Arc<Counter>,
     closed: CancellationToken,
@@ -92,6 +97,10 @@ impl Shared {
     fn convert(&self, m: &aws_sdk_sqs::types::Message) -> Option<Delivery> {
         let receipt = m.receipt_handle()?.to_owned();
         let (attempt, sent) = system_attributes(m);
+        let group = m
+            .attributes()
+            .and_then(|a| a.get(&MessageSystemAttributeName::MessageGroupId))
+            .cloned();
         let decoded = codec::decode(
             m.body(),
             m.message_attributes(),
@@ -119,6 +128,7 @@ impl Shared {
             lane: 0,
             extra: Some(Box::new(SqsToken {
                 receipt,
+                group,
                 lease,
                 done: AtomicBool::new(false),
                 counter: self.counter.clone(),
@@ -134,13 +144,19 @@ impl Shared {
 
     /// Give back every delivery received but not handed out.
     async fn release_buffered(&self) {
-        let left: Vec<Delivery> = self
+        let mut left: Vec<Delivery> = self
             .buffer
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .drain(..)
             .collect();
-        let releases = left.iter().filter_map(|d| token(d).ok()).map(|t| async move {
+        left.extend(self.lock_groups().drain_all());
+        self.give_back(left).await;
+    }
+
+    /// Make `deliveries` visible again at once (they were received, never handed out).
+    async fn give_back(&self, deliveries: Vec<Delivery>) {
+        let releases = deliveries.iter().filter_map(|d| token(d).ok()).map(|t| async move {
             let _guard = t.stop_extending().await;
             if let Err(e) = self.change_visibility(&t.receipt, 0).await {
                 tracing::debug!(error = %e, "releasing a buffered delivery failed; it returns after its lease");
@@ -148,6 +164,83 @@ impl Shared {
             t.finish();
         });
         futures::future::join_all(releases).await;
+    }
+
+    fn lock_groups(&self) -> std::sync::MutexGuard<'_, Groups> {
+        self.groups.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A FIFO group's message was settled for good (deleted): the group's messages
+    /// received meanwhile go to the front of the buffer, in order, so the next one is
+    /// handed out next.
+    fn group_done(&self, t: &SqsToken) {
+        let Some(group) = &t.group else { return };
+        let waiting = self.lock_groups().release(group);
+        if waiting.is_empty() {
+            return;
+        }
+        let mut buffer = self.buffer.lock().unwrap_or_else(|p| p.into_inner());
+        for d in waiting.into_iter().rev() {
+            buffer.push_front(d);
+        }
+        drop(buffer);
+        self.ready.notify_one();
+    }
+
+    /// A FIFO group's message goes back to SQS (retry, release): the group's later
+    /// messages this receiver holds go back too, so SQS hands the group out again in
+    /// order, starting with that message (SQS holds the group while it is invisible).
+    async fn group_returned(&self, t: &SqsToken) {
+        let Some(group) = &t.group else { return };
+        let mut back: Vec<Delivery> = self.lock_groups().release(group).into();
+        back.extend({
+            let mut buffer = self.buffer.lock().unwrap_or_else(|p| p.into_inner());
+            let (same, other): (VecDeque<Delivery>, VecDeque<Delivery>) = buffer
+                .drain(..)
+                .partition(|d| token(d).ok().and_then(|t| t.group.as_ref()) == Some(group));
+            *buffer = other;
+            same
+        });
+        self.give_back(back).await;
+    }
+}
+
+/// FIFO message groups in this receiver: one message per group with the runtime at a
+/// time. SQS returns several messages of a group in one receive; handing them all out
+/// would let a later one run while an earlier one waits for its retry.
+#[derive(Default)]
+struct Groups {
+    /// Groups with a message handed out and not settled, and what waits behind it.
+    busy: HashMap<String, VecDeque<Delivery>>,
+}
+
+impl Groups {
+    /// Whether `d` may be handed out now (its group is free; it is marked busy), or
+    /// was queued behind its group's message (`Some(d)` is returned when it may go).
+    fn admit(&mut self, d: Delivery) -> Option<Delivery> {
+        let Some(group) = token(&d).ok().and_then(|t| t.group.clone()) else {
+            return Some(d);
+        };
+        match self.busy.get_mut(&group) {
+            Some(waiting) => {
+                waiting.push_back(d);
+                None
+            }
+            None => {
+                self.busy.insert(group, VecDeque::new());
+                Some(d)
+            }
+        }
+    }
+
+    /// The group's handed-out message is settled: the group is free again; returns
+    /// what waited behind it, in order.
+    fn release(&mut self, group: &str) -> VecDeque<Delivery> {
+        self.busy.remove(group).unwrap_or_default()
+    }
+
+    fn drain_all(&mut self) -> Vec<Delivery> {
+        self.busy.drain().flat_map(|(_, w)| w).collect()
     }
 }
 
@@ -250,6 +343,7 @@ async fn poll(shared: Arc<Shared>) {
             .message_attribute_names("All")
             .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
             .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp)
+            .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
             .send()
             .await;
         match result {
@@ -316,6 +410,7 @@ impl SqsReceiver {
             sub,
             declared,
             buffer: Mutex::new(VecDeque::new()),
+            groups: Mutex::new(Groups::default()),
             ready: Notify::new(),
             counter: Arc::new(Counter::default()),
             closed: CancellationToken::new(),
@@ -341,14 +436,17 @@ impl Receiver for SqsReceiver {
     async fn receive(&self) -> Result<Delivery, BrokerError> {
         loop {
             let notified = self.shared.ready.notified();
-            if let Some(d) = self
+            let popped = self
                 .shared
                 .buffer
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .pop_front()
-            {
-                return Ok(d);
+                .pop_front();
+            if let Some(d) = popped {
+                match self.shared.lock_groups().admit(d) {
+                    Some(d) => return Ok(d),
+                    None => continue, // waits behind its FIFO group's message
+                }
             }
             if let Some(e) = self
                 .shared
@@ -379,6 +477,11 @@ impl Receiver for SqsReceiver {
             .await;
         // Settled either way: a failed delete comes back after the visibility timeout.
         t.finish();
+        match &result {
+            Ok(()) => self.shared.group_done(t),
+            // It will be received again, ahead of its group's later messages.
+            Err(_) => self.shared.group_returned(t).await,
+        }
         result
     }
 
@@ -394,6 +497,7 @@ impl Receiver for SqsReceiver {
             .change_visibility(&t.receipt, whole_seconds(retry.delay))
             .await?;
         t.finish();
+        self.shared.group_returned(t).await;
         Ok(())
     }
 
@@ -403,7 +507,15 @@ impl Receiver for SqsReceiver {
         // The copy is confirmed before the source is deleted.
         self.shared
             .broker
-            .send(&self.shared.declared.dead_letter_url, &encoded)
+            .send(
+                &self.shared.declared.dead_letter_url,
+                &encoded,
+                &dead,
+                // Never the id alone: a message dead-lettered again within 5 minutes
+                // (after a replay) would be dropped by a FIFO DLQ's deduplication and
+                // then deleted from the source — lost.
+                &format!("{}-dlq-{}", dead.id(), unique_suffix()),
+            )
             .await?;
         let _guard = t.stop_extending().await;
         self.shared
@@ -411,6 +523,7 @@ impl Receiver for SqsReceiver {
             .delete(&self.shared.declared.url, &t.receipt)
             .await?;
         t.finish();
+        self.shared.group_done(t);
         Ok(())
     }
 
@@ -422,6 +535,7 @@ impl Receiver for SqsReceiver {
             .change_visibility(&t.receipt, whole_seconds(delay))
             .await;
         t.finish();
+        self.shared.group_returned(t).await;
         result
     }
 
@@ -495,7 +609,10 @@ impl DeadLetterReader {
         }
         let attempt = headers::attempt(message.headers());
         let origin = Origin {
-            destination: names_dlq(&self.sub),
+            destination: crate::names::dead_letter_queue_name(
+                &self.sub,
+                crate::names::is_fifo(&self.url),
+            ),
             ..Origin::default()
         };
         let token = DeliveryToken {
@@ -517,10 +634,6 @@ impl DeadLetterReader {
             .map(String::as_str)
             .ok_or_else(|| BrokerError::Rejected("not an SQS dead letter".into()))
     }
-}
-
-fn names_dlq(sub: &Subscription) -> String {
-    crate::names::dead_letter_queue_name(sub)
 }
 
 #[async_trait]
@@ -599,4 +712,11 @@ impl Receiver for DeadLetterReader {
         }
         Ok(())
     }
+}
+
+/// Nanoseconds since the epoch: makes a deduplication id unique per send.
+pub(crate) fn unique_suffix() -> u128 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
 }
