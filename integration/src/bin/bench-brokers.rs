@@ -46,7 +46,8 @@ async fn connect(broker: &str) -> anyhow::Result<Arc<dyn Broker>> {
         "kafka" => Arc::new(reliq_kafka::KafkaBroker::connect(&settings::get(
             "RELIQ_KAFKA_URL",
         ))?),
-        other => bail!("--broker rabbit|nats|kafka, not {other}"),
+        "sqs" => Arc::new(reliq_sqs::SqsBroker::connect(&settings::get("RELIQ_SQS_URL")).await?),
+        other => bail!("--broker rabbit|nats|kafka|sqs, not {other}"),
     })
 }
 
@@ -412,6 +413,7 @@ async fn raw_publish(broker: &str, n: usize) -> anyhow::Result<f64> {
     match broker {
         "rabbit" => raw_rabbit::publish(n).await,
         "nats" => raw_nats::publish(n).await,
+        "sqs" => raw_sqs::publish(n).await,
         _ => raw_kafka::publish(n).await,
     }
 }
@@ -420,7 +422,96 @@ async fn raw_consume(broker: &str, n: usize) -> anyhow::Result<f64> {
     match broker {
         "rabbit" => raw_rabbit::consume(n).await,
         "nats" => raw_nats::consume(n).await,
+        "sqs" => raw_sqs::consume(n).await,
         _ => raw_kafka::consume(n).await,
+    }
+}
+
+/// The plain aws-sdk-sqs idiom, on the same client stack reliq uses.
+mod raw_sqs {
+    use super::*;
+    use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
+
+    async fn queue() -> anyhow::Result<(aws_sdk_sqs::Client, String)> {
+        let broker = reliq_sqs::SqsBroker::connect(&settings::get("RELIQ_SQS_URL")).await?;
+        let client = broker.client().clone();
+        let out = client
+            .create_queue()
+            .queue_name(unique("raw-bench"))
+            .send()
+            .await?;
+        let url = out.queue_url().context("no queue url")?.to_owned();
+        Ok((client, url))
+    }
+
+    /// `SendMessage` per message, 64 in flight (reliq batches what arrives together).
+    pub async fn publish(n: usize) -> anyhow::Result<f64> {
+        let (client, url) = queue().await?;
+        let t0 = Instant::now();
+        let mut pending = futures::stream::FuturesUnordered::new();
+        for i in 0..n {
+            if pending.len() >= IN_FLIGHT
+                && let Some(r) = pending.next().await
+            {
+                r?;
+            }
+            let send = client
+                .send_message()
+                .queue_url(&url)
+                .message_body(String::from_utf8(payload(i))?);
+            pending.push(async move { send.send().await.map(drop) });
+        }
+        while let Some(r) = pending.next().await {
+            r?;
+        }
+        Ok(n as f64 / t0.elapsed().as_secs_f64())
+    }
+
+    /// Fill with `SendMessageBatch`, then a receive (10, long poll) / `DeleteMessageBatch`
+    /// loop, timed from the first receive that returns messages.
+    pub async fn consume(n: usize) -> anyhow::Result<f64> {
+        let (client, url) = queue().await?;
+        for chunk in (0..n).collect::<Vec<_>>().chunks(10) {
+            let mut batch = client.send_message_batch().queue_url(&url);
+            for i in chunk {
+                batch = batch.entries(
+                    SendMessageBatchRequestEntry::builder()
+                        .id(i.to_string())
+                        .message_body(String::from_utf8(payload(*i))?)
+                        .build()?,
+                );
+            }
+            batch.send().await?;
+        }
+        let mut done = 0;
+        let mut t0 = None;
+        while done < n {
+            let out = client
+                .receive_message()
+                .queue_url(&url)
+                .max_number_of_messages(10)
+                .wait_time_seconds(1)
+                .send()
+                .await?;
+            let messages = out.messages();
+            if messages.is_empty() {
+                continue;
+            }
+            t0.get_or_insert_with(Instant::now);
+            let mut delete = client.delete_message_batch().queue_url(&url);
+            for (i, m) in messages.iter().enumerate() {
+                delete = delete.entries(
+                    DeleteMessageBatchRequestEntry::builder()
+                        .id(i.to_string())
+                        .receipt_handle(m.receipt_handle().context("no receipt")?)
+                        .build()?,
+                );
+            }
+            delete.send().await?;
+            done += messages.len();
+        }
+        let t0 = t0.context("no delivery")?;
+        Ok(n as f64 / t0.elapsed().as_secs_f64())
     }
 }
 
