@@ -440,7 +440,10 @@ async fn main() -> anyhow::Result<()> {
         .map(|v| v.parse())
         .transpose()?
         .unwrap_or(5000);
-    let rounds: usize = arg("--rounds").map(|v| v.parse()).transpose()?.unwrap_or(5);
+    let rounds: usize = settings::arg("--rounds")
+        .map(|v| v.parse())
+        .transpose()?
+        .unwrap_or(5);
     let broker = connect(&broker_name).await?;
     // warm-up: connections, topology caches
     reliq_consume(&broker, false, n.min(500)).await?;
