@@ -78,6 +78,13 @@ example broker="memory":
     [ "{{broker}}" = memory ] || features="memory,{{broker}}"
     cargo run --release -p reliq-examples --example orders --features "$features" -- --url "$url"
 
+# The crash harness, big: <orders> orders (poison, transient failures and copies
+# included), the consumer SIGKILLed 5 times (memory: crashed in-process) and restarted,
+# then the database and the DLQ checked. backend: memory | rabbit | kafka | nats;
+# db: sqlite | postgres. `just test` runs the same tests with 400 orders.
+crash-harness backend="rabbit" orders="10000" db="sqlite":
+    RELIQ_CRASH_ORDERS={{orders}} RELIQ_CRASH_DB={{db}} cargo nextest run --workspace --test crash --profile crash -E 'test(={{backend}})' --no-capture
+
 # Benchmarks (results go to BENCHMARKS.md by hand, with the command that made them).
 bench:
     cargo run --release -p reliq-integration --bin bench-memory

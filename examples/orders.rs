@@ -1,32 +1,37 @@
-//! The orders example: inventory reservation with retries, a dead-letter queue and an
-//! inbox, unchanged on every backend.
+//! The orders example: inventory reservation with retries, a dead-letter queue, an
+//! inbox and an outbox, unchanged on every backend.
 //!
-//! It publishes `--orders` order events (deterministically including poison payloads,
-//! orders for unknown SKUs, orders whose reservation fails transiently a few times, and
-//! duplicate copies), consumes them with an inbox, reserves stock, and ends with one
-//! machine-readable line:
+//! The orders service places `--orders` orders (deterministically including poison
+//! payloads, orders for unknown SKUs, orders whose reservation fails transiently twice,
+//! and duplicate copies): each order row and its `order.created` event are written in one
+//! transaction (the **outbox**), and a relay publishes the events. The inventory consumer
+//! claims each message id in the **inbox** and reserves stock in **one transaction**; the
+//! runtime acknowledges after COMMIT, so a redelivered copy finds the claim and is skipped.
+//! Stock, inbox and outbox live in SQLite (a temporary file) by default, in PostgreSQL when
+//! a database URL is given (`--database-url` or `RELIQ_DATABASE_URL`; the tables go to a
+//! fresh schema, dropped at the end). The program ends with one machine-readable line:
 //!
 //! ```text
 //! summary published=N processed=P retried=R dead_lettered=D duplicates=U lost=L
 //! ```
 //!
-//! `published` counts distinct orders; `lost` counts published orders that were neither
-//! reserved nor dead-lettered (it must be 0).
+//! `published` counts distinct orders; `processed` the orders reserved (each exactly once,
+//! read back from the database); `dead_lettered` the distinct orders in the DLQ;
+//! `lost` the published orders that were neither (it must be 0), so
+//! `published = processed + dead_lettered + lost`. `retried` counts retries sent (two per
+//! transiently failing order), `duplicates` the copies the inbox absorbed (the orders
+//! published twice; a copy of a poison order is dead-lettered again instead).
 //!
 //! Run: `cargo run --example orders` (embedded broker) or
 //! `cargo run --example orders -- --url amqp://…` with the backend's feature enabled.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::collections::HashSet;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use reliq::{
-    BoxError, Consumer, Delivery, Destination, Envelope, MemoryInbox, Message, MessageId,
-    Permanent, Replay, RetryPolicy, Subscription, Transient,
-};
-use serde::{Deserialize, Serialize};
+use reliq::{Delivery, MessageId};
+use reliq_examples::orders::{self, CONSUMER, Db, Expected};
 
 #[derive(Parser, Debug)]
 #[command(about = "reliq orders example: reserve stock for order events on any broker")]
@@ -34,6 +39,10 @@ struct Args {
     /// Broker URL (memory://, amqp://, kafka://, nats://, sqs://).
     #[arg(long, env = "RELIQ_URL", default_value = "memory://orders")]
     url: String,
+    /// Database for stock, inbox and outbox: `postgres://…` or `sqlite://file.db`
+    /// (default: SQLite in a temporary file).
+    #[arg(long, env = "RELIQ_DATABASE_URL")]
+    database_url: Option<String>,
     /// Distinct orders to publish.
     #[arg(long, default_value_t = 200)]
     orders: u32,
@@ -43,85 +52,6 @@ struct Args {
     /// Give up waiting after this many seconds.
     #[arg(long, default_value_t = 120)]
     timeout_secs: u64,
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct OrderCreated {
-    order_id: String,
-    sku: String,
-    qty: u32,
-}
-
-/// Stock and the inbox: in a real service both live in one database and change in one
-/// transaction.
-#[derive(Default)]
-struct Inventory {
-    reserved: Mutex<HashMap<String, u32>>,
-    reserved_orders: Mutex<HashSet<MessageId>>,
-    flaky_calls: Mutex<HashMap<MessageId, u32>>,
-}
-
-impl Inventory {
-    async fn reserve(&self, id: &MessageId, order: &OrderCreated) -> Result<(), BoxError> {
-        if !order.sku.starts_with("sku-") {
-            return Err(Permanent::msg(format!("unknown sku `{}`", order.sku)).into());
-        }
-        // Every 10th order meets a flaky warehouse service: it fails twice, then works.
-        if order.order_id.ends_with('7') {
-            let mut calls = self.flaky_calls.lock().unwrap_or_else(|p| p.into_inner());
-            let n = calls.entry(id.clone()).or_insert(0);
-            *n += 1;
-            if *n <= 2 {
-                return Err(Transient::msg("warehouse service timed out").into());
-            }
-        }
-        *self
-            .reserved
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(order.sku.clone())
-            .or_insert(0) += order.qty;
-        self.reserved_orders
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.clone());
-        Ok(())
-    }
-}
-
-/// The deterministic stream of orders: `(message, copies)`.
-fn orders(n: u32) -> anyhow::Result<Vec<(Message, u32)>> {
-    let mut out = Vec::new();
-    for i in 0..n {
-        let message = match i % 25 {
-            // poison: not JSON at all / not UTF-8
-            3 => Message::new(format!("order {i} as plain text")),
-            13 => Message::new(vec![0xff, 0xfe, b'{']),
-            // permanent: a SKU that does not exist
-            20 => Envelope::new(
-                "order.created",
-                OrderCreated {
-                    order_id: format!("o-{i:05}"),
-                    sku: format!("gone-{i}"),
-                    qty: 1,
-                },
-            )
-            .to_message()?,
-            _ => Envelope::new(
-                "order.created",
-                OrderCreated {
-                    order_id: format!("o-{i:05}"),
-                    sku: format!("sku-{}", i % 5),
-                    qty: 1 + i % 3,
-                },
-            )
-            .to_message()?,
-        };
-        // every 16th order is published twice (a producer retry after a lost confirm)
-        let copies = if i % 16 == 5 { 2 } else { 1 };
-        out.push((message.with_key(format!("customer-{}", i % 11)), copies));
-    }
-    Ok(out)
 }
 
 #[tokio::main]
@@ -134,68 +64,104 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let broker = reliq::connect(&args.url)
-        .await
-        .with_context(|| format!("connecting to {}", args.url))?;
+    let run = MessageId::generate();
     let topic = args
         .topic
         .clone()
-        .unwrap_or_else(|| format!("orders-{}", MessageId::generate()));
-    let inventory = Arc::new(Inventory::default());
-    let inbox = Arc::new(MemoryInbox::new());
+        .unwrap_or_else(|| format!("orders-{run}"));
 
-    let inv = inventory.clone();
-    let consumer = Consumer::builder(broker.clone(), "inventory")
-        .subscribe(topic.clone(), None::<String>)
-        .retry(
-            RetryPolicy::tiers([Duration::from_millis(200), Duration::from_millis(500)])
-                .max_attempts(4)
-                .max_age(Duration::from_secs(60))
-                .jitter(0.2),
-        )
-        .max_in_flight(64)
-        .inbox(inbox.clone())
+    // The database: a temporary SQLite file, or a fresh schema on PostgreSQL.
+    let temp = tempfile::tempdir()?;
+    let (url, schema) = match &args.database_url {
+        Some(url) if url.starts_with("postgres") => (
+            url.clone(),
+            Some(format!("orders_{}", run.as_str().replace('-', "_"))),
+        ),
+        Some(url) => (url.clone(), None),
+        None => (
+            format!("sqlite://{}", temp.path().join("orders.db").display()),
+            None,
+        ),
+    };
+    let db = Db::open(&url, schema.as_deref()).await?;
+    let outcome = run_orders(&args, &db, &topic).await;
+    db.close().await;
+    if let Some(schema) = &schema {
+        Db::drop_schema(&url, schema).await?;
+    }
+    outcome
+}
+
+async fn run_orders(args: &Args, db: &Db, topic: &str) -> anyhow::Result<()> {
+    db.setup().await?;
+    let broker = reliq::connect(&args.url)
+        .await
+        .with_context(|| format!("connecting to {}", args.url))?;
+
+    let handler_db = db.clone();
+    let consumer = orders::consumer(broker.clone(), topic)
         .start(move |d: Delivery| {
-            let inv = inv.clone();
-            async move {
-                let order: Envelope<OrderCreated> = d.envelope(1)?; // poison ⇒ DLQ at once
-                inv.reserve(d.id(), &order.data).await
-            }
+            let db = handler_db.clone();
+            async move { db.reserve(CONSUMER, &d).await }
         })
         .await?;
+    let relay = db.relay(broker.clone())?;
 
-    let stream = orders(args.orders)?;
-    let published: HashSet<MessageId> = stream.iter().map(|(m, _)| m.id().clone()).collect();
-    let destination = Destination::new(topic.clone()).with_route("order.created");
-    for (message, copies) in stream {
-        for _ in 0..copies {
-            broker.publish(&destination, message.clone()).await?;
+    // The orders service: every order and its event in one transaction; the relay
+    // publishes. An order published twice stands for a relay that died between the
+    // broker's confirm and marking the row sent: its second copy goes out directly.
+    let stream = orders::orders(args.orders)?;
+    let expected = Expected::of(&stream);
+    let published: HashSet<MessageId> = stream.iter().map(|o| o.message.id().clone()).collect();
+    let messages: Vec<_> = stream.iter().map(|o| o.message.clone()).collect();
+    let destination = orders::destination(topic);
+    db.place(&destination, &messages).await?;
+    for order in stream.iter().filter(|o| o.copies > 1) {
+        for _ in 1..order.copies {
+            broker.publish(&destination, order.message.clone()).await?;
         }
     }
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout_secs);
-    let expected = published.len() as u64;
     loop {
         let s = consumer.stats();
-        if s.processed + s.dead_lettered >= expected && s.in_flight == 0 {
+        let reserved = db.reserved_orders().await?;
+        if reserved >= expected.valid.len() as u64
+            && s.dead_lettered >= expected.dead.len() as u64
+            && s.in_flight == 0
+            && db.unsent().await? == 0
+        {
             break;
         }
         if tokio::time::Instant::now() > deadline {
-            eprintln!("timed out waiting: {s:?}");
+            eprintln!("timed out waiting: reserved {reserved}, {s:?}");
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // Let the duplicate copies drain too.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    relay.shutdown().await;
     let report = consumer.shutdown().await;
 
-    let dead = read_dead_letters(&broker, &Subscription::new("inventory", topic)).await?;
-    let reserved = inventory
-        .reserved_orders
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone();
+    let dead: HashSet<MessageId> = orders::dead_letters(
+        &broker,
+        &orders::subscription(topic),
+        Duration::from_millis(500),
+    )
+    .await?
+    .into_keys()
+    .collect();
+    let rows = db.reservations().await?;
+    let reserved: HashSet<MessageId> = published
+        .iter()
+        .filter(|id| rows.contains_key(id.as_str()))
+        .cloned()
+        .collect();
+    let twice = rows.values().filter(|n| **n > 1).count();
+    if twice > 0 {
+        bail!("{twice} orders were reserved more than once");
+    }
     let both = reserved.intersection(&dead).count();
     if both > 0 {
         bail!("{both} orders were both reserved and dead-lettered");
@@ -218,19 +184,4 @@ async fn main() -> anyhow::Result<()> {
         bail!("{lost} orders were lost");
     }
     Ok(())
-}
-
-/// List the DLQ with the operator tooling's dry run: which orders are parked, and why.
-async fn read_dead_letters(
-    broker: &Arc<dyn reliq::Broker>,
-    sub: &Subscription,
-) -> anyhow::Result<HashSet<MessageId>> {
-    let listing = Replay::new(broker.clone(), sub.clone())
-        .idle_timeout(Duration::from_millis(500))
-        .dry_run()
-        .await?;
-    for entry in &listing.matched {
-        tracing::info!(id = %entry.id, reason = %entry.record.reason, error = ?entry.record.error, "parked");
-    }
-    Ok(listing.matched.into_iter().map(|e| e.id).collect())
 }

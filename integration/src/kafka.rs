@@ -23,6 +23,12 @@ pub fn url() -> String {
     format!("{base}{sep}{TEST_PARAMS}")
 }
 
+/// The broker URL with the test parameters and a consumer-group prefix (`<prefix>.`), so
+/// that consumers of different runs and tests never join each other's groups.
+pub fn url_with_group_prefix(prefix: &str) -> String {
+    format!("{}&reliq.group.prefix={prefix}.", url())
+}
+
 /// Connections to the real broker; fault hooks delete and recreate topics.
 ///
 /// Kafka consumer group ids are global to the cluster, while the scenarios name their
@@ -41,7 +47,7 @@ impl KafkaBackend {
     /// When the URL is invalid (a configuration error in the test setup).
     pub fn new() -> Self {
         let prefix = reliq_conformance::support::unique("t");
-        let url = format!("{}&reliq.group.prefix={prefix}.", url());
+        let url = url_with_group_prefix(&prefix);
         let admin = KafkaBroker::connect(&url).expect("RELIQ_KAFKA_URL is a valid kafka:// URL");
         Self { admin, url }
     }

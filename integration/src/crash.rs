@@ -1,0 +1,746 @@
+//! The crash harness: the orders service's inventory consumer (`reliq_examples::orders`)
+//! is killed at random moments and between COMMIT and ack, restarted each time, and the
+//! database and the DLQ are checked afterwards.
+//!
+//! - **Real brokers** (RabbitMQ, Kafka, NATS): the consumer runs as a child process
+//!   (`src/bin/crash-consumer.rs`) and is killed with SIGKILL. For a kill between COMMIT
+//!   and ack, the child is started with a fault switch (`--crash-after-commit k`): after
+//!   the k-th committed reservation it reports the message id on stdout and holds the
+//!   handler (no ack); the driver then sends SIGKILL.
+//! - **Memory**: the broker lives in the driver's process and cannot outlive it, so the
+//!   consumer runs in-process and "dies" with [`ConsumerHandle::crash`] (nothing in
+//!   flight is settled, the receiver is dropped unclosed). Same scenario, same fault
+//!   switch, but not a SIGKILL.
+//!
+//! The database (a SQLite file both processes open, or a fresh PostgreSQL schema) holds
+//! the orders with their outbox (the driver places them and runs the relay) and the
+//! inventory's stock, reservations and inbox (the consumer writes them).
+
+use std::collections::{HashMap, HashSet};
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+use async_trait::async_trait;
+use futures::future::BoxFuture;
+use reliq_core::{
+    BoxError, Broker, ConsumerBuilder, ConsumerHandle, Delivery, Duplicate, MessageId,
+    StatsSnapshot,
+};
+use reliq_examples::orders::{self, CONSUMER, Db, Expected};
+use reliq_memory::MemoryBroker;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio::time::Instant;
+
+use crate::settings;
+
+/// The backend a scenario runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// The embedded broker: in-process crashes (see the module docs).
+    Memory,
+    /// RabbitMQ.
+    Rabbit,
+    /// Kafka.
+    Kafka,
+    /// NATS JetStream.
+    Nats,
+}
+
+impl Backend {
+    /// Parse `memory | rabbit | kafka | nats`.
+    pub fn parse(name: &str) -> anyhow::Result<Self> {
+        Ok(match name {
+            "memory" => Self::Memory,
+            "rabbit" => Self::Rabbit,
+            "kafka" => Self::Kafka,
+            "nats" => Self::Nats,
+            other => bail!("unknown backend `{other}` (memory|rabbit|kafka|nats)"),
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Memory => "memory",
+            Self::Rabbit => "rabbit",
+            Self::Kafka => "kafka",
+            Self::Nats => "nats",
+        }
+    }
+
+    /// How long the consumer must stay idle before the run counts as finished: longer
+    /// than the time a killed consumer's unsettled deliveries take to come back.
+    fn quiet_period(self) -> Duration {
+        match self {
+            // ack_wait = the consumer's lease (LEASE below).
+            Self::Nats => LEASE + Duration::from_secs(2),
+            _ => Duration::from_secs(2),
+        }
+    }
+}
+
+/// The consumer's lease. On NATS it is `ack_wait`: a killed consumer's deliveries come
+/// back after it.
+const LEASE: Duration = Duration::from_secs(3);
+
+/// Connect to a real backend with the integration factories. `kafka_url` carries the
+/// run's consumer-group prefix (the parent and every child must use the same).
+pub async fn connect(backend: Backend, kafka_url: &str) -> anyhow::Result<Arc<dyn Broker>> {
+    Ok(match backend {
+        Backend::Memory => bail!("the memory broker lives in one process"),
+        Backend::Rabbit => Arc::new(crate::rabbit::RabbitBackend::broker().await?),
+        Backend::Kafka => Arc::new(reliq_kafka::KafkaBroker::connect(kafka_url)?),
+        Backend::Nats => Arc::new(crate::nats::NatsBackend::new().connect_nats().await?),
+    })
+}
+
+/// The inventory consumer as the harness runs it: the example's settings, plus a short
+/// lease (fast redelivery on NATS after a kill) and a delivery limit far above what five
+/// kills can add to a message's deliveries.
+pub fn consumer(broker: Arc<dyn Broker>, topic: &str) -> ConsumerBuilder {
+    orders::consumer(broker, topic)
+        .lease(LEASE)
+        .delivery_limit(30)
+}
+
+/// What a consumer reports to the driver.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Subscribed and running.
+    Ready,
+    /// The fault switch fired: this message's reservation committed and its handler is
+    /// held before the ack, waiting to be killed.
+    CommitAck(MessageId),
+    /// The inbox found this message already claimed (acked and skipped).
+    Duplicate(MessageId),
+    /// Counters (every 200 ms, and `final` at a graceful stop).
+    Stats(StatsSnapshot),
+}
+
+impl Event {
+    /// The line the child prints.
+    pub fn line(&self) -> String {
+        match self {
+            Self::Ready => "ready".into(),
+            Self::CommitAck(id) => format!("commit-ack {id}"),
+            Self::Duplicate(id) => format!("duplicate {id}"),
+            Self::Stats(s) => format!(
+                "stats {} {} {} {} {} {}",
+                s.received, s.processed, s.retried, s.dead_lettered, s.duplicates, s.in_flight
+            ),
+        }
+    }
+
+    /// Parse a line of [`Event::line`].
+    pub fn parse(line: &str) -> Option<Self> {
+        let (kind, rest) = line.split_once(' ').unwrap_or((line, ""));
+        Some(match kind {
+            "ready" => Self::Ready,
+            "commit-ack" => Self::CommitAck(MessageId::from(rest.to_owned())),
+            "duplicate" => Self::Duplicate(MessageId::from(rest.to_owned())),
+            "stats" => {
+                let n: Vec<u64> = rest
+                    .split(' ')
+                    .map(str::parse)
+                    .collect::<Result<_, _>>()
+                    .ok()?;
+                let [
+                    received,
+                    processed,
+                    retried,
+                    dead_lettered,
+                    duplicates,
+                    in_flight,
+                ] = n.as_slice().try_into().ok()?;
+                Self::Stats(StatsSnapshot {
+                    received,
+                    processed,
+                    retried,
+                    dead_lettered,
+                    duplicates,
+                    in_flight,
+                    ..StatsSnapshot::default()
+                })
+            }
+            _ => return None,
+        })
+    }
+}
+
+/// A handler's report channel.
+pub type Emit = Arc<dyn Fn(Event) + Send + Sync>;
+
+/// The inventory handler with the fault switch: [`Db::reserve`]; after the
+/// `crash_after_commit`-th committed reservation it emits [`Event::CommitAck`] and never
+/// returns (the delivery is not acked; the process is about to die); every inbox
+/// duplicate is emitted as [`Event::Duplicate`].
+pub fn handler(
+    db: Db,
+    crash_after_commit: Option<u64>,
+    emit: Emit,
+) -> impl Fn(Delivery) -> BoxFuture<'static, Result<(), BoxError>> + Send + Sync + 'static {
+    let commits = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    move |d: Delivery| {
+        let (db, emit, commits) = (db.clone(), emit.clone(), commits.clone());
+        Box::pin(async move {
+            match db.reserve(CONSUMER, &d).await {
+                Ok(()) => {
+                    let n = commits.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    if crash_after_commit == Some(n) {
+                        emit(Event::CommitAck(d.id().clone()));
+                        std::future::pending::<()>().await;
+                    }
+                    Ok(())
+                }
+                Err(e) => {
+                    if e.downcast_ref::<Duplicate>().is_some() {
+                        emit(Event::Duplicate(d.id().clone()));
+                    }
+                    Err(e)
+                }
+            }
+        })
+    }
+}
+
+/// Where the scenario keeps its data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Store {
+    /// A SQLite file in a temporary directory.
+    Sqlite,
+    /// A fresh schema on `RELIQ_POSTGRES_URL`.
+    Postgres,
+}
+
+impl Store {
+    /// Parse `sqlite | postgres`.
+    pub fn parse(name: &str) -> anyhow::Result<Self> {
+        Ok(match name {
+            "sqlite" => Self::Sqlite,
+            "postgres" => Self::Postgres,
+            other => bail!("unknown store `{other}` (sqlite|postgres)"),
+        })
+    }
+}
+
+/// One run of the harness.
+#[derive(Clone, Debug)]
+pub struct Scenario {
+    /// The backend.
+    pub backend: Backend,
+    /// The database.
+    pub store: Store,
+    /// Distinct orders (poison, unknown SKUs, transient failures and copies included).
+    pub orders: u32,
+    /// Kills (every second one between COMMIT and ack).
+    pub kills: u32,
+    /// Seed of the kill moments.
+    pub seed: u64,
+    /// The `crash-consumer` binary (real backends).
+    pub child: PathBuf,
+    /// Give up after this long.
+    pub timeout: Duration,
+}
+
+/// What a run did (all checks passed).
+#[derive(Clone, Debug)]
+pub struct Report {
+    /// The scenario's backend.
+    pub backend: &'static str,
+    /// The database.
+    pub store: Store,
+    /// Distinct orders published.
+    pub orders: usize,
+    /// Kills: SIGKILLs of the child (memory: `crash()` calls).
+    pub kills: usize,
+    /// Of which between COMMIT and ack.
+    pub commit_ack_kills: usize,
+    /// Orders reserved (each exactly once).
+    pub reserved: usize,
+    /// Duplicates the inbox absorbed (injected copies, redeliveries after kills).
+    pub duplicates: usize,
+    /// Distinct orders in the DLQ (exactly the injected poison and unknown SKUs).
+    pub dead_lettered: usize,
+    /// DLQ entries (a poison message redelivered after a kill, or published twice, is
+    /// parked again).
+    pub dlq_entries: usize,
+    /// Valid orders that failed transiently first.
+    pub transient: usize,
+    /// Consumer runs (kills + the last one).
+    pub runs: usize,
+    /// Wall time.
+    pub elapsed: Duration,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "crash backend={} store={:?} orders={} kills={} commit_ack_kills={} reserved={} \
+             duplicates={} dead_lettered={} dlq_entries={} transient={} runs={} lost=0 \
+             double=0 secs={:.1}",
+            self.backend,
+            self.store,
+            self.orders,
+            self.kills,
+            self.commit_ack_kills,
+            self.reserved,
+            self.duplicates,
+            self.dead_lettered,
+            self.dlq_entries,
+            self.transient,
+            self.runs,
+            self.elapsed.as_secs_f64()
+        )
+    }
+}
+
+/// Events of every consumer run, tagged with the run's index.
+#[derive(Clone, Default)]
+struct Events(Arc<Mutex<Vec<(usize, Event)>>>);
+
+impl Events {
+    fn push(&self, run: usize, e: Event) {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((run, e));
+    }
+
+    fn all(&self) -> Vec<(usize, Event)> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn find(&self, run: usize, pick: impl Fn(&Event) -> Option<Event>) -> Option<Event> {
+        self.all()
+            .into_iter()
+            .rev()
+            .filter(|(r, _)| *r == run)
+            .find_map(|(_, e)| pick(&e))
+    }
+
+    fn stats(&self, run: usize) -> Option<StatsSnapshot> {
+        match self.find(run, |e| matches!(e, Event::Stats(_)).then(|| e.clone())) {
+            Some(Event::Stats(s)) => Some(s),
+            _ => None,
+        }
+    }
+}
+
+/// How the driver starts and kills the consumer.
+#[async_trait]
+trait Runner: Send {
+    /// Start run `run` (events go to `events`).
+    async fn start(&mut self, run: usize, crash_after_commit: Option<u64>) -> anyhow::Result<()>;
+    /// The running consumer's latest counters.
+    fn stats(&self) -> Option<StatsSnapshot>;
+    /// Kill it; returns how (checked: "SIGKILL" only if the OS says so).
+    async fn kill(&mut self) -> anyhow::Result<&'static str>;
+    /// Stop it gracefully.
+    async fn stop(&mut self) -> anyhow::Result<()>;
+}
+
+/// The consumer as a child process.
+struct ChildRunner {
+    exe: PathBuf,
+    args: Vec<String>,
+    events: Events,
+    run: usize,
+    child: Option<(Child, ChildStdin)>,
+}
+
+#[async_trait]
+impl Runner for ChildRunner {
+    async fn start(&mut self, run: usize, crash_after_commit: Option<u64>) -> anyhow::Result<()> {
+        let mut cmd = Command::new(&self.exe);
+        cmd.args(&self.args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true);
+        if let Some(k) = crash_after_commit {
+            cmd.args(["--crash-after-commit", &k.to_string()]);
+        }
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting {}", self.exe.display()))?;
+        let stdout = child.stdout.take().context("child stdout")?;
+        let stdin = child.stdin.take().context("child stdin")?;
+        let events = self.events.clone();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                match Event::parse(line.trim()) {
+                    Some(e) => events.push(run, e),
+                    None => tracing::warn!(%line, "unexpected line from the child"),
+                }
+            }
+        });
+        self.child = Some((child, stdin));
+        self.run = run;
+        Ok(())
+    }
+
+    fn stats(&self) -> Option<StatsSnapshot> {
+        self.events.stats(self.run)
+    }
+
+    async fn kill(&mut self) -> anyhow::Result<&'static str> {
+        let (mut child, _stdin) = self.child.take().context("no child to kill")?;
+        ensure!(
+            child.try_wait()?.is_none(),
+            "the child died before the kill"
+        );
+        child.start_kill()?;
+        let status = child.wait().await?;
+        ensure!(
+            status.signal() == Some(9),
+            "child ended with {status:?}, not by SIGKILL"
+        );
+        Ok("SIGKILL")
+    }
+
+    async fn stop(&mut self) -> anyhow::Result<()> {
+        let (mut child, stdin) = self.child.take().context("no child to stop")?;
+        drop(stdin); // EOF on stdin: the child shuts down gracefully
+        let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+            .await
+            .context("the child did not stop")??;
+        ensure!(status.success(), "child ended with {status:?}");
+        Ok(())
+    }
+}
+
+/// The consumer in this process, on the in-process broker.
+struct InProcess {
+    broker: Arc<dyn Broker>,
+    db: Db,
+    topic: String,
+    events: Events,
+    handle: Option<ConsumerHandle>,
+}
+
+#[async_trait]
+impl Runner for InProcess {
+    async fn start(&mut self, run: usize, crash_after_commit: Option<u64>) -> anyhow::Result<()> {
+        let events = self.events.clone();
+        let emit: Emit = Arc::new(move |e| events.push(run, e));
+        let handle = consumer(self.broker.clone(), &self.topic)
+            .start(handler(self.db.clone(), crash_after_commit, emit.clone()))
+            .await?;
+        emit(Event::Ready);
+        self.handle = Some(handle);
+        Ok(())
+    }
+
+    fn stats(&self) -> Option<StatsSnapshot> {
+        self.handle.as_ref().map(ConsumerHandle::stats)
+    }
+
+    async fn kill(&mut self) -> anyhow::Result<&'static str> {
+        let handle = self.handle.take().context("no consumer to crash")?;
+        handle.crash().await;
+        Ok("ConsumerHandle::crash")
+    }
+
+    async fn stop(&mut self) -> anyhow::Result<()> {
+        let handle = self.handle.take().context("no consumer to stop")?;
+        handle.shutdown().await;
+        Ok(())
+    }
+}
+
+/// Run a scenario: place the orders, kill and restart the consumer `kills` times, let
+/// the last run finish, then check the database and the DLQ. Fails on any lost, doubly
+/// reserved or wrongly dead-lettered order, and when the kills did not happen as planned.
+pub async fn run(s: Scenario) -> anyhow::Result<Report> {
+    let started = Instant::now();
+    let temp = tempfile::tempdir()?;
+    let (db_url, schema) = match s.store {
+        Store::Sqlite => (
+            format!("sqlite://{}", temp.path().join("orders.db").display()),
+            None,
+        ),
+        Store::Postgres => (
+            settings::get("RELIQ_POSTGRES_URL"),
+            Some(crate::stores::unique("crash")),
+        ),
+    };
+    let db = Db::open(&db_url, schema.as_deref()).await?;
+    let outcome = async {
+        db.setup().await?;
+        drive(&s, &db, &db_url, schema.as_deref()).await
+    }
+    .await;
+    db.close().await;
+    if let Some(schema) = &schema {
+        Db::drop_schema(&db_url, schema).await?;
+    }
+    let mut report = outcome?;
+    report.elapsed = started.elapsed();
+    Ok(report)
+}
+
+/// Poll `f` every 10 ms until it returns `Some`, or fail at `deadline` saying `what`.
+async fn wait_for<T>(
+    what: &str,
+    deadline: Instant,
+    mut f: impl AsyncFnMut() -> anyhow::Result<Option<T>>,
+) -> anyhow::Result<T> {
+    loop {
+        if let Some(v) = f().await? {
+            return Ok(v);
+        }
+        ensure!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn drive(
+    s: &Scenario,
+    db: &Db,
+    db_url: &str,
+    schema: Option<&str>,
+) -> anyhow::Result<Report> {
+    let deadline = Instant::now() + s.timeout;
+    let mut rng = fastrand::Rng::with_seed(s.seed);
+    let topic = reliq_conformance::support::unique("crash");
+    let events = Events::default();
+    let kafka_url =
+        crate::kafka::url_with_group_prefix(&reliq_conformance::support::unique("crash"));
+    let (broker, mut runner): (Arc<dyn Broker>, Box<dyn Runner>) = match s.backend {
+        Backend::Memory => {
+            let broker: Arc<dyn Broker> = Arc::new(MemoryBroker::new());
+            let runner = InProcess {
+                broker: broker.clone(),
+                db: db.clone(),
+                topic: topic.clone(),
+                events: events.clone(),
+                handle: None,
+            };
+            (broker, Box::new(runner))
+        }
+        backend => {
+            let mut args: Vec<String> = [
+                "--backend",
+                backend.name(),
+                "--kafka-url",
+                &kafka_url,
+                "--db",
+                db_url,
+                "--topic",
+                &topic,
+            ]
+            .map(String::from)
+            .to_vec();
+            if let Some(schema) = schema {
+                args.extend(["--schema".to_owned(), schema.to_owned()]);
+            }
+            let runner = ChildRunner {
+                exe: s.child.clone(),
+                args,
+                events: events.clone(),
+                run: 0,
+                child: None,
+            };
+            (connect(backend, &kafka_url).await?, Box::new(runner))
+        }
+    };
+
+    let stream = orders::orders(s.orders)?;
+    let expected = Expected::of(&stream);
+    let valid = expected.valid.len() as u64;
+    // Kill moments: each kill after a random share (up to 1/(2·kills)) of the valid orders
+    // has been reserved since its run started, so all of them fall in the first half.
+    let step = (valid / (u64::from(s.kills) * 2)).max(5);
+    let kills_planned = s.kills as usize;
+    let commit_ack = |i: usize| i % 2 == 1;
+    // Per killed run: the commit whose ack it dies before, or None for a random kill.
+    let plan: Vec<Option<u64>> = (0..kills_planned)
+        .map(|i| commit_ack(i).then(|| rng.u64(1..=step)))
+        .collect();
+    let ready = |run: usize| {
+        let events = events.clone();
+        async move || Ok(events.find(run, |e| (*e == Event::Ready).then(|| e.clone())))
+    };
+
+    // The first run subscribes before anything is published (it declares the topology).
+    runner.start(0, plan.first().copied().flatten()).await?;
+    wait_for("the first consumer", deadline, ready(0)).await?;
+    let destination = orders::destination(&topic);
+    let messages: Vec<_> = stream.iter().map(|o| o.message.clone()).collect();
+    ensure!(db.place(&destination, &messages).await? == stream.len());
+    let relay = db.relay(broker.clone())?;
+    // The second copies: a relay that died between the broker's confirm and the mark.
+    for order in stream.iter().filter(|o| o.copies > 1) {
+        for _ in 1..order.copies {
+            broker.publish(&destination, order.message.clone()).await?;
+        }
+    }
+
+    let mut kills: Vec<(&'static str, Option<MessageId>)> = Vec::new();
+    for (run, crash_after_commit) in plan.iter().copied().enumerate() {
+        if run > 0 {
+            runner.start(run, crash_after_commit).await?;
+            wait_for("a restarted consumer", deadline, ready(run)).await?;
+        }
+        let held = if crash_after_commit.is_some() {
+            let events = events.clone();
+            let id = wait_for("the commit-ack fault", deadline, async || {
+                Ok(
+                    match events.find(run, |e| matches!(e, Event::CommitAck(_)).then(|| e.clone()))
+                    {
+                        Some(Event::CommitAck(id)) => Some(id),
+                        _ => None,
+                    },
+                )
+            })
+            .await?;
+            Some(id)
+        } else {
+            let target = db.reserved_orders().await? + rng.u64(1..=step);
+            wait_for("progress before a kill", deadline, async || {
+                Ok((db.reserved_orders().await? >= target).then_some(()))
+            })
+            .await?;
+            tokio::time::sleep(Duration::from_millis(rng.u64(0..20))).await;
+            None
+        };
+        let how = runner.kill().await?;
+        tracing::info!(run, how, held = ?held, "killed");
+        kills.push((how, held));
+    }
+
+    // The last run finishes the work; it is stopped once everything is reserved and it
+    // has been idle for longer than a killed run's deliveries take to come back.
+    let last = kills.len();
+    runner.start(last, None).await?;
+    wait_for("the last consumer", deadline, ready(last)).await?;
+    wait_for("every valid order reserved", deadline, async || {
+        Ok((db.reserved_orders().await? >= valid).then_some(()))
+    })
+    .await?;
+    let quiet = s.backend.quiet_period();
+    let mut seen = (None, Instant::now());
+    wait_for("the last consumer to go idle", deadline, async || {
+        let st = runner.stats();
+        let key = st.map(|s| (s.received, s.in_flight));
+        if key != seen.0 {
+            seen = (key, Instant::now());
+        }
+        Ok((st.is_some_and(|s| s.in_flight == 0) && seen.1.elapsed() >= quiet).then_some(()))
+    })
+    .await?;
+    runner.stop().await?;
+    relay.shutdown().await;
+    ensure!(db.unsent().await? == 0, "outbox rows left unsent");
+
+    check(s, db, &broker, &topic, &expected, &events, &kills).await
+}
+
+async fn check(
+    s: &Scenario,
+    db: &Db,
+    broker: &Arc<dyn Broker>,
+    topic: &str,
+    expected: &Expected,
+    events: &Events,
+    kills: &[(&'static str, Option<MessageId>)],
+) -> anyhow::Result<Report> {
+    let valid: HashSet<&str> = expected.valid.keys().map(MessageId::as_str).collect();
+    // Every valid order reserved exactly once; nothing else reserved.
+    let rows = db.reservations().await?;
+    exactly_once("reservations", &valid, &rows)?;
+    // The inbox holds each processed id once.
+    let inbox = db.inbox_rows(CONSUMER).await?;
+    exactly_once("inbox rows", &valid, &inbox)?;
+    ensure!(
+        db.stock().await? == expected.stock(),
+        "stock differs from the orders"
+    );
+    // The DLQ holds exactly the injected poison and unknown SKUs.
+    let dlq =
+        orders::dead_letters(broker, &orders::subscription(topic), Duration::from_secs(2)).await?;
+    let dead: HashSet<MessageId> = dlq.keys().cloned().collect();
+    let missing: Vec<_> = expected.dead.difference(&dead).collect();
+    let unexpected: Vec<_> = dead.difference(&expected.dead).collect();
+    ensure!(
+        missing.is_empty() && unexpected.is_empty(),
+        "DLQ: {} injected orders missing ({missing:?}), {} unexpected ({unexpected:?})",
+        missing.len(),
+        unexpected.len()
+    );
+
+    // The kills happened as planned, and the inbox absorbed what it had to.
+    ensure!(kills.len() == s.kills as usize, "{} kills", kills.len());
+    if s.backend != Backend::Memory {
+        ensure!(kills.iter().all(|(how, _)| *how == "SIGKILL"));
+    }
+    let duplicates: Vec<(usize, MessageId)> = events
+        .all()
+        .into_iter()
+        .filter_map(|(run, e)| match e {
+            Event::Duplicate(id) => Some((run, id)),
+            _ => None,
+        })
+        .collect();
+    let held: Vec<(usize, &MessageId)> = kills
+        .iter()
+        .enumerate()
+        .filter_map(|(run, (_, id))| id.as_ref().map(|id| (run, id)))
+        .collect();
+    ensure!(!held.is_empty(), "no kill between COMMIT and ack");
+    for (run, id) in &held {
+        ensure!(
+            duplicates.iter().any(|(r, d)| r > run && d == *id),
+            "{id}, killed between COMMIT and ack in run {run}, was not absorbed as a duplicate later"
+        );
+    }
+    // The second copies reach the consumer unless the broker dropped them at publish
+    // (NATS deduplicates a message id within its window).
+    let copies_delivered = !broker.capabilities().deduplicates_publishes;
+    for id in expected.valid_copies.iter().filter(|_| copies_delivered) {
+        ensure!(
+            duplicates.iter().any(|(_, d)| d == id),
+            "the second copy of {id} was not absorbed as a duplicate"
+        );
+    }
+    Ok(Report {
+        backend: s.backend.name(),
+        store: s.store,
+        orders: expected.valid.len() + expected.dead.len(),
+        kills: kills.len(),
+        commit_ack_kills: held.len(),
+        reserved: rows.len(),
+        duplicates: duplicates.len(),
+        dead_lettered: dead.len(),
+        dlq_entries: dlq.values().sum(),
+        transient: expected.transient,
+        runs: kills.len() + 1,
+        elapsed: Duration::ZERO,
+    })
+}
+
+/// `rows` (id → row count) has exactly the ids of `want`, each once.
+fn exactly_once(
+    what: &str,
+    want: &HashSet<&str>,
+    rows: &HashMap<String, i64>,
+) -> anyhow::Result<()> {
+    let missing = want.iter().filter(|id| !rows.contains_key(**id)).count();
+    let extra: Vec<_> = rows
+        .keys()
+        .filter(|id| !want.contains(id.as_str()))
+        .collect();
+    let doubled: Vec<_> = rows.iter().filter(|(_, n)| **n != 1).collect();
+    ensure!(
+        missing == 0 && extra.is_empty() && doubled.is_empty(),
+        "{what}: {missing} valid orders missing (lost), {} not valid ({extra:?}), {} not exactly once ({doubled:?})",
+        extra.len(),
+        doubled.len()
+    );
+    Ok(())
+}
