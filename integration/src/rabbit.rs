@@ -32,13 +32,35 @@ impl RabbitBackend {
     }
 
     /// The options every test connection uses: quorum queues, management API for the
-    /// version probe, queues expire 10 minutes after their last use.
+    /// version probe and the test hooks, settings as queue **arguments**, queues expire
+    /// 10 minutes after their last use. Arguments, because per-queue policies do not
+    /// expire with their queues and every policy change makes RabbitMQ re-match all
+    /// queues: hundreds of parallel test queues would slow the management API down for
+    /// everyone. The policy mode has its own tests ([`RabbitBackend::policy_options`]).
     pub fn options() -> RabbitOptions {
         RabbitOptions {
             management_url: Some(settings::get("RELIQ_RABBIT_MGMT_URL")),
+            queue_settings: reliq_rabbit::QueueSettings::Arguments,
             queue_expiry: Some(Duration::from_secs(600)),
             ..RabbitOptions::default()
         }
+    }
+
+    /// [`RabbitBackend::options`] with the settings in policies (what a connection with
+    /// a management URL does by default).
+    pub fn policy_options() -> RabbitOptions {
+        RabbitOptions {
+            queue_settings: reliq_rabbit::QueueSettings::Policies,
+            ..Self::options()
+        }
+    }
+
+    /// A connection with [`RabbitBackend::policy_options`].
+    pub async fn policy_broker() -> anyhow::Result<RabbitBroker> {
+        let url = settings::get("RELIQ_RABBIT_URL");
+        RabbitBroker::connect_with(&url, Self::policy_options())
+            .await
+            .with_context(|| format!("RabbitMQ at {url} (run scripts/brokers up)"))
     }
 
     /// A new reliq connection with [`RabbitBackend::options`].

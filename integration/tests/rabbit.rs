@@ -531,7 +531,7 @@ async fn queue_info_when(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policies_carry_the_settings_and_change_without_recreating_the_queue() -> anyhow::Result<()>
 {
-    let broker = RabbitBackend::broker().await?;
+    let broker = RabbitBackend::policy_broker().await?;
     let topic = unique("policies");
     let mut s = sub("c", &topic);
     s.delivery_limit = 5;
@@ -580,6 +580,13 @@ async fn policies_carry_the_settings_and_change_without_recreating_the_queue() -
         q["effective_policy_definition"]["delivery-limit"] == 8
     })
     .await?;
+    // Policies outlive their queues: remove this test's.
+    for queue in [&names.queue, &names.parking]
+        .into_iter()
+        .chain(names.retry.iter().map(|(_, q)| q))
+    {
+        api.delete_policy("/", &format!("reliq-{queue}")).await?;
+    }
     Ok(())
 }
 
@@ -616,7 +623,7 @@ async fn arguments_mode_fixes_settings_in_the_queue() -> anyhow::Result<()> {
 /// (RabbitMQ applies one policy per queue): the declaration fails naming both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_higher_priority_policy_is_reported_at_declaration() -> anyhow::Result<()> {
-    let broker = RabbitBackend::broker().await?;
+    let broker = RabbitBackend::policy_broker().await?;
     let api = broker.management().context("management URL")?.clone();
     let topic = unique("shadowed");
     let shadow = reliq_rabbit::Policy {

@@ -37,6 +37,8 @@ const POLL_SLICE: Duration = Duration::from_millis(20);
 const FLOW_PAUSE_AFTER: Duration = Duration::from_secs(1);
 /// How often a full buffer is checked for room.
 const FULL_RECHECK: Duration = Duration::from_millis(1);
+/// How long `subscribe` waits for the source consumer's first partition assignment.
+const ASSIGN_WAIT: Duration = Duration::from_secs(10);
 /// Prefix of the commit metadata that carries the crash-loop counter.
 const COUNTER_PREFIX: &str = "reliq-deliveries";
 
@@ -249,7 +251,25 @@ impl KafkaReceiver {
         topics.push(sub.dead_letter_name());
         inner.ensure_topics(&topics).await?;
         inner.wait_visible(&topics).await?;
-        Self::start(inner, sub, clients).await
+        let receiver = Self::start(inner, sub, clients).await?;
+        receiver.wait_assigned().await;
+        Ok(receiver)
+    }
+
+    /// Wait (bounded) until the source consumer has joined its group and holds
+    /// partitions, so `subscribe` returns a member that is ready to receive: a second
+    /// member subscribed right after the first really shares the work. Gives up
+    /// quietly after [`ASSIGN_WAIT`] (a group whose partitions all belong to other
+    /// members is legitimate); receiving works either way.
+    async fn wait_assigned(&self) {
+        let deadline = tokio::time::Instant::now() + ASSIGN_WAIT;
+        while tokio::time::Instant::now() < deadline {
+            if lock(&self.shared.state).parts.keys().any(|(c, _)| *c == 0) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tracing::debug!(consumer = %self.shared.sub.consumer, "no partitions assigned yet; receiving anyway");
     }
 
     /// A reader of the consumer's DLQ topic (group `<consumer>.dlq-reader`, assigned

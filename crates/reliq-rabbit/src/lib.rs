@@ -184,6 +184,10 @@ pub enum QueueSettings {
     /// management API before the queue is declared; the queue carries only its type, so
     /// the settings can change without recreating it. Needs
     /// [`RabbitOptions::management_url`]; an unreachable API fails [`RabbitBroker::connect_with`].
+    /// Policies are not removed with their queues (delete them with
+    /// [`Management::delete_policy`] when a consumer is retired), and every policy change
+    /// makes RabbitMQ re-match all queues of the vhost: fine for long-lived consumers,
+    /// not for thousands of short-lived ones (use `Arguments` there).
     Policies,
 }
 

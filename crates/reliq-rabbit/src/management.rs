@@ -12,6 +12,10 @@ use reqwest::{Method, StatusCode, Url};
 use rustls_platform_verifier::BuilderVerifierExt as _;
 use serde_json::Value;
 
+/// How long one management API request may take: it answers slowly on a busy broker
+/// with many queues and policies, and is only used at declaration time.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// A management API endpoint, e.g. `http://guest:guest@127.0.0.1:15672`.
 #[derive(Clone)]
 pub struct Management {
@@ -113,7 +117,7 @@ impl Management {
         let _ = base.set_password(None);
         base.set_path("/");
         let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(5))
+            .timeout(REQUEST_TIMEOUT)
             .tls_backend_preconfigured(tls_config()?)
             .build()
             .map_err(|e| config(format!("HTTP client setup failed: {e}")))?;
@@ -144,7 +148,7 @@ impl Management {
         }
         let resp = req.send().await.map_err(|e| {
             if e.is_timeout() {
-                BrokerError::Timeout(Duration::from_secs(5))
+                BrokerError::Timeout(REQUEST_TIMEOUT)
             } else {
                 BrokerError::Connection(format!("management API: {e}"))
             }
