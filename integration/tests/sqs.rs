@@ -243,3 +243,33 @@ async fn fifo_groups_keep_their_order_with_concurrency() -> anyhow::Result<()> {
     ensure!(s.max_running > 1, "groups never ran side by side: {s:?}");
     Ok(())
 }
+
+/// Redrive: the endpoint is asked for a server-side `StartMessageMoveTask`; moto does not
+/// run one (it answers HTTP 500), which the probe reports as `None` without touching the
+/// dead letters — the caller then uses the portable replay engine (its conformance
+/// scenarios run on SQS too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn move_task_is_probed_and_the_dead_letters_stay_for_the_replay_engine() -> anyhow::Result<()>
+{
+    let sqs = SqsBackend::new().connect_sqs().await?;
+    let broker: Arc<dyn Broker> = Arc::new(sqs.clone());
+    let topic = unique("move-task");
+    let builder = Consumer::builder(broker.clone(), "c").subscribe(topic.clone(), None::<String>);
+    let sub = builder.subscription()?;
+    let h = builder
+        .start(|_d: Delivery| async move { Err::<(), BoxError>(Permanent::msg("no").into()) })
+        .await?;
+    let m = Message::new("parked");
+    let id = m.id().clone();
+    broker.publish(&Destination::new(topic.clone()), m).await?;
+    wait_until("dead-lettered", Duration::from_secs(30), || {
+        h.stats().dead_lettered == 1
+    })
+    .await?;
+    h.shutdown().await;
+    let task = sqs.start_message_move_task(&sub, Some(10)).await?;
+    ensure!(task.is_none(), "moto ran a move task: {task:?}");
+    let (parked, record) = one_dead_letter(&broker, &sub).await?;
+    ensure!(parked.id() == &id && record.reason == DeadLetterReason::Permanent);
+    Ok(())
+}

@@ -14,6 +14,7 @@
 //! | attempt | `ApproximateReceiveCount` |
 //! | crash loop | the `RedrivePolicy`; a message moved by it carries no reliq record, and [`Broker::dead_letters`] reads it as `max-deliveries` |
 //! | FIFO ([`SqsOptions::fifo`], URL `fifo=true`) | queues `….fifo`; `MessageGroupId` = the key (keyless: one shared group), `MessageDeduplicationId` = the message id (DLQ copies and replays get unique ones, so SQS never drops them as duplicates); the receiver hands out **one message per group at a time** — SQS returns several of a group in one receive — and when one goes back (retry, release) the group's later messages held here go back too, so SQS delivers the group again in order. A retry therefore holds its group (ordered, in-place retries). |
+//! | redrive | the portable replay engine (receive → send → delete, rate-limited) works everywhere; [`SqsBroker::start_message_move_task`] asks SQS for a server-side move and reports whether the endpoint runs it (moto does not) |
 //! | metadata | at most 10 message attributes: reliq's headers, id and key packed into one JSON attribute `reliq`, user headers as attributes while they fit (see [`codec`]) |
 //!
 //! Capabilities (documented limitations, see [`reliq_core::Capabilities`]):
@@ -542,6 +543,47 @@ impl SqsBroker {
             url,
             dead_letter_url,
         })
+    }
+
+    /// Ask SQS to move the subscription's dead letters back to its queue with a
+    /// server-side `StartMessageMoveTask` (at most `per_second` messages per second, SQS's
+    /// default rate when `None`). Returns the task handle, or `None` when the endpoint
+    /// does not run one — emulators (moto answers HTTP 500) and any other refusal, which
+    /// is logged: then redrive with the portable replay engine
+    /// ([`reliq_core::replay`]), which works on every endpoint, strips the failure
+    /// headers and marks the copies as replayed. A move task keeps each message as it
+    /// is (the dead-letter record stays in its attributes).
+    pub async fn start_message_move_task(
+        &self,
+        sub: &Subscription,
+        per_second: Option<i32>,
+    ) -> Result<Option<String>, BrokerError> {
+        let dead_letter_url = self.declare_dead_letters(sub).await?;
+        let name = names::queue_name(sub, self.inner.options.fifo);
+        let url = self
+            .queue_url(&name)
+            .await?
+            .ok_or(BrokerError::Unroutable(name))?;
+        let (source, destination) = (
+            self.queue_arn(&dead_letter_url).await?,
+            self.queue_arn(&url).await?,
+        );
+        match self
+            .inner
+            .client
+            .start_message_move_task()
+            .source_arn(source)
+            .destination_arn(destination)
+            .set_max_number_of_messages_per_second(per_second)
+            .send()
+            .await
+        {
+            Ok(out) => Ok(out.task_handle().map(str::to_owned)),
+            Err(e) => {
+                tracing::warn!(error = %DisplayErrorContext(&e), "StartMessageMoveTask refused; redrive with the replay engine instead");
+                Ok(None)
+            }
+        }
     }
 
     /// Messages of the subscription's queue that are received and not yet deleted, or
