@@ -71,7 +71,11 @@ impl Backend for SqsBackend {
 
     fn crash_lease(&self) -> Duration {
         // A crashed consumer's messages come back when the visibility timeout runs out.
-        Duration::from_secs(2)
+        // 3 s, not 2: the dead consumer's last long poll (half a lease) must end before
+        // the message is visible again, or it takes the message (SQS counts that receive
+        // towards maxReceiveCount though no handler saw it) — on a loaded moto a 1 s poll
+        // can run late by more than a second.
+        Duration::from_secs(3)
     }
 
     async fn declare_source(&self, _broker: &Arc<dyn Broker>, _topic: &str) -> anyhow::Result<()> {
