@@ -509,7 +509,9 @@ pub async fn purge_deletes_only_old_claims<H: Harness>(h: Arc<H>) -> anyhow::Res
 /// The runtime-driven protocol: claim, complete, abandon, and the takeover of a pending
 /// claim whose handler died.
 pub async fn runtime_inbox_claim_complete_abandon<H: Harness>(h: Arc<H>) -> anyhow::Result<()> {
-    let inbox = h.runtime_inbox(Duration::from_millis(300));
+    // The pending lease must outlast two claims on a loaded CI machine (300 ms did not).
+    let lease = Duration::from_secs(3);
+    let inbox = h.runtime_inbox(lease);
     let (c, id) = (unique("c"), MessageId::generate());
     ensure!(inbox.claim(&c, &id).await? == Claim::First);
     ensure!(
@@ -529,7 +531,7 @@ pub async fn runtime_inbox_claim_complete_abandon<H: Harness>(h: Arc<H>) -> anyh
         inbox.claim(&c, &id).await? == Claim::Duplicate,
         "done stays done"
     );
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(lease + Duration::from_millis(200)).await;
     ensure!(
         inbox.claim(&c, &id).await? == Claim::Duplicate,
         "done never expires"
@@ -539,7 +541,7 @@ pub async fn runtime_inbox_claim_complete_abandon<H: Harness>(h: Arc<H>) -> anyh
     let dead = MessageId::generate();
     ensure!(inbox.claim(&c, &dead).await? == Claim::First);
     ensure!(inbox.claim(&c, &dead).await? == Claim::Duplicate);
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    tokio::time::sleep(lease + Duration::from_millis(200)).await;
     ensure!(
         inbox.claim(&c, &dead).await? == Claim::First,
         "stale pending is taken over"
