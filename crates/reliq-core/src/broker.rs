@@ -411,6 +411,17 @@ pub trait Receiver: Send + Sync {
     /// The next delivery; waits. [`BrokerError::Closed`] once closed.
     async fn receive(&self) -> Result<Delivery, BrokerError>;
 
+    /// Append up to `max` deliveries to `into`: waits for the first, then takes only what
+    /// is ready without waiting. Each delivery counts against the prefetch bound as if
+    /// received alone. The runtime receives through this, so a backend whose client
+    /// already holds records in memory (Kafka's fetch queue) pays its per-receive cost —
+    /// a lock, a wake-up — once per batch. The default takes one delivery.
+    async fn receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> Result<(), BrokerError> {
+        let _ = max;
+        into.push(self.receive().await?);
+        Ok(())
+    }
+
     /// The work is done: remove/commit.
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError>;
 

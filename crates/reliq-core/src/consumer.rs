@@ -499,6 +499,10 @@ impl SettleBackoff {
 
 type Held = (Delivery, OwnedSemaphorePermit);
 
+/// Most deliveries the receive loop takes from the backend in one call (bounded by the
+/// free in-flight room as well).
+const RECEIVE_BATCH: usize = 64;
+
 struct Shared<F> {
     name: Arc<str>,
     receiver: Arc<dyn Receiver>,
@@ -528,28 +532,40 @@ async fn receive_loop<F, Fut>(
     Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
 {
     let mut receive_errors: u32 = 0;
+    let mut batch = Vec::with_capacity(RECEIVE_BATCH);
+    // One registration for the whole loop (a fresh `cancelled()` per message costs a
+    // lock on the token each time).
+    let stopped = stop.cancelled();
+    tokio::pin!(stopped);
     loop {
         // After failed settlements, slow down instead of hammering a broken route.
         let pause = shared.backoff.current();
         if !pause.is_zero() {
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
-                _ = stop.cancelled() => break,
+                _ = &mut stopped => break,
             }
         }
-        let permit = tokio::select! {
+        let mut permits = tokio::select! {
             p = in_flight.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-            _ = stop.cancelled() => break,
+            _ = &mut stopped => break,
         };
-        let delivery = tokio::select! {
-            r = shared.receiver.receive() => r,
-            _ = stop.cancelled() => break,
+        // Whatever else is free now joins the batch; nothing waits for more room.
+        let more = in_flight.available_permits().min(RECEIVE_BATCH - 1);
+        if more > 0
+            && let Ok(extra) = in_flight
+                .clone()
+                .try_acquire_many_owned(u32::try_from(more).unwrap_or(1))
+        {
+            permits.merge(extra);
+        }
+        let received = tokio::select! {
+            r = shared.receiver.receive_batch(permits.num_permits(), &mut batch) => r,
+            _ = &mut stopped => break,
         };
-        let delivery = match delivery {
-            Ok(d) => {
-                receive_errors = 0;
-                d
-            }
+        dispatch_batch(&shared, &in_flight, &mut batch, permits);
+        match received {
+            Ok(()) => receive_errors = 0,
             Err(BrokerError::Closed) => {
                 tracing::info!(consumer = %shared.name, "receiver closed; consumer stops receiving");
                 break;
@@ -559,18 +575,47 @@ async fn receive_loop<F, Fut>(
                 let wait = shared.backoff.delay_for(receive_errors);
                 tracing::warn!(consumer = %shared.name, error = %e, retry_in = ?wait, "receive failed");
                 tokio::select! {
-                    _ = tokio::time::sleep(wait) => continue,
-                    _ = stop.cancelled() => break,
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = &mut stopped => break,
                 }
             }
-        };
-        let stats = &shared.stats;
-        Stats::bump(&stats.received);
-        shared.metrics.received.increment(1);
-        let held = stats.in_flight.fetch_add(1, AtomicOrdering::Relaxed) + 1;
-        stats.max_in_flight.fetch_max(held, AtomicOrdering::Relaxed);
-        shared.metrics.in_flight.increment(1.0);
-        dispatch(&shared, (delivery, permit));
+        }
+    }
+}
+
+/// Count and dispatch what one `receive_batch` returned, one in-flight permit each;
+/// permits the batch did not use go back when `permits` drops.
+fn dispatch_batch<F, Fut>(
+    shared: &Arc<Shared<F>>,
+    in_flight: &Arc<Semaphore>,
+    batch: &mut Vec<Delivery>,
+    mut permits: OwnedSemaphorePermit,
+) where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    if batch.is_empty() {
+        return;
+    }
+    let n = batch.len() as u64;
+    let stats = &shared.stats;
+    stats.received.fetch_add(n, AtomicOrdering::Relaxed);
+    shared.metrics.received.increment(n);
+    let held = stats.in_flight.fetch_add(n, AtomicOrdering::Relaxed) + n;
+    stats.max_in_flight.fetch_max(held, AtomicOrdering::Relaxed);
+    shared.metrics.in_flight.increment(n as f64);
+    for delivery in batch.drain(..) {
+        let permit = permits.split(1).or_else(|| {
+            // A backend broke the `receive_batch` contract and returned more than asked:
+            // handle the delivery anyway (an empty permit) rather than drop it.
+            tracing::error!(consumer = %shared.name, "receive_batch returned more deliveries than asked for");
+            in_flight.clone().try_acquire_many_owned(0).ok()
+        });
+        match permit {
+            Some(permit) => dispatch(shared, (delivery, permit)),
+            None => tracing::error!(consumer = %shared.name, id = %delivery.id(),
+                "no in-flight permit; the broker redelivers the message after its lease"),
+        }
     }
 }
 
@@ -779,6 +824,13 @@ where
             }
             Outcome::Failed(class, text) => (class, text),
         };
+        // Boxed: the failure path's state (copies, headers, the dead-letter record) would
+        // otherwise make every message's task as large as a failing one's.
+        Box::pin(self.settle_failure(d, class, text)).await;
+    }
+
+    /// Retry, dead-letter or discard a failed delivery, as the policy decides.
+    async fn settle_failure(&self, d: &Delivery, class: ErrorClass, text: String) {
         let now = self.clock.now();
         // Brokers that retry in place (no copy, so no failure headers) report when the
         // message was published; that bounds the first failure from below.

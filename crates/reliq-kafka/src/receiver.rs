@@ -37,6 +37,13 @@ const POLL_SLICE: Duration = Duration::from_millis(20);
 const FLOW_PAUSE_AFTER: Duration = Duration::from_secs(1);
 /// How often a full buffer is checked for room.
 const FULL_RECHECK: Duration = Duration::from_millis(1);
+/// Most records the poll thread takes from librdkafka in one pass, between two looks at
+/// the buffer bound.
+const POLL_BATCH: usize = 256;
+/// Shortest interval between two services (commits, due relay records, pauses) while
+/// records keep arriving: none of them needs to run per record, and an asynchronous
+/// commit per record would be a broker request per record.
+const SERVICE_EVERY: Duration = Duration::from_millis(2);
 /// How long `subscribe` waits for the source consumer's first partition assignment.
 const ASSIGN_WAIT: Duration = Duration::from_secs(10);
 /// Prefix of the commit metadata that carries the crash-loop counter.
@@ -398,20 +405,34 @@ impl Shared {
 
     fn poll_loop(self: Arc<Self>, client: usize, consumer: BaseConsumer<Ctx>) {
         let mut flow = Flow::default();
+        let bound = buffer_bound(self.sub.prefetch);
+        let mut next_service = Instant::now();
+        let mut timeout = Duration::ZERO;
         while !self.is_stopped() {
             let queued = lock(&self.state).queued;
-            let hold_back = flow.hold_back(queued, self.sub.prefetch, Instant::now());
-            let timeout = self.service(client, &consumer, flow.paused);
+            let now = Instant::now();
+            let hold_back = flow.hold_back(queued, self.sub.prefetch, now);
+            if now >= next_service {
+                timeout = self.service(client, &consumer, flow.paused);
+                next_service = now + SERVICE_EVERY;
+            }
             if hold_back {
                 std::thread::sleep(FULL_RECHECK);
                 continue;
             }
-            match consumer.poll(timeout) {
-                None => {}
-                Some(Ok(m)) => self.on_record(client, &consumer, &m),
-                Some(Err(e)) => {
-                    tracing::warn!(topic = %self.clients[client].topic, error = %e, "kafka consumer error");
+            // The first poll may block (until records, an event or the next due relay
+            // record); the rest of the pass only takes what librdkafka already holds.
+            let mut wait = timeout;
+            for _ in 0..bound.saturating_sub(queued).clamp(1, POLL_BATCH) {
+                match consumer.poll(wait) {
+                    None => break,
+                    Some(Ok(m)) => self.on_record(client, &consumer, &m),
+                    Some(Err(e)) => {
+                        tracing::warn!(topic = %self.clients[client].topic, error = %e, "kafka consumer error");
+                        break;
+                    }
                 }
+                wait = Duration::ZERO;
             }
         }
         if !self.crashed.load(Ordering::SeqCst) {
@@ -610,23 +631,24 @@ impl Shared {
         delivery: Delivery,
     ) {
         let role = self.clients[client].role;
-        let count = {
-            let mut s = lock(&self.state);
-            let Some(part) = s.parts.get_mut(&(client, partition)) else {
-                return;
-            };
-            let first = !part.counted;
-            part.counted = true;
-            if role != Role::DeadLetters && first && part.head.is_none_or(|h| h == offset) {
+        let mut s = lock(&self.state);
+        let Some(part) = s.parts.get_mut(&(client, partition)) else {
+            return;
+        };
+        if part.counted {
+            // Every record after the partition's first: one lock, no counter.
+            return self.track(&mut s, client, partition, offset, delivery);
+        }
+        part.counted = true;
+        let count =
+            (role != Role::DeadLetters && part.head.is_none_or(|h| h == offset)).then(|| {
                 let before = part
                     .head_count
                     .filter(|(o, _)| *o == offset)
                     .map_or(0, |(_, n)| n);
-                Some(before.saturating_add(1))
-            } else {
-                None
-            }
-        };
+                before.saturating_add(1)
+            });
+        drop(s);
         if let Some(n) = count {
             let topic = &self.clients[client].topic;
             let mut tpl = TopicPartitionList::new();
@@ -656,8 +678,13 @@ impl Shared {
                 }
             }
         }
+        self.track(&mut lock(&self.state), client, partition, offset, delivery);
+    }
+
+    /// Track the record's offset and push it to the stream (in blocking mode, queue it
+    /// behind the partition's record that is out).
+    fn track(&self, s: &mut State, client: usize, partition: i32, offset: i64, delivery: Delivery) {
         let blocking = self.blocking(client);
-        let mut s = lock(&self.state);
         let Some(part) = s.parts.get_mut(&(client, partition)) else {
             return;
         };
@@ -955,25 +982,47 @@ fn source_headers(d: &Delivery) -> Vec<(&'static str, String)> {
 #[async_trait]
 impl Receiver for KafkaReceiver {
     async fn receive(&self) -> Result<Delivery, BrokerError> {
+        let mut one = Vec::with_capacity(1);
+        self.receive_batch(1, &mut one).await?;
+        one.pop().ok_or(BrokerError::Closed)
+    }
+
+    async fn receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> Result<(), BrokerError> {
+        let start = into.len();
         loop {
-            let d = {
+            let taken = {
                 let mut rx = self.rx.lock().await;
-                rx.recv().await.ok_or(BrokerError::Closed)?
+                rx.recv_many(into, max.max(1)).await
             };
-            if self.shared.is_stopped() {
+            if taken == 0 || self.shared.is_stopped() {
+                into.truncate(start);
                 return Err(BrokerError::Closed);
             }
-            let Some(info) = token(&d) else { continue };
-            let partition = i32::try_from(d.token().lane).unwrap_or(-1);
+            // One lock for the batch: leave the buffer, count as busy on its partition —
+            // or drop a record whose partition was revoked meanwhile (the new owner
+            // reads it from the commit).
             let mut s = lock(&self.shared.state);
-            s.queued = s.queued.saturating_sub(1);
-            match s.parts.get_mut(&(info.client, partition)) {
-                Some(part) if part.generation == info.generation && !part.revoking => {
-                    part.busy += 1;
-                    return Ok(d);
+            s.queued = s.queued.saturating_sub(taken);
+            let mut kept = start;
+            for i in start..into.len() {
+                let current = token(&into[i]).is_some_and(|info| {
+                    let partition = i32::try_from(into[i].token().lane).unwrap_or(-1);
+                    match s.parts.get_mut(&(info.client, partition)) {
+                        Some(part) if part.generation == info.generation && !part.revoking => {
+                            part.busy += 1;
+                            true
+                        }
+                        _ => false,
+                    }
+                });
+                if current {
+                    into.swap(kept, i);
+                    kept += 1;
                 }
-                // Its partition was revoked: the new owner reads it from the commit.
-                _ => {}
+            }
+            into.truncate(kept);
+            if kept > start {
+                return Ok(());
             }
         }
     }

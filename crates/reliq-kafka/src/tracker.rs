@@ -6,13 +6,15 @@
 //! tracker commits only up to the first unfinished record: everything before the
 //! committed position is done, nothing after it is skipped after a restart.
 
-use std::collections::BTreeMap;
+use std::collections::VecDeque;
 
 /// Offsets of one partition handed out since the partition was assigned.
 #[derive(Debug, Default, Clone)]
 pub struct OffsetTracker {
-    /// Handed-out offsets not yet below the commit position; `true` = done.
-    pending: BTreeMap<i64, bool>,
+    /// Handed-out offsets not yet below the commit position, in increasing order (they
+    /// are handed out in order); `true` = done. A ring, not a tree: one record in and
+    /// out per message, no allocation once it has grown to the in-flight count.
+    pending: VecDeque<(i64, bool)>,
     /// The position everything below is done (the offset after the last contiguous done
     /// record), if any record finished yet.
     done_position: Option<i64>,
@@ -31,29 +33,28 @@ impl OffsetTracker {
     pub fn handed_out(&mut self, offset: i64) -> bool {
         let floor = self
             .pending
-            .keys()
-            .next_back()
-            .map(|o| o + 1)
+            .back()
+            .map(|(o, _)| o + 1)
             .max(self.done_position)
             .unwrap_or(i64::MIN);
         if offset < floor {
             return false;
         }
-        self.pending.insert(offset, false);
+        self.pending.push_back((offset, false));
         true
     }
 
     /// Mark `offset` done; returns false if it was not outstanding.
     pub fn complete(&mut self, offset: i64) -> bool {
-        match self.pending.get_mut(&offset) {
-            Some(done) if !*done => *done = true,
-            _ => return false,
+        let Ok(i) = self.pending.binary_search_by_key(&offset, |(o, _)| *o) else {
+            return false;
+        };
+        if self.pending[i].1 {
+            return false;
         }
-        while let Some((&first, &done)) = self.pending.iter().next() {
-            if !done {
-                break;
-            }
-            self.pending.remove(&first);
+        self.pending[i].1 = true;
+        while let Some(&(first, true)) = self.pending.front() {
+            self.pending.pop_front();
             self.done_position = Some(first + 1);
         }
         true
@@ -61,7 +62,7 @@ impl OffsetTracker {
 
     /// Offsets handed out and not finished.
     pub fn unfinished(&self) -> usize {
-        self.pending.values().filter(|d| !**d).count()
+        self.pending.iter().filter(|(_, done)| !done).count()
     }
 
     /// The highest position safe to commit (all records below it are done).

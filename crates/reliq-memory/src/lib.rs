@@ -550,6 +550,12 @@ impl MemoryReceiver {
 #[async_trait]
 impl Receiver for MemoryReceiver {
     async fn receive(&self) -> Result<Delivery, BrokerError> {
+        let mut one = Vec::with_capacity(1);
+        self.receive_batch(1, &mut one).await?;
+        one.pop().ok_or(BrokerError::Closed)
+    }
+
+    async fn receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> Result<(), BrokerError> {
         loop {
             let notified = self.queue.notify.notified();
             tokio::pin!(notified);
@@ -558,8 +564,15 @@ impl Receiver for MemoryReceiver {
                 let mut s = self.queue.lock();
                 let now = Instant::now();
                 let next_due = self.housekeeping(&mut s, now);
-                if let Some(d) = self.try_deliver(&mut s, now) {
-                    return Ok(d);
+                let before = into.len();
+                while into.len() - before < max.max(1) {
+                    match self.try_deliver(&mut s, now) {
+                        Some(d) => into.push(d),
+                        None => break,
+                    }
+                }
+                if into.len() > before {
+                    return Ok(());
                 }
                 next_due
             };

@@ -81,17 +81,22 @@ async fn reliq_consume(broker: &Arc<dyn Broker>, fail_once: bool, n: usize) -> a
     let done = Arc::new(AtomicU64::new(0));
     // Timed from the first delivery, like the raw consumers: group joins and
     // subscription set-up are not part of the throughput.
+    // Ends at the handler call that completes the n-th message (not at the next tick of
+    // the polling loop below).
     let first = Arc::new(std::sync::OnceLock::<Instant>::new());
-    let (d2, f2) = (done.clone(), first.clone());
+    let last = Arc::new(std::sync::OnceLock::<Instant>::new());
+    let (d2, f2, l2) = (done.clone(), first.clone(), last.clone());
     let handle = builder
         .start(move |d: Delivery| {
-            let (done, first) = (d2.clone(), f2.clone());
+            let (done, first, last) = (d2.clone(), f2.clone(), l2.clone());
             async move {
                 first.get_or_init(Instant::now);
                 if fail_once && d.attempt() == 1 {
                     return Err(Transient::msg("fails once").into());
                 }
-                done.fetch_add(1, Ordering::Relaxed);
+                if done.fetch_add(1, Ordering::Relaxed) + 1 == n as u64 {
+                    last.get_or_init(Instant::now);
+                }
                 Ok::<(), BoxError>(())
             }
         })
@@ -106,7 +111,8 @@ async fn reliq_consume(broker: &Arc<dyn Broker>, fail_once: bool, n: usize) -> a
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let t0 = *first.get().context("no delivery")?;
-    let rate = n as f64 / t0.elapsed().as_secs_f64();
+    let t1 = *last.get().context("no last delivery")?;
+    let rate = n as f64 / t1.duration_since(t0).as_secs_f64();
     handle.shutdown().await;
     Ok(rate)
 }
@@ -535,6 +541,13 @@ async fn main() -> anyhow::Result<()> {
         .map(|v| v.parse())
         .transpose()?
         .unwrap_or(5);
+    let only = settings::arg("--only");
+    let (do_publish, do_consume) = match only.as_deref() {
+        None => (true, true),
+        Some("publish") => (true, false),
+        Some("consume") => (false, true),
+        Some(other) => bail!("--only publish|consume, not {other}"),
+    };
     let broker = connect(&broker_name).await?;
     // warm-up: connections, topology caches
     reliq_consume(&broker, false, n.min(500)).await?;
@@ -543,24 +556,38 @@ async fn main() -> anyhow::Result<()> {
     // growing log, a GC) weighs on both sides alike.
     let (mut publish, mut consume) = (Series::default(), Series::default());
     for round in 0..rounds {
-        if round.is_multiple_of(2) {
-            publish.reliq.push(reliq_publish_fresh(&broker, n).await?);
+        let reliq_first = round.is_multiple_of(2);
+        if do_publish {
+            if reliq_first {
+                publish.reliq.push(reliq_publish_fresh(&broker, n).await?);
+            }
             publish.raw.push(raw_publish(&broker_name, n).await?);
-            consume.reliq.push(reliq_consume(&broker, false, n).await?);
+            if !reliq_first {
+                publish.reliq.push(reliq_publish_fresh(&broker, n).await?);
+            }
+        }
+        if do_consume {
+            if reliq_first {
+                consume.reliq.push(reliq_consume(&broker, false, n).await?);
+            }
             consume.raw.push(raw_consume(&broker_name, n).await?);
-        } else {
-            publish.raw.push(raw_publish(&broker_name, n).await?);
-            publish.reliq.push(reliq_publish_fresh(&broker, n).await?);
-            consume.raw.push(raw_consume(&broker_name, n).await?);
-            consume.reliq.push(reliq_consume(&broker, false, n).await?);
+            if !reliq_first {
+                consume.reliq.push(reliq_consume(&broker, false, n).await?);
+            }
         }
     }
-    let failure = reliq_consume(&broker, true, n.min(2000)).await?;
     println!(
         "{broker_name}: {n} messages x {rounds} rounds, {IN_FLIGHT} publishes in flight, prefetch {PREFETCH}, 2 worker threads"
     );
-    println!("{}", publish.line("publish (confirmed):"));
-    println!("{}", consume.line("consume (no-op):"));
-    println!("  failure path (every message retried once after 1 s): reliq {failure:.0} msg/s");
+    if do_publish {
+        println!("{}", publish.line("publish (confirmed):"));
+    }
+    if do_consume {
+        println!("{}", consume.line("consume (no-op):"));
+    }
+    if only.is_none() {
+        let failure = reliq_consume(&broker, true, n.min(2000)).await?;
+        println!("  failure path (every message retried once after 1 s): reliq {failure:.0} msg/s");
+    }
     Ok(())
 }
