@@ -51,9 +51,9 @@ async fn connect(broker: &str) -> anyhow::Result<Arc<dyn Broker>> {
     })
 }
 
-async fn reliq_publish(broker: &Arc<dyn Broker>, topic: &str, n: usize) -> anyhow::Result<f64> {
+async fn reliq_publish(broker: &Arc<dyn Broker>, topic: &str, n: usize) -> anyhow::Result<Rate> {
     let dest = Destination::new(topic);
-    let t0 = Instant::now();
+    let (t0, cpu0) = (Instant::now(), cpu_time());
     let mut pending = futures::stream::FuturesUnordered::new();
     for i in 0..n {
         if pending.len() >= IN_FLIGHT
@@ -66,11 +66,15 @@ async fn reliq_publish(broker: &Arc<dyn Broker>, topic: &str, n: usize) -> anyho
     while let Some(r) = pending.next().await {
         r?;
     }
-    Ok(n as f64 / t0.elapsed().as_secs_f64())
+    Ok(Rate::since(n, t0, cpu0))
 }
 
 /// Declare the consumer's topology, fill it, then time the runtime draining it.
-async fn reliq_consume(broker: &Arc<dyn Broker>, fail_once: bool, n: usize) -> anyhow::Result<f64> {
+async fn reliq_consume(
+    broker: &Arc<dyn Broker>,
+    fail_once: bool,
+    n: usize,
+) -> anyhow::Result<Rate> {
     let topic = unique("bench");
     let builder = Consumer::builder(broker.clone(), "bench")
         .subscribe(topic.clone(), None::<String>)
@@ -86,6 +90,7 @@ async fn reliq_consume(broker: &Arc<dyn Broker>, fail_once: bool, n: usize) -> a
     let first = Arc::new(std::sync::OnceLock::<Instant>::new());
     let last = Arc::new(std::sync::OnceLock::<Instant>::new());
     let (d2, f2, l2) = (done.clone(), first.clone(), last.clone());
+    let cpu0 = cpu_time();
     let handle = builder
         .start(move |d: Delivery| {
             let (done, first, last) = (d2.clone(), f2.clone(), l2.clone());
@@ -112,7 +117,10 @@ async fn reliq_consume(broker: &Arc<dyn Broker>, fail_once: bool, n: usize) -> a
     }
     let t0 = *first.get().context("no delivery")?;
     let t1 = *last.get().context("no last delivery")?;
-    let rate = n as f64 / t1.duration_since(t0).as_secs_f64();
+    let rate = Rate {
+        per_sec: n as f64 / t1.duration_since(t0).as_secs_f64(),
+        cpu_us: (cpu_time() - cpu0).as_secs_f64() * 1e6 / n as f64,
+    };
     handle.shutdown().await;
     Ok(rate)
 }
@@ -172,8 +180,8 @@ mod raw_rabbit {
         Ok((conn, ch, queue))
     }
 
-    async fn fill(ch: &Channel, queue: &str, n: usize) -> anyhow::Result<f64> {
-        let t0 = Instant::now();
+    async fn fill(ch: &Channel, queue: &str, n: usize) -> anyhow::Result<Rate> {
+        let (t0, cpu0) = (Instant::now(), cpu_time());
         let mut pending = futures::stream::FuturesUnordered::new();
         for i in 0..n {
             if pending.len() >= IN_FLIGHT
@@ -203,15 +211,15 @@ mod raw_rabbit {
         while let Some(r) = pending.next().await {
             ensure!(r?, "broker nacked a publish");
         }
-        Ok(n as f64 / t0.elapsed().as_secs_f64())
+        Ok(Rate::since(n, t0, cpu0))
     }
 
-    pub async fn publish(n: usize) -> anyhow::Result<f64> {
+    pub async fn publish(n: usize) -> anyhow::Result<Rate> {
         let (_conn, ch, queue) = channel().await?;
         fill(&ch, &queue, n).await
     }
 
-    pub async fn consume(n: usize) -> anyhow::Result<f64> {
+    pub async fn consume(n: usize) -> anyhow::Result<Rate> {
         let (_conn, ch, queue) = channel().await?;
         fill(&ch, &queue, n).await?;
         ch.basic_qos(u16::try_from(PREFETCH)?, BasicQosOptions::default())
@@ -224,6 +232,7 @@ mod raw_rabbit {
                 FieldTable::default(),
             )
             .await?;
+        let cpu0 = cpu_time();
         let mut t0 = None;
         for _ in 0..n {
             let d = consumer.next().await.context("consumer ended")??;
@@ -231,7 +240,7 @@ mod raw_rabbit {
             d.ack(BasicAckOptions::default()).await?;
         }
         let t0 = t0.context("no delivery")?;
-        Ok(n as f64 / t0.elapsed().as_secs_f64())
+        Ok(Rate::since(n, t0, cpu0))
     }
 }
 
@@ -239,7 +248,7 @@ mod raw_nats {
     use super::*;
     use async_nats::jetstream::{self, consumer::pull, stream};
 
-    async fn stream_with(n_fill: usize) -> anyhow::Result<(jetstream::Context, String, f64)> {
+    async fn stream_with(n_fill: usize) -> anyhow::Result<(jetstream::Context, String, Rate)> {
         let client = async_nats::connect(settings::get("RELIQ_NATS_URL")).await?;
         let js = jetstream::new(client);
         let name = unique("bench-raw");
@@ -249,7 +258,7 @@ mod raw_nats {
             ..Default::default()
         })
         .await?;
-        let t0 = Instant::now();
+        let (t0, cpu0) = (Instant::now(), cpu_time());
         let mut pending = futures::stream::FuturesUnordered::new();
         for i in 0..n_fill {
             if pending.len() >= IN_FLIGHT
@@ -271,15 +280,14 @@ mod raw_nats {
         while let Some(r) = pending.next().await {
             r?;
         }
-        let rate = n_fill as f64 / t0.elapsed().as_secs_f64();
-        Ok((js, name, rate))
+        Ok((js, name, Rate::since(n_fill, t0, cpu0)))
     }
 
-    pub async fn publish(n: usize) -> anyhow::Result<f64> {
+    pub async fn publish(n: usize) -> anyhow::Result<Rate> {
         Ok(stream_with(n).await?.2)
     }
 
-    pub async fn consume(n: usize) -> anyhow::Result<f64> {
+    pub async fn consume(n: usize) -> anyhow::Result<Rate> {
         let (js, name, _) = stream_with(n).await?;
         let consumer = js
             .get_stream(&name)
@@ -292,6 +300,7 @@ mod raw_nats {
             })
             .await?;
         let mut messages = consumer.messages().await?;
+        let cpu0 = cpu_time();
         let mut t0 = None;
         for _ in 0..n {
             let m = messages
@@ -303,7 +312,7 @@ mod raw_nats {
             m.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
         }
         let t0 = t0.context("no delivery")?;
-        Ok(n as f64 / t0.elapsed().as_secs_f64())
+        Ok(Rate::since(n, t0, cpu0))
     }
 }
 
@@ -317,13 +326,13 @@ mod raw_kafka {
         settings::authority(&settings::get("RELIQ_KAFKA_URL")).to_owned()
     }
 
-    async fn fill(topic: &str, n: usize) -> anyhow::Result<f64> {
+    async fn fill(topic: &str, n: usize) -> anyhow::Result<Rate> {
         let producer: FutureProducer = ClientConfig::new()
             .set("bootstrap.servers", bootstrap())
             .set("acks", "all")
             .set("enable.idempotence", "true")
             .create()?;
-        let t0 = Instant::now();
+        let (t0, cpu0) = (Instant::now(), cpu_time());
         let mut pending = futures::stream::FuturesUnordered::new();
         for i in 0..n {
             if pending.len() >= IN_FLIGHT
@@ -348,14 +357,14 @@ mod raw_kafka {
         while let Some(r) = pending.next().await {
             r?;
         }
-        Ok(n as f64 / t0.elapsed().as_secs_f64())
+        Ok(Rate::since(n, t0, cpu0))
     }
 
-    pub async fn publish(n: usize) -> anyhow::Result<f64> {
+    pub async fn publish(n: usize) -> anyhow::Result<Rate> {
         fill(&unique("bench-raw"), n).await
     }
 
-    pub async fn consume(n: usize) -> anyhow::Result<f64> {
+    pub async fn consume(n: usize) -> anyhow::Result<Rate> {
         let topic = unique("bench-raw");
         fill(&topic, n).await?;
         let consumer: StreamConsumer = ClientConfig::new()
@@ -365,6 +374,7 @@ mod raw_kafka {
             .set("auto.offset.reset", "earliest")
             .create()?;
         consumer.subscribe(&[&topic])?;
+        let cpu0 = cpu_time();
         let mut first = None;
         for i in 0..n {
             let m = consumer.recv().await?;
@@ -375,8 +385,43 @@ mod raw_kafka {
             }
         }
         let t0 = first.context("no record")?;
-        Ok(n as f64 / t0.elapsed().as_secs_f64())
+        Ok(Rate::since(n, t0, cpu0))
     }
+}
+
+/// One side's measurement: messages per second (wall clock) and the process's CPU time
+/// per message (user + system, every thread — the client library's I/O threads too).
+/// The CPU figure is the steadier one on a shared machine: it does not depend on how
+/// long the broker took to answer.
+#[derive(Clone, Copy, Debug)]
+struct Rate {
+    per_sec: f64,
+    cpu_us: f64,
+}
+
+impl Rate {
+    /// `n` messages from `t0` (wall) and `cpu0` (CPU) to now.
+    fn since(n: usize, t0: Instant, cpu0: Duration) -> Self {
+        Self {
+            per_sec: n as f64 / t0.elapsed().as_secs_f64(),
+            cpu_us: (cpu_time() - cpu0).as_secs_f64() * 1e6 / n as f64,
+        }
+    }
+}
+
+/// CPU time (user + system) this process has used so far.
+fn cpu_time() -> Duration {
+    // SAFETY: `getrusage` only writes the struct it is given.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let micros = |t: libc::timeval| {
+        Duration::from_secs(u64::try_from(t.tv_sec).unwrap_or(0))
+            + Duration::from_micros(u64::try_from(t.tv_usec).unwrap_or(0))
+    };
+    micros(usage.ru_utime) + micros(usage.ru_stime)
 }
 
 /// The median of `xs` (sorted in place).
@@ -393,29 +438,38 @@ fn median(xs: &mut [f64]) -> f64 {
 /// One measurement per side and round; reported as median (min–max).
 #[derive(Default)]
 struct Series {
-    reliq: Vec<f64>,
-    raw: Vec<f64>,
+    reliq: Vec<Rate>,
+    raw: Vec<Rate>,
 }
 
 impl Series {
-    fn line(&mut self, what: &str) -> String {
+    fn line(&self, what: &str) -> String {
         let range = |xs: &[f64]| {
             let (lo, hi) = xs
                 .iter()
                 .fold((f64::MAX, 0.0f64), |(lo, hi), x| (lo.min(*x), hi.max(*x)));
             format!("{lo:.0}–{hi:.0}")
         };
-        let (reliq, raw) = (median(&mut self.reliq), median(&mut self.raw));
+        let rates = |side: &[Rate]| side.iter().map(|r| r.per_sec).collect::<Vec<_>>();
+        let cpus = |side: &[Rate]| side.iter().map(|r| r.cpu_us).collect::<Vec<_>>();
+        let (mut reliq, mut raw) = (rates(&self.reliq), rates(&self.raw));
+        let (mut reliq_cpu, mut raw_cpu) = (cpus(&self.reliq), cpus(&self.raw));
+        let (reliq_median, raw_median) = (median(&mut reliq), median(&mut raw));
         format!(
-            "  {what:<20} reliq {reliq:>9.0} msg/s ({}) | raw {raw:>9.0} msg/s ({}) | ratio of medians {:.2}",
-            range(&self.reliq),
-            range(&self.raw),
-            reliq / raw
+            "  {what:<20} reliq {:>9.0} msg/s ({}) | raw {:>9.0} msg/s ({}) | ratio of medians {:.2}\n  {:<20} CPU per message: reliq {:.1} µs | raw {:.1} µs (medians)",
+            reliq_median,
+            range(&reliq),
+            raw_median,
+            range(&raw),
+            reliq_median / raw_median,
+            "",
+            median(&mut reliq_cpu),
+            median(&mut raw_cpu),
         )
     }
 }
 
-async fn raw_publish(broker: &str, n: usize) -> anyhow::Result<f64> {
+async fn raw_publish(broker: &str, n: usize) -> anyhow::Result<Rate> {
     match broker {
         "rabbit" => raw_rabbit::publish(n).await,
         "nats" => raw_nats::publish(n).await,
@@ -424,7 +478,7 @@ async fn raw_publish(broker: &str, n: usize) -> anyhow::Result<f64> {
     }
 }
 
-async fn raw_consume(broker: &str, n: usize) -> anyhow::Result<f64> {
+async fn raw_consume(broker: &str, n: usize) -> anyhow::Result<Rate> {
     match broker {
         "rabbit" => raw_rabbit::consume(n).await,
         "nats" => raw_nats::consume(n).await,
@@ -451,9 +505,9 @@ mod raw_sqs {
     }
 
     /// `SendMessage` per message, 64 in flight (reliq batches what arrives together).
-    pub async fn publish(n: usize) -> anyhow::Result<f64> {
+    pub async fn publish(n: usize) -> anyhow::Result<Rate> {
         let (client, url) = queue().await?;
-        let t0 = Instant::now();
+        let (t0, cpu0) = (Instant::now(), cpu_time());
         let mut pending = futures::stream::FuturesUnordered::new();
         for i in 0..n {
             if pending.len() >= IN_FLIGHT
@@ -470,12 +524,12 @@ mod raw_sqs {
         while let Some(r) = pending.next().await {
             r?;
         }
-        Ok(n as f64 / t0.elapsed().as_secs_f64())
+        Ok(Rate::since(n, t0, cpu0))
     }
 
     /// Fill with `SendMessageBatch`, then a receive (10, long poll) / `DeleteMessageBatch`
     /// loop, timed from the first receive that returns messages.
-    pub async fn consume(n: usize) -> anyhow::Result<f64> {
+    pub async fn consume(n: usize) -> anyhow::Result<Rate> {
         let (client, url) = queue().await?;
         for chunk in (0..n).collect::<Vec<_>>().chunks(10) {
             let mut batch = client.send_message_batch().queue_url(&url);
@@ -490,6 +544,7 @@ mod raw_sqs {
             batch.send().await?;
         }
         let mut done = 0;
+        let cpu0 = cpu_time();
         let mut t0 = None;
         while done < n {
             let out = client
@@ -517,12 +572,12 @@ mod raw_sqs {
             done += messages.len();
         }
         let t0 = t0.context("no delivery")?;
-        Ok(n as f64 / t0.elapsed().as_secs_f64())
+        Ok(Rate::since(n, t0, cpu0))
     }
 }
 
 /// reliq's confirmed publish into a fresh topology (a bound consumer queue).
-async fn reliq_publish_fresh(broker: &Arc<dyn Broker>, n: usize) -> anyhow::Result<f64> {
+async fn reliq_publish_fresh(broker: &Arc<dyn Broker>, n: usize) -> anyhow::Result<Rate> {
     let topic = unique("bench-pub");
     let builder =
         Consumer::builder(broker.clone(), "sink").subscribe(topic.clone(), None::<String>);
@@ -587,7 +642,10 @@ async fn main() -> anyhow::Result<()> {
     }
     if only.is_none() {
         let failure = reliq_consume(&broker, true, n.min(2000)).await?;
-        println!("  failure path (every message retried once after 1 s): reliq {failure:.0} msg/s");
+        println!(
+            "  failure path (every message retried once after 1 s): reliq {:.0} msg/s",
+            failure.per_sec
+        );
     }
     Ok(())
 }
