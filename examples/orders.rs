@@ -99,7 +99,7 @@ async fn run_orders(args: &Args, db: &Db, topic: &str) -> anyhow::Result<()> {
         .with_context(|| format!("connecting to {}", args.url))?;
 
     let handler_db = db.clone();
-    let consumer = orders::consumer(broker.clone(), topic)
+    let consumer = orders::consumer(broker.clone(), topic, db)
         .start(move |d: Delivery| {
             let db = handler_db.clone();
             async move { db.reserve(CONSUMER, &d).await }

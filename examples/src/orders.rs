@@ -23,8 +23,8 @@ use reliq::postgres::sqlx::{self, PgPool, SqlitePool};
 use reliq::postgres::{PgInbox, PgOutbox};
 use reliq::sqlite::{SqliteInbox, SqliteOutbox};
 use reliq::{
-    BoxError, Broker, Consumer, ConsumerBuilder, Delivery, Destination, Envelope, Message,
-    MessageId, Permanent, RelayHandle, Replay, RetryPolicy, Subscription, Transient,
+    BoxError, Broker, Classifier, Consumer, ConsumerBuilder, Delivery, Destination, Envelope,
+    Message, MessageId, Permanent, RelayHandle, Replay, RetryPolicy, Subscription, Transient,
 };
 use serde::{Deserialize, Serialize};
 
@@ -175,11 +175,14 @@ pub fn retry_policy() -> RetryPolicy {
         .jitter(0.2)
 }
 
-/// The inventory consumer on `topic`, before its handler: [`retry_policy`], 64 in flight.
-pub fn consumer(broker: Arc<dyn Broker>, topic: &str) -> ConsumerBuilder {
+/// The inventory consumer on `topic`, before its handler: [`retry_policy`], 64 in flight,
+/// and `db`'s rules for database errors (a serialization failure, a deadlock or a busy
+/// SQLite file is transient).
+pub fn consumer(broker: Arc<dyn Broker>, topic: &str, db: &Db) -> ConsumerBuilder {
     Consumer::builder(broker, CONSUMER)
         .subscribe(topic, None::<String>)
         .retry(retry_policy())
+        .classifier(db.error_rules(Classifier::default()))
         .max_in_flight(64)
 }
 
@@ -260,6 +263,15 @@ const SCHEMA: [&str; 3] = [
 ];
 
 impl Db {
+    /// `classifier` with this store's rules for `sqlx::Error`
+    /// ([`reliq::postgres::error_class`], [`reliq::sqlite::error_class`]).
+    pub fn error_rules(&self, classifier: Classifier) -> Classifier {
+        match self {
+            Db::Sqlite { .. } => reliq::sqlite::with_error_rules(classifier),
+            Db::Postgres { .. } => reliq::postgres::with_error_rules(classifier),
+        }
+    }
+
     /// Open `url`: `sqlite://file.db` (created if missing) or `postgres://…`, where
     /// `schema` (created if missing) holds the tables.
     pub async fn open(url: &str, schema: Option<&str>) -> anyhow::Result<Self> {

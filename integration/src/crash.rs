@@ -101,8 +101,8 @@ pub async fn connect(backend: Backend, kafka_url: &str) -> anyhow::Result<Arc<dy
 /// The inventory consumer as the harness runs it: the example's settings, plus a short
 /// lease (fast redelivery on NATS after a kill) and a delivery limit far above what five
 /// kills can add to a message's deliveries.
-pub fn consumer(broker: Arc<dyn Broker>, topic: &str) -> ConsumerBuilder {
-    orders::consumer(broker, topic)
+pub fn consumer(broker: Arc<dyn Broker>, topic: &str, db: &Db) -> ConsumerBuilder {
+    orders::consumer(broker, topic, db)
         .lease(LEASE)
         .delivery_limit(30)
 }
@@ -428,7 +428,7 @@ impl Runner for InProcess {
     async fn start(&mut self, run: usize, crash_after_commit: Option<u64>) -> anyhow::Result<()> {
         let events = self.events.clone();
         let emit: Emit = Arc::new(move |e| events.push(run, e));
-        let handle = consumer(self.broker.clone(), &self.topic)
+        let handle = consumer(self.broker.clone(), &self.topic, &self.db)
             .start(handler(self.db.clone(), crash_after_commit, emit.clone()))
             .await?;
         emit(Event::Ready);

@@ -20,7 +20,7 @@
 //!
 //! ```no_run
 //! use std::sync::Arc;
-//! use reliq_core::{BoxError, Consumer, Delivery, Destination, Message};
+//! use reliq_core::{BoxError, Classifier, Consumer, Delivery, Destination, Message};
 //! use reliq_postgres::{PgInbox, PgOutbox, sqlx::PgPool};
 //!
 //! # async fn demo(broker: Arc<dyn reliq_core::Broker>) -> Result<(), BoxError> {
@@ -32,6 +32,7 @@
 //! let (p, i, o) = (pool.clone(), inbox.clone(), outbox.clone());
 //! let consumer = Consumer::builder(broker.clone(), "inventory")
 //!     .subscribe("orders", None::<String>)
+//!     .classifier(reliq_postgres::with_error_rules(Classifier::default()))
 //!     .start(move |d: Delivery| {
 //!         let (pool, inbox, outbox) = (p.clone(), i.clone(), o.clone());
 //!         async move {
@@ -54,6 +55,13 @@
 //! # let _ = (consumer, relay); Ok(()) }
 //! ```
 //!
+//! ## Database errors in handlers
+//!
+//! A `sqlx::Error` a handler returns is, to reliq's classifier, an unknown error (a small
+//! retry budget, then parked). [`with_error_rules`] adds a rule ([`error_class`]) that
+//! makes the failures a retry resolves transient — a serialization failure (`40001`), a deadlock, a lock or statement timeout, a lost connection or a full pool — and leaves the rest
+//! (constraint violations, bad SQL) unknown for your own rules to decide.
+//!
 //! ## Retention: the replay horizon
 //!
 //! An inbox row must live at least as long as a copy of its message can still arrive:
@@ -65,9 +73,11 @@
 //! Sent outbox rows are kept (they record what was published, and keep `enqueue`
 //! idempotent for their id) until [`PgOutbox::purge_sent`].
 
+mod classify;
 mod inbox;
 mod outbox;
 
+pub use classify::{error_class, with_error_rules};
 pub use inbox::PgInbox;
 pub use outbox::{OUTBOX_CHANNEL, PgOutbox};
 /// The sqlx version these stores are built with (its pools and transactions are what

@@ -43,7 +43,7 @@ async fn main() -> anyhow::Result<()> {
     let broker = crash::connect(backend, &kafka_url).await?;
     let db = Db::open(&db_url, settings::arg("--schema").as_deref()).await?;
     let emit: Emit = Arc::new(|e: Event| println!("{}", e.line()));
-    let consumer = crash::consumer(broker, &topic)
+    let consumer = crash::consumer(broker, &topic, &db)
         .start(crash::handler(db.clone(), crash_after_commit, emit.clone()))
         .await?;
     emit(Event::Ready);
