@@ -637,7 +637,9 @@ impl Shared {
         };
         if part.counted {
             // Every record after the partition's first: one lock, no counter.
-            return self.track(&mut s, client, partition, offset, delivery);
+            let out = self.track(&mut s, client, partition, offset, delivery);
+            drop(s);
+            return self.send(out);
         }
         part.counted = true;
         let count =
@@ -678,31 +680,46 @@ impl Shared {
                 }
             }
         }
-        self.track(&mut lock(&self.state), client, partition, offset, delivery);
+        let out = self.track(&mut lock(&self.state), client, partition, offset, delivery);
+        self.send(out);
     }
 
-    /// Track the record's offset and push it to the stream (in blocking mode, queue it
-    /// behind the partition's record that is out).
-    fn track(&self, s: &mut State, client: usize, partition: i32, offset: i64, delivery: Delivery) {
+    /// Track the record's offset and count it as buffered; returns it if it goes to the
+    /// stream now (in blocking mode it may wait behind the partition's record that is
+    /// out). The caller sends it after releasing the state lock: a send may wake a
+    /// worker, and the workers settle under the same lock.
+    fn track(
+        &self,
+        s: &mut State,
+        client: usize,
+        partition: i32,
+        offset: i64,
+        delivery: Delivery,
+    ) -> Option<Delivery> {
         let blocking = self.blocking(client);
-        let Some(part) = s.parts.get_mut(&(client, partition)) else {
-            return;
-        };
+        let part = s.parts.get_mut(&(client, partition))?;
         if part.revoking {
-            return;
+            return None;
         }
         if blocking && (part.out || !part.waiting.is_empty()) {
             // One record per partition at a time: this one waits for the one out.
             part.waiting.push_back((offset, delivery));
             s.queued += 1;
-            return;
+            return None;
         }
         if !part.tracker.handed_out(offset) {
-            return;
+            return None;
         }
         part.out = blocking;
         s.queued += 1;
-        if self.tx.send(delivery).is_err() {
+        Some(delivery)
+    }
+
+    /// Push a tracked record to the stream.
+    fn send(&self, delivery: Option<Delivery>) {
+        if let Some(d) = delivery
+            && self.tx.send(d).is_err()
+        {
             tracing::debug!("receiver gone; record left uncommitted");
         }
     }
@@ -923,12 +940,10 @@ fn decode(m: &BorrowedMessage<'_>) -> Decoded {
     let mut hs = Headers::new();
     if let Some(raw) = m.headers() {
         for h in raw.iter() {
-            let value = h
-                .value
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .unwrap_or_default();
+            // Borrowed: only what is kept is copied (the id once, into its `Arc<str>`).
+            let value = h.value.map(String::from_utf8_lossy).unwrap_or_default();
             match h.key {
-                headers::MESSAGE_ID => id = Some(value),
+                headers::MESSAGE_ID => id = Some(MessageId::from(&*value)),
                 DUE_AT_HEADER => {
                     due = value
                         .parse::<u64>()
@@ -941,13 +956,18 @@ fn decode(m: &BorrowedMessage<'_>) -> Decoded {
             }
         }
     }
-    let id = id
-        .filter(|i| !i.is_empty())
-        .unwrap_or_else(|| format!("kafka-{}-{}-{}", m.topic(), m.partition(), m.offset()));
+    let id = id.filter(|i| !i.as_str().is_empty()).unwrap_or_else(|| {
+        MessageId::from(format!(
+            "kafka-{}-{}-{}",
+            m.topic(),
+            m.partition(),
+            m.offset()
+        ))
+    });
     let key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
     let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
     Decoded {
-        message: Message::from_parts(MessageId::from(id), key, payload, hs),
+        message: Message::from_parts(id, key, payload, hs),
         due,
         source_partition,
         source_offset,
