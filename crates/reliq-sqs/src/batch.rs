@@ -8,7 +8,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
+use aws_sdk_sqs::types::{
+    BatchResultErrorEntry, DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry,
+};
 use futures::future::BoxFuture;
 use reliq_core::BrokerError;
 use tokio::sync::{mpsc, oneshot};
@@ -113,41 +115,47 @@ async fn flush_chunk<E>(url: String, jobs: Vec<Job<E>>, flush: FlushFn<E>) {
     }
 }
 
-/// Spread one call's result over `n` entries, or map per-entry failures by entry id.
+/// What a batch call reported: the entry ids it says succeeded, and its failed entries.
+struct Reported<'a> {
+    ok: Vec<&'a str>,
+    failed: &'a [BatchResultErrorEntry],
+}
+
+/// Spread one call's result over `n` entries (ids `0..n`): a failed call fails every
+/// entry; otherwise each entry is reported successful, failed (with the service's code
+/// and message), or — if the response does not mention it — incomplete. Never assumed
+/// successful.
 fn per_entry(
     n: usize,
     operation: &'static str,
-    call: Result<Vec<(String, String, String)>, BrokerError>,
-    ok_ids: impl FnOnce() -> Vec<String>,
+    call: Result<Reported<'_>, BrokerError>,
 ) -> Vec<Result<(), BrokerError>> {
-    match call {
+    let reported = match call {
+        Ok(reported) => reported,
         Err(e) => {
             let text = e.to_string();
-            (0..n).map(|_| Err(clone_kind(&e, text.clone()))).collect()
+            return (0..n).map(|_| Err(clone_kind(&e, text.clone()))).collect();
         }
-        Ok(failed) => {
-            let ok = ok_ids();
-            (0..n)
-                .map(|i| {
-                    let id = i.to_string();
-                    if let Some((_, code, message)) = failed.iter().find(|(f, _, _)| *f == id) {
-                        Err(BrokerError::Other(Box::new(SqsError::Service {
-                            operation,
-                            code: code.clone(),
-                            message: message.clone(),
-                        })))
-                    } else if ok.contains(&id) {
-                        Ok(())
-                    } else {
-                        Err(BrokerError::Other(Box::new(SqsError::Incomplete {
-                            operation,
-                            what: "result for a batch entry",
-                        })))
-                    }
-                })
-                .collect()
-        }
-    }
+    };
+    (0..n)
+        .map(|i| {
+            let id = i.to_string();
+            if let Some(f) = reported.failed.iter().find(|f| f.id() == id) {
+                Err(BrokerError::Other(Box::new(SqsError::Service {
+                    operation,
+                    code: f.code().to_owned(),
+                    message: f.message().unwrap_or_default().to_owned(),
+                })))
+            } else if reported.ok.contains(&id.as_str()) {
+                Ok(())
+            } else {
+                Err(BrokerError::Other(Box::new(SqsError::Incomplete {
+                    operation,
+                    what: "result for a batch entry",
+                })))
+            }
+        })
+        .collect()
 }
 
 /// The same kind of error for every entry of a failed call.
@@ -183,32 +191,25 @@ pub(crate) fn sends(client: aws_sdk_sqs::Client, window: Duration) -> Batcher<En
                         Err(err) => return all_rejected(n, &err),
                     }
                 }
-                let out = request.send().await;
-                let ok_ids = out
-                    .as_ref()
-                    .map(|o| o.successful().iter().map(|s| s.id().to_owned()).collect())
-                    .unwrap_or_default();
-                let call = out
-                    .map(|o| failures(o.failed()))
-                    .map_err(|e| sdk_error("SendMessageBatch", e));
-                per_entry(n, "SendMessageBatch", call, || ok_ids)
+                match request.send().await {
+                    Ok(out) => {
+                        let ok = out.successful().iter().map(|s| s.id()).collect();
+                        per_entry(
+                            n,
+                            "SendMessageBatch",
+                            Ok(Reported {
+                                ok,
+                                failed: out.failed(),
+                            }),
+                        )
+                    }
+                    Err(e) => {
+                        per_entry(n, "SendMessageBatch", Err(sdk_error("SendMessageBatch", e)))
+                    }
+                }
             })
         }),
     )
-}
-
-/// The failed entries of a batch call: (entry id, code, message).
-fn failures(failed: &[aws_sdk_sqs::types::BatchResultErrorEntry]) -> Vec<(String, String, String)> {
-    failed
-        .iter()
-        .map(|f| {
-            (
-                f.id().to_owned(),
-                f.code().to_owned(),
-                f.message().unwrap_or_default().to_owned(),
-            )
-        })
-        .collect()
 }
 
 /// Every entry of a batch that could not even be built fails with the same error.
@@ -237,15 +238,24 @@ pub(crate) fn deletes(client: aws_sdk_sqs::Client, window: Duration) -> Batcher<
                         Err(err) => return all_rejected(n, &err),
                     }
                 }
-                let out = request.send().await;
-                let ok_ids = out
-                    .as_ref()
-                    .map(|o| o.successful().iter().map(|s| s.id().to_owned()).collect())
-                    .unwrap_or_default();
-                let call = out
-                    .map(|o| failures(o.failed()))
-                    .map_err(|e| sdk_error("DeleteMessageBatch", e));
-                per_entry(n, "DeleteMessageBatch", call, || ok_ids)
+                match request.send().await {
+                    Ok(out) => {
+                        let ok = out.successful().iter().map(|s| s.id()).collect();
+                        per_entry(
+                            n,
+                            "DeleteMessageBatch",
+                            Ok(Reported {
+                                ok,
+                                failed: out.failed(),
+                            }),
+                        )
+                    }
+                    Err(e) => per_entry(
+                        n,
+                        "DeleteMessageBatch",
+                        Err(sdk_error("DeleteMessageBatch", e)),
+                    ),
+                }
             })
         }),
     )
@@ -268,5 +278,45 @@ impl Batcher<String> {
     /// Delete one message (by receipt handle) through the batcher.
     pub(crate) async fn delete(&self, url: &str, receipt: &str) -> Result<(), BrokerError> {
         self.submit(url, receipt.to_owned(), receipt.len()).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_entry_is_accounted_for_never_assumed_sent() -> Result<(), Box<dyn std::error::Error>> {
+        let failed = [BatchResultErrorEntry::builder()
+            .id("1")
+            .code("InvalidParameterValue")
+            .message("too big")
+            .sender_fault(true)
+            .build()?];
+        // Entry 0 succeeded, 1 failed, 2 is missing from the response.
+        let results = per_entry(
+            3,
+            "SendMessageBatch",
+            Ok(Reported {
+                ok: vec!["0"],
+                failed: &failed,
+            }),
+        );
+        assert!(results[0].is_ok());
+        let text = |r: &Result<(), BrokerError>| r.as_ref().err().map(ToString::to_string);
+        assert!(text(&results[1]).is_some_and(|t| t.contains("InvalidParameterValue")));
+        assert!(text(&results[2]).is_some_and(|t| t.contains("result for a batch entry")));
+        // A failed call fails every entry with the same kind of error.
+        let results = per_entry(
+            2,
+            "DeleteMessageBatch",
+            Err(BrokerError::Connection("reset".into())),
+        );
+        assert!(
+            results
+                .iter()
+                .all(|r| matches!(r, Err(BrokerError::Connection(t)) if t.contains("reset")))
+        );
+        Ok(())
     }
 }
