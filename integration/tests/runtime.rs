@@ -1,6 +1,7 @@
 //! Runtime behaviour beyond the portable suite, on the memory backend (virtual time):
 //! handler timeouts, unknown errors, custom classification, the discard route, startup
-//! validation that names the bad setting, and the metrics contract.
+//! validation that names the bad setting, the metrics contract, and a backend breaking the
+//! `receive_batch` contract.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -470,4 +471,103 @@ async fn handler_duplicate_marker_acks_skips_and_counts() {
         }
     });
     assert_eq!(duplicates, Some(2));
+}
+
+/// A backend that breaks the `receive_batch` contract (returns more deliveries than
+/// asked for): the runtime still handles and acknowledges every one — a delivery is never
+/// dropped for lack of an in-flight permit.
+#[tokio::test(start_paused = true)]
+async fn a_backend_returning_more_than_asked_loses_nothing() {
+    use async_trait::async_trait;
+    use reliq_core::{Broker, BrokerError, Capabilities, Receiver, RetryRequest};
+
+    /// The memory broker, with receivers that ask it for three more than the runtime
+    /// asked for (and a prefetch three higher, so it hands them out).
+    struct Greedy(Arc<MemoryBroker>);
+    struct GreedyReceiver(Box<dyn Receiver>);
+
+    #[async_trait]
+    impl Broker for Greedy {
+        fn kind(&self) -> &'static str {
+            "greedy"
+        }
+        fn capabilities(&self) -> Capabilities {
+            self.0.capabilities()
+        }
+        async fn publish(&self, d: &Destination, m: Message) -> Result<(), BrokerError> {
+            self.0.publish(d, m).await
+        }
+        async fn subscribe(&self, s: &Subscription) -> Result<Box<dyn Receiver>, BrokerError> {
+            // Room for the extra deliveries on the broker's side.
+            let mut s = s.clone();
+            s.prefetch += 3;
+            Ok(Box::new(GreedyReceiver(self.0.subscribe(&s).await?)))
+        }
+        async fn dead_letters(&self, s: &Subscription) -> Result<Box<dyn Receiver>, BrokerError> {
+            self.0.dead_letters(s).await
+        }
+    }
+
+    #[async_trait]
+    impl Receiver for GreedyReceiver {
+        async fn receive(&self) -> Result<Delivery, BrokerError> {
+            self.0.receive().await
+        }
+        async fn receive_batch(
+            &self,
+            max: usize,
+            into: &mut Vec<Delivery>,
+        ) -> Result<(), BrokerError> {
+            self.0.receive_batch(max + 3, into).await
+        }
+        async fn ack(&self, d: &Delivery) -> Result<(), BrokerError> {
+            self.0.ack(d).await
+        }
+        async fn retry(&self, d: &Delivery, r: RetryRequest) -> Result<(), BrokerError> {
+            self.0.retry(d, r).await
+        }
+        async fn dead_letter(&self, d: &Delivery, m: Message) -> Result<(), BrokerError> {
+            self.0.dead_letter(d, m).await
+        }
+        async fn release(&self, d: &Delivery, delay: Duration) -> Result<(), BrokerError> {
+            self.0.release(d, delay).await
+        }
+    }
+
+    let memory = Arc::new(MemoryBroker::new());
+    let broker = Arc::new(Greedy(memory.clone()));
+    let builder = Consumer::builder(broker.clone(), "greedy")
+        .subscribe("orders", None::<String>)
+        .max_in_flight(4)
+        // A dropped delivery would come back only after its lease: far past the wait.
+        .lease(Duration::from_secs(3600));
+    // Declare the queue, then fill it: the first batch finds 20 waiting.
+    drop(
+        broker
+            .subscribe(&builder.subscription().unwrap())
+            .await
+            .unwrap(),
+    );
+    for i in 0..20 {
+        broker
+            .publish(&Destination::new("orders"), Message::new(format!("{i}")))
+            .await
+            .unwrap();
+    }
+    let handled = Arc::new(AtomicU32::new(0));
+    let h = handled.clone();
+    let consumer = builder
+        .start(move |_d: Delivery| {
+            let h = h.clone();
+            async move {
+                h.fetch_add(1, Ordering::Relaxed);
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await
+        .unwrap();
+    wait_for("20 handled", || handled.load(Ordering::Relaxed) >= 20).await;
+    let report = consumer.shutdown().await;
+    assert_eq!(report.stats.processed, 20, "{:?}", report.stats);
+    assert_eq!(report.stats.in_flight, 0, "{:?}", report.stats);
 }
