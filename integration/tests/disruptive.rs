@@ -60,8 +60,8 @@ async fn patient_rabbit() -> anyhow::Result<Arc<dyn Broker>> {
 /// `service` (a broker of `scripts/brokers`) restarted while 1,000 messages (or more,
 /// until the broker is back) are being published and consumed (every seventh fails once and waits for its retry in the
 /// broker): every confirmed message is processed, exactly once with the inbox, nothing
-/// is dead-lettered, and the restart really cut the clients off (a publish stalled or
-/// failed: the backends reconnect inside `publish`; one that fails anyway is retried by
+/// is dead-lettered, and the restart really cut the clients off (a publish stalled for
+/// seconds: the backends reconnect inside `publish`; one that fails anyway is retried by
 /// the publisher with the same id).
 async fn restart_mid_run_loses_nothing(
     backend: &dyn Backend,
@@ -148,11 +148,8 @@ async fn restart_mid_run_loses_nothing(
     let took = restart(service).await?;
     restarted.store(true, Ordering::Relaxed);
     let (ids, longest_publish) = publisher.await??;
-    // A confirmed publish takes milliseconds here; one held for half a second (or one
-    // that failed) shows the restart really cut the client off. (NATS is back within
-    // about a second, so its longest publish is only that plus the client's reconnect.)
     ensure!(
-        longest_publish >= Duration::from_millis(500) || publish_errors.load(Ordering::Relaxed) > 0,
+        longest_publish >= Duration::from_secs(3),
         "the restart ({took:?}) never held up a publish (longest {longest_publish:?})"
     );
     println!(

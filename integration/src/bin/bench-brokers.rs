@@ -16,6 +16,7 @@
 //! - **failure path** (reliq only): every message fails once (transient), is retried after
 //!   the 1 s tier and then succeeds.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -51,8 +52,14 @@ async fn connect(broker: &str) -> anyhow::Result<Arc<dyn Broker>> {
     })
 }
 
-async fn reliq_publish(broker: &Arc<dyn Broker>, topic: &str, n: usize) -> anyhow::Result<Rate> {
-    let dest = Destination::new(topic);
+/// Time `n` confirmed publishes, [`IN_FLIGHT`] outstanding at a time: `publish(i)` is
+/// the i-th publish, resolving once the broker confirmed it. Every side of every broker
+/// publishes through this, so they differ only in the client calls.
+async fn publish_window<F, Fut>(n: usize, mut publish: F) -> anyhow::Result<Rate>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: Future<Output = anyhow::Result<()>>,
+{
     let (t0, cpu0) = (Instant::now(), cpu_time());
     let mut pending = futures::stream::FuturesUnordered::new();
     for i in 0..n {
@@ -61,12 +68,21 @@ async fn reliq_publish(broker: &Arc<dyn Broker>, topic: &str, n: usize) -> anyho
         {
             r?;
         }
-        pending.push(broker.publish(&dest, Message::new(payload(i))));
+        pending.push(publish(i));
     }
     while let Some(r) = pending.next().await {
         r?;
     }
     Ok(Rate::since(n, t0, cpu0))
+}
+
+async fn reliq_publish(broker: &Arc<dyn Broker>, topic: &str, n: usize) -> anyhow::Result<Rate> {
+    let dest = Destination::new(topic);
+    publish_window(n, |i| {
+        let publish = broker.publish(&dest, Message::new(payload(i)));
+        async move { Ok(publish.await?) }
+    })
+    .await
 }
 
 /// Declare the consumer's topology, fill it, then time the runtime draining it.
@@ -181,37 +197,25 @@ mod raw_rabbit {
     }
 
     async fn fill(ch: &Channel, queue: &str, n: usize) -> anyhow::Result<Rate> {
-        let (t0, cpu0) = (Instant::now(), cpu_time());
-        let mut pending = futures::stream::FuturesUnordered::new();
-        for i in 0..n {
-            if pending.len() >= IN_FLIGHT
-                && let Some(r) = pending.next().await
-            {
-                ensure!(r?, "broker nacked a publish");
-            }
-            let body = payload(i);
-            pending.push(async move {
-                let confirm = ch
-                    .basic_publish(
-                        queue.into(),
-                        "".into(),
-                        BasicPublishOptions {
-                            mandatory: true,
-                            ..Default::default()
-                        },
-                        &body,
-                        BasicProperties::default()
-                            .with_delivery_mode(2)
-                            .with_message_id(MessageId::generate().as_str().into()),
-                    )
-                    .await?;
-                Ok::<bool, lapin::Error>(confirm.await?.is_ack())
-            });
-        }
-        while let Some(r) = pending.next().await {
-            ensure!(r?, "broker nacked a publish");
-        }
-        Ok(Rate::since(n, t0, cpu0))
+        publish_window(n, |i| async move {
+            let confirm = ch
+                .basic_publish(
+                    queue.into(),
+                    "".into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &payload(i),
+                    BasicProperties::default()
+                        .with_delivery_mode(2)
+                        .with_message_id(MessageId::generate().as_str().into()),
+                )
+                .await?;
+            ensure!(confirm.await?.is_ack(), "broker nacked a publish");
+            Ok(())
+        })
+        .await
     }
 
     pub async fn publish(n: usize) -> anyhow::Result<Rate> {
@@ -258,29 +262,20 @@ mod raw_nats {
             ..Default::default()
         })
         .await?;
-        let (t0, cpu0) = (Instant::now(), cpu_time());
-        let mut pending = futures::stream::FuturesUnordered::new();
-        for i in 0..n_fill {
-            if pending.len() >= IN_FLIGHT
-                && let Some(r) = pending.next().await
-            {
-                r?;
-            }
+        let rate = publish_window(n_fill, |i| {
             let (js, subject) = (js.clone(), name.clone());
-            pending.push(async move {
+            async move {
                 // Same server work as reliq's publish: deduplication by message id.
                 let mut headers = async_nats::HeaderMap::new();
                 headers.insert("Nats-Msg-Id", MessageId::generate().as_str());
                 js.publish_with_headers(subject, headers, payload(i).into())
                     .await?
                     .await?;
-                Ok::<(), anyhow::Error>(())
-            });
-        }
-        while let Some(r) = pending.next().await {
-            r?;
-        }
-        Ok((js, name, Rate::since(n_fill, t0, cpu0)))
+                Ok(())
+            }
+        })
+        .await?;
+        Ok((js, name, rate))
     }
 
     pub async fn publish(n: usize) -> anyhow::Result<Rate> {
@@ -332,32 +327,20 @@ mod raw_kafka {
             .set("acks", "all")
             .set("enable.idempotence", "true")
             .create()?;
-        let (t0, cpu0) = (Instant::now(), cpu_time());
-        let mut pending = futures::stream::FuturesUnordered::new();
-        for i in 0..n {
-            if pending.len() >= IN_FLIGHT
-                && let Some(r) = pending.next().await
-            {
-                r?;
-            }
+        publish_window(n, |i| {
             let producer = producer.clone();
-            let body = payload(i);
-            let topic = topic.to_owned();
-            pending.push(async move {
+            async move {
                 producer
                     .send(
-                        FutureRecord::<(), _>::to(&topic).payload(&body),
+                        FutureRecord::<(), _>::to(topic).payload(&payload(i)),
                         Duration::from_secs(30),
                     )
                     .await
                     .map_err(|(e, _)| anyhow::anyhow!("{e}"))?;
-                Ok::<(), anyhow::Error>(())
-            });
-        }
-        while let Some(r) = pending.next().await {
-            r?;
-        }
-        Ok(Rate::since(n, t0, cpu0))
+                Ok(())
+            }
+        })
+        .await
     }
 
     pub async fn publish(n: usize) -> anyhow::Result<Rate> {
@@ -507,24 +490,16 @@ mod raw_sqs {
     /// `SendMessage` per message, 64 in flight (reliq batches what arrives together).
     pub async fn publish(n: usize) -> anyhow::Result<Rate> {
         let (client, url) = queue().await?;
-        let (t0, cpu0) = (Instant::now(), cpu_time());
-        let mut pending = futures::stream::FuturesUnordered::new();
-        for i in 0..n {
-            if pending.len() >= IN_FLIGHT
-                && let Some(r) = pending.next().await
-            {
-                r?;
+        publish_window(n, |i| {
+            let send = client.send_message().queue_url(&url);
+            async move {
+                send.message_body(String::from_utf8(payload(i))?)
+                    .send()
+                    .await?;
+                Ok(())
             }
-            let send = client
-                .send_message()
-                .queue_url(&url)
-                .message_body(String::from_utf8(payload(i))?);
-            pending.push(async move { send.send().await.map(drop) });
-        }
-        while let Some(r) = pending.next().await {
-            r?;
-        }
-        Ok(Rate::since(n, t0, cpu0))
+        })
+        .await
     }
 
     /// Fill with `SendMessageBatch`, then a receive (10, long poll) / `DeleteMessageBatch`
