@@ -60,7 +60,8 @@ macro_rules! conformance_suite {
             non_blocking_retry_lets_later_messages_flow,
             retry_never_fires_early,
             backpressure_bounds_buffered_messages,
-            unroutable_publish_fails_loudly
+            unroutable_publish_fails_loudly,
+            batch_handler_settles_each_delivery_by_its_outcome
         );
     };
     (@tests $backend:ident, paused, $factory:expr, $($scenario:ident),+ $(,)?) => {

@@ -9,9 +9,9 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use reliq_core::headers;
 use reliq_core::{
-    BoxError, BrokerError, DeadLetterReason, Delivery, Destination, ErrorClass, MemoryInbox,
-    Message, MessageId, Ordering, PanicAction, Permanent, Replay, ReplayFilter, RetryPolicy,
-    Transient,
+    Batch, BatchError, BoxError, BrokerError, DeadLetterReason, Delivery, Destination, ErrorClass,
+    MemoryInbox, Message, MessageId, Ordering, PanicAction, Permanent, Poison, Replay,
+    ReplayFilter, RetryPolicy, Transient,
 };
 use serde::{Deserialize, Serialize};
 
@@ -1288,5 +1288,95 @@ pub async fn unroutable_publish_fails_loudly(b: &dyn Backend) -> anyhow::Result<
             "a broker that auto-creates destinations accepts: {result:?}"
         );
     }
+    Ok(())
+}
+
+/// A batch handler: the deliveries it names as failed take the failure path one by one
+/// (poison → DLQ at once, transient → retried after its delay), the rest are
+/// acknowledged once; no batch is larger than `batch_size`.
+pub async fn batch_handler_settles_each_delivery_by_its_outcome(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
+    const BATCH: usize = 16;
+    let ctx = Ctx::new(b, "batch").await?;
+    let rec = Recorder::new();
+    let largest = Arc::new(AtomicU32::new(0));
+    let (r, l) = (rec.clone(), largest.clone());
+    let h = ctx
+        .consumer("c")
+        .batch_size(BATCH)
+        .start_batch(move |batch: Batch| {
+            let (rec, largest) = (r.clone(), l.clone());
+            async move {
+                largest.fetch_max(batch.len() as u32, AtomicOrdering::Relaxed);
+                let mut failed = BatchError::new();
+                for (i, d) in batch.iter().enumerate() {
+                    rec.call(d);
+                    match d.text()? {
+                        "poison" => failed.fail(i, Poison::msg("unreadable order")),
+                        "flaky" if d.attempt() == 1 => failed.fail(i, Transient::msg("db busy")),
+                        _ => rec.effect(d.id()),
+                    }
+                }
+                failed.into_result()
+            }
+        })
+        .await?;
+    let mut ids: HashMap<&str, Vec<MessageId>> = HashMap::new();
+    let mut messages = Vec::new();
+    for i in 0..60 {
+        let kind = ["poison", "flaky", "ok"][i % 3];
+        let m = Message::new(kind);
+        ids.entry(kind).or_default().push(m.id().clone());
+        messages.push(m);
+    }
+    ctx.publish_all(messages).await?;
+    wait_until("40 handled", soon(b), || rec.effect_count() == 40).await?;
+    let dead = ctx.take_dead_letters("c", 20, soon(b)).await?;
+    let dead_ids: HashSet<MessageId> = dead.iter().map(|(d, _)| d.id().clone()).collect();
+    ensure!(
+        dead_ids == ids["poison"].iter().cloned().collect::<HashSet<_>>(),
+        "the dead letters are not exactly the poison messages"
+    );
+    for (_, record) in &dead {
+        ensure!(
+            record.reason == DeadLetterReason::Poison && record.attempts == 1,
+            "dead-letter record {record:?}"
+        );
+    }
+    let attempts =
+        |id: &MessageId| -> Vec<u32> { rec.calls_for(id).iter().map(|c| c.attempt).collect() };
+    for id in &ids["ok"] {
+        ensure!(
+            attempts(id) == vec![1],
+            "ok message {id}: attempts {:?}",
+            attempts(id)
+        );
+    }
+    for id in &ids["flaky"] {
+        ensure!(
+            attempts(id) == vec![1, 2],
+            "flaky message {id}: attempts {:?}",
+            attempts(id)
+        );
+    }
+    for id in &ids["poison"] {
+        ensure!(
+            attempts(id) == vec![1],
+            "poison message {id}: attempts {:?}",
+            attempts(id)
+        );
+    }
+    ensure!(
+        rec.effects().values().all(|n| *n == 1),
+        "an effect happened twice"
+    );
+    let most = largest.load(AtomicOrdering::Relaxed) as usize;
+    ensure!(most <= BATCH, "a batch of {most} > batch_size {BATCH}");
+    let s = h.shutdown().await.stats;
+    ensure!(
+        s.processed == 40 && s.retried == 20 && s.dead_lettered == 20 && s.in_flight == 0,
+        "{s:?}"
+    );
     Ok(())
 }

@@ -425,6 +425,20 @@ pub trait Receiver: Send + Sync {
     /// The work is done: remove/commit.
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError>;
 
+    /// [`Receiver::ack`] for several deliveries (a batch handler's successes); returns
+    /// the failures, by index into `deliveries` (empty: all acknowledged). A backend that
+    /// settles many deliveries at once (one lock and one commit for Kafka offsets, one
+    /// `DeleteMessageBatch` for SQS) overrides it; the default acks one by one.
+    async fn ack_batch(&self, deliveries: &[Delivery]) -> Vec<(usize, BrokerError)> {
+        let mut failed = Vec::new();
+        for (i, d) in deliveries.iter().enumerate() {
+            if let Err(e) = self.ack(d).await {
+                failed.push((i, e));
+            }
+        }
+        failed
+    }
+
     /// Hold a copy for `retry.delay`, confirmed, *then* settle the source.
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError>;
 

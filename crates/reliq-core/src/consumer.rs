@@ -28,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use crate::batch::{Batch, BatchError, Failed};
 use crate::broker::{Broker, BrokerError, Delivery, Receiver, RetryRequest, Subscription};
 use crate::classify::{BoxError, Classifier, ErrorClass};
 use crate::headers::{self, DeadLetter, DeadLetterReason};
@@ -81,6 +82,7 @@ pub struct ConsumerBuilder {
     lease: Duration,
     delivery_limit: Option<u32>,
     settle_backoff: (Duration, Duration),
+    batch_size: usize,
 }
 
 /// Entry point of the runtime.
@@ -104,6 +106,7 @@ impl Consumer {
             lease: Duration::from_secs(30),
             delivery_limit: None,
             settle_backoff: (Duration::from_millis(100), Duration::from_secs(10)),
+            batch_size: DEFAULT_BATCH_SIZE,
         }
     }
 }
@@ -188,6 +191,14 @@ impl ConsumerBuilder {
         self
     }
 
+    /// Most deliveries in one call of a batch handler ([`ConsumerBuilder::start_batch`];
+    /// default 64, at most `max_in_flight`). A batch is what the broker has ready, up to
+    /// this many: the runtime never waits for a batch to fill.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
     /// The subscription this consumer will ask the broker for.
     pub fn subscription(&self) -> Result<Subscription, ConsumerError> {
         let (source, filter) = self.source.clone().ok_or(ConsumerError::Config {
@@ -236,13 +247,64 @@ impl ConsumerBuilder {
         Ok(subscription)
     }
 
-    /// Subscribe and start consuming in the background; returns a handle to stop it.
+    /// Subscribe and start consuming in the background, one handler call per delivery;
+    /// returns a handle to stop it.
     pub async fn start<F, Fut>(self, handler: F) -> Result<ConsumerHandle, ConsumerError>
     where
         F: Fn(Delivery) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
     {
         let subscription = self.validate()?;
+        self.launch(
+            subscription,
+            handler,
+            RECEIVE_BATCH,
+            dispatch_each::<F, Fut>,
+        )
+        .await
+    }
+
+    /// Like [`ConsumerBuilder::start`], with a batch handler: one call for up to
+    /// [`ConsumerBuilder::batch_size`] deliveries, the successes acknowledged together
+    /// (see [`crate::batch`]). A batch counts as one handler against `concurrency`, the
+    /// handler timeout and the handler metrics. [`Ordering::PerKey`] is refused: two
+    /// batches in flight may hold the same key.
+    pub async fn start_batch<F, Fut>(self, handler: F) -> Result<ConsumerHandle, ConsumerError>
+    where
+        F: Fn(Batch) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
+    {
+        let subscription = self.validate()?;
+        if self.ordering == Ordering::PerKey {
+            return Err(ConsumerError::Config {
+                field: "ordering",
+                reason: "per-key ordering needs a per-message handler (start), not start_batch"
+                    .into(),
+            });
+        }
+        if self.batch_size == 0 || self.batch_size > self.max_in_flight as usize {
+            return Err(ConsumerError::Config {
+                field: "batch_size",
+                reason: format!(
+                    "must be between 1 and max_in_flight ({}), not {}",
+                    self.max_in_flight, self.batch_size
+                ),
+            });
+        }
+        let max = self.batch_size;
+        self.launch(subscription, handler, max, dispatch_batch::<F, Fut>)
+            .await
+    }
+
+    /// Subscribe and start the receive loop; `dispatch` hands out what each receive
+    /// returned (per delivery, or as one batch).
+    async fn launch<H: Send + Sync + 'static>(
+        self,
+        subscription: Subscription,
+        handler: H,
+        receive_max: usize,
+        dispatch: Dispatch<H>,
+    ) -> Result<ConsumerHandle, ConsumerError> {
         let receiver: Arc<dyn Receiver> = Arc::from(
             self.broker
                 .subscribe(&subscription)
@@ -278,7 +340,13 @@ impl ConsumerBuilder {
         });
         let stop = CancellationToken::new();
         let in_flight = Arc::new(Semaphore::new(self.max_in_flight as usize));
-        let loop_task = tokio::spawn(receive_loop(shared.clone(), stop.clone(), in_flight));
+        let loop_task = tokio::spawn(receive_loop(
+            shared.clone(),
+            stop.clone(),
+            in_flight,
+            receive_max,
+            dispatch,
+        ));
         tracing::info!(consumer = %shared.name, source = %subscription.source, "consumer started");
         Ok(ConsumerHandle {
             shared,
@@ -300,6 +368,22 @@ impl ConsumerBuilder {
         Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
     {
         let handle = self.start(handler).await?;
+        shutdown.await;
+        Ok(handle.shutdown().await)
+    }
+
+    /// [`ConsumerBuilder::start_batch`], run until `shutdown` completes, then shut down
+    /// gracefully.
+    pub async fn run_batch<F, Fut>(
+        self,
+        handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ShutdownReport, ConsumerError>
+    where
+        F: Fn(Batch) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
+    {
+        let handle = self.start_batch(handler).await?;
         shutdown.await;
         Ok(handle.shutdown().await)
     }
@@ -499,9 +583,16 @@ impl SettleBackoff {
 
 type Held = (Delivery, OwnedSemaphorePermit);
 
-/// Most deliveries the receive loop takes from the backend in one call (bounded by the
-/// free in-flight room as well).
+/// Most deliveries the receive loop takes from the backend in one call for a per-message
+/// handler (bounded by the free in-flight room as well).
 const RECEIVE_BATCH: usize = 64;
+
+/// Default [`ConsumerBuilder::batch_size`].
+const DEFAULT_BATCH_SIZE: usize = 64;
+
+/// Hands out what one `receive_batch` returned: per delivery ([`dispatch_each`]) or as
+/// one batch ([`dispatch_batch`]). The permits cover the deliveries the receive asked for.
+type Dispatch<H> = fn(&Arc<Shared<H>>, &Arc<Semaphore>, &mut Vec<Delivery>, OwnedSemaphorePermit);
 
 struct Shared<F> {
     name: Arc<str>,
@@ -523,16 +614,15 @@ struct Shared<F> {
     crash: CancellationToken,
 }
 
-async fn receive_loop<F, Fut>(
-    shared: Arc<Shared<F>>,
+async fn receive_loop<H: Send + Sync + 'static>(
+    shared: Arc<Shared<H>>,
     stop: CancellationToken,
     in_flight: Arc<Semaphore>,
-) where
-    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
-{
+    receive_max: usize,
+    dispatch: Dispatch<H>,
+) {
     let mut receive_errors: u32 = 0;
-    let mut batch = Vec::with_capacity(RECEIVE_BATCH);
+    let mut batch = Vec::with_capacity(receive_max);
     // One registration for the whole loop (a fresh `cancelled()` per message costs a
     // lock on the token each time).
     let stopped = stop.cancelled();
@@ -551,7 +641,7 @@ async fn receive_loop<F, Fut>(
             _ = &mut stopped => break,
         };
         // Whatever else is free now joins the batch; nothing waits for more room.
-        let more = in_flight.available_permits().min(RECEIVE_BATCH - 1);
+        let more = in_flight.available_permits().min(receive_max - 1);
         if more > 0
             && let Ok(extra) = in_flight
                 .clone()
@@ -563,7 +653,7 @@ async fn receive_loop<F, Fut>(
             r = shared.receiver.receive_batch(permits.num_permits(), &mut batch) => r,
             _ = &mut stopped => break,
         };
-        dispatch_batch(&shared, &in_flight, &mut batch, permits);
+        dispatch(&shared, &in_flight, &mut batch, permits);
         match received {
             Ok(()) => receive_errors = 0,
             Err(BrokerError::Closed) => {
@@ -583,9 +673,29 @@ async fn receive_loop<F, Fut>(
     }
 }
 
-/// Count and dispatch what one `receive_batch` returned, one in-flight permit each;
-/// permits the batch did not use go back when `permits` drops.
-fn dispatch_batch<F, Fut>(
+/// Count `n` deliveries as received and held.
+fn count_received<H>(shared: &Shared<H>, n: usize) {
+    let n = n as u64;
+    let stats = &shared.stats;
+    stats.received.fetch_add(n, AtomicOrdering::Relaxed);
+    shared.metrics.received.increment(n);
+    let held = stats.in_flight.fetch_add(n, AtomicOrdering::Relaxed) + n;
+    stats.max_in_flight.fetch_max(held, AtomicOrdering::Relaxed);
+    shared.metrics.in_flight.increment(n as f64);
+}
+
+/// Count `n` deliveries as no longer held (settled or released).
+fn count_settled<H>(shared: &Shared<H>, n: usize) {
+    shared
+        .stats
+        .in_flight
+        .fetch_sub(n as u64, AtomicOrdering::Relaxed);
+    shared.metrics.in_flight.decrement(n as f64);
+}
+
+/// Per-message handler: count and dispatch what one `receive_batch` returned, one
+/// in-flight permit each; permits the batch did not use go back when `permits` drops.
+fn dispatch_each<F, Fut>(
     shared: &Arc<Shared<F>>,
     in_flight: &Arc<Semaphore>,
     batch: &mut Vec<Delivery>,
@@ -597,13 +707,7 @@ fn dispatch_batch<F, Fut>(
     if batch.is_empty() {
         return;
     }
-    let n = batch.len() as u64;
-    let stats = &shared.stats;
-    stats.received.fetch_add(n, AtomicOrdering::Relaxed);
-    shared.metrics.received.increment(n);
-    let held = stats.in_flight.fetch_add(n, AtomicOrdering::Relaxed) + n;
-    stats.max_in_flight.fetch_max(held, AtomicOrdering::Relaxed);
-    shared.metrics.in_flight.increment(n as f64);
+    count_received(shared, batch.len());
     for delivery in batch.drain(..) {
         let permit = permits.split(1).or_else(|| {
             // A backend broke the `receive_batch` contract and returned more than asked:
@@ -654,6 +758,7 @@ where
     });
 }
 
+#[derive(Clone)]
 enum Outcome {
     Done,
     /// The handler returned [`Duplicate`]: ack, skip, count.
@@ -705,10 +810,61 @@ where
                 // A crash rolls back an uncommitted inbox claim, as a transaction would.
                 s.abandon_claim(&d).await;
             }
-            _ = work => {
-                s.stats.in_flight.fetch_sub(1, AtomicOrdering::Relaxed);
-                s.metrics.in_flight.decrement(1.0);
+            _ = work => count_settled(&s, 1),
+        }
+    }
+    .instrument(span)
+    .await;
+}
+
+/// Batch handler: what one `receive_batch` returned is one batch, holding its permits
+/// until every delivery of it is settled.
+fn dispatch_batch<F, Fut>(
+    shared: &Arc<Shared<F>>,
+    _in_flight: &Arc<Semaphore>,
+    batch: &mut Vec<Delivery>,
+    permits: OwnedSemaphorePermit,
+) where
+    F: Fn(Batch) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
+{
+    if batch.is_empty() {
+        return;
+    }
+    count_received(shared, batch.len());
+    let deliveries = Arc::new(std::mem::replace(
+        batch,
+        Vec::with_capacity(batch.capacity()),
+    ));
+    shared
+        .tracker
+        .spawn(process_batch(shared.clone(), deliveries, permits));
+}
+
+async fn process_batch<F, Fut>(
+    shared: Arc<Shared<F>>,
+    deliveries: Arc<Vec<Delivery>>,
+    _permits: OwnedSemaphorePermit,
+) where
+    F: Fn(Batch) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
+{
+    let span = tracing::info_span!(
+        "reliq.batch",
+        consumer = %shared.name,
+        size = deliveries.len(),
+        first_id = %deliveries[0].id(),
+    );
+    async {
+        // As for one message: a crash stops everything at once and settles nothing.
+        tokio::select! {
+            biased;
+            _ = shared.crash.cancelled() => {
+                for d in deliveries.iter() {
+                    shared.abandon_claim(d).await;
+                }
             }
+            _ = shared.handle_batch(&deliveries) => count_settled(&shared, deliveries.len()),
         }
     }
     .instrument(span)
@@ -724,36 +880,148 @@ where
     /// failure).
     async fn handle(&self, d: &Delivery) -> Option<Outcome> {
         let _slot = self.concurrency.acquire().await.ok()?;
-        if let Some(inbox) = &self.inbox {
-            match inbox.claim(&self.name, d.id()).await {
-                Ok(Claim::First) => {}
-                Ok(Claim::Duplicate) => {
-                    self.skip_duplicate(d).await;
-                    return None;
+        if !self.claim(d).await {
+            return None;
+        }
+        let outcome = match self.call((self.handler)(d.clone())).await {
+            Ok(Ok(())) => Outcome::Done,
+            Ok(Err(e)) => self.failure(e),
+            Err(outcome) => outcome,
+        };
+        if let Outcome::Failed(..) = outcome {
+            self.abandon_claim(d).await;
+        }
+        Some(outcome)
+    }
+}
+
+impl<F, Fut> Shared<F>
+where
+    F: Fn(Batch) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
+{
+    /// Claim (with an inbox), call the batch handler once, settle every delivery.
+    async fn handle_batch(&self, deliveries: &Arc<Vec<Delivery>>) {
+        let slot = tokio::select! {
+            biased;
+            _ = self.hard_stop.cancelled() => None,
+            slot = self.concurrency.acquire() => slot.ok(),
+        };
+        let Some(_slot) = slot else {
+            for d in deliveries.iter() {
+                self.release(d, Duration::ZERO).await;
+            }
+            return;
+        };
+        let batch = match &self.inbox {
+            None => deliveries.clone(),
+            Some(_) => {
+                let mut first = Vec::with_capacity(deliveries.len());
+                for d in deliveries.iter() {
+                    if self.claim(d).await {
+                        first.push(d.clone());
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "inbox claim failed; releasing the delivery");
-                    let wait = self.backoff.failed();
-                    self.release(d, wait).await;
-                    return None;
+                if first.is_empty() {
+                    return;
                 }
+                Arc::new(first)
+            }
+        };
+        let result = tokio::select! {
+            biased;
+            _ = self.hard_stop.cancelled() => {
+                for d in batch.iter() {
+                    self.abandon_claim(d).await;
+                    self.release(d, Duration::ZERO).await;
+                }
+                return;
+            }
+            r = self.call((self.handler)(Batch::new(batch.clone()))) => r,
+        };
+        let failed: Vec<(usize, Outcome)> = match result {
+            Ok(Ok(())) => Vec::new(),
+            Ok(Err(BatchError(Failed::All(e)))) => {
+                let outcome = self.failure(e);
+                (0..batch.len()).map(|i| (i, outcome.clone())).collect()
+            }
+            Err(outcome) => (0..batch.len()).map(|i| (i, outcome.clone())).collect(),
+            Ok(Err(BatchError(Failed::Some(list)))) => {
+                let mut failed = Vec::with_capacity(list.len());
+                for (i, e) in list {
+                    if i >= batch.len() {
+                        tracing::error!(
+                            index = i,
+                            size = batch.len(),
+                            "the batch handler named a failed delivery outside the batch; ignored"
+                        );
+                    } else if !failed.iter().any(|(seen, _)| *seen == i) {
+                        failed.push((i, self.failure(e)));
+                    }
+                }
+                failed
+            }
+        };
+        if failed.is_empty() {
+            return self.ack_done(&batch).await;
+        }
+        let done: Vec<Delivery> = (0..batch.len())
+            .filter(|i| !failed.iter().any(|(f, _)| f == i))
+            .map(|i| batch[i].clone())
+            .collect();
+        self.ack_done(&done).await;
+        // The failures settle concurrently: each may wait for a retry or DLQ confirm.
+        let batch = &batch;
+        futures::future::join_all(failed.into_iter().map(|(i, outcome)| async move {
+            let d = &batch[i];
+            if let Outcome::Failed(..) = outcome {
+                self.abandon_claim(d).await;
+            }
+            self.settle(d, outcome).await;
+        }))
+        .await;
+    }
+}
+
+impl<H> Shared<H> {
+    /// Claim `d` in the runtime's inbox, if there is one. False: already settled (a
+    /// duplicate, acknowledged; or the claim failed and the delivery was released).
+    async fn claim(&self, d: &Delivery) -> bool {
+        let Some(inbox) = &self.inbox else {
+            return true;
+        };
+        match inbox.claim(&self.name, d.id()).await {
+            Ok(Claim::First) => true,
+            Ok(Claim::Duplicate) => {
+                self.skip_duplicate(d).await;
+                false
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "inbox claim failed; releasing the delivery");
+                let wait = self.backoff.failed();
+                self.release(d, wait).await;
+                false
             }
         }
+    }
+
+    /// One handler call (per message or per batch): counted as running, bounded by the
+    /// handler timeout, a panic caught. `Err` is the failure the call itself became.
+    async fn call<T>(&self, call: impl Future<Output = T>) -> Result<T, Outcome> {
         let running = self.stats.running.fetch_add(1, AtomicOrdering::Relaxed) + 1;
         self.stats
             .max_running
             .fetch_max(running, AtomicOrdering::Relaxed);
         let started = Instant::now();
-        let call = AssertUnwindSafe(async {
+        let result = AssertUnwindSafe(async {
             match self.handler_timeout {
-                Some(limit) => match tokio::time::timeout(limit, (self.handler)(d.clone())).await {
-                    Ok(r) => r.map_err(|e| self.failure(e)),
-                    Err(_) => Err(Outcome::Failed(
+                Some(limit) => tokio::time::timeout(limit, call).await.map_err(|_| {
+                    Outcome::Failed(
                         ErrorClass::Transient,
                         format!("handler timed out after {limit:?}"),
-                    )),
-                },
-                None => (self.handler)(d.clone()).await.map_err(|e| self.failure(e)),
+                    )
+                }),
+                None => Ok(call.await),
             }
         })
         .catch_unwind()
@@ -762,20 +1030,36 @@ where
         self.metrics
             .handler_duration
             .record(started.elapsed().as_secs_f64());
-        let outcome = match call {
-            Ok(Ok(())) => Outcome::Done,
-            Ok(Err(outcome)) => outcome,
-            Err(panic) => {
-                Stats::bump(&self.stats.panics);
-                let text = panic_text(panic.as_ref());
-                tracing::error!(panic = %text, "handler panicked");
-                Outcome::Failed(ErrorClass::Panic, format!("panic: {text}"))
-            }
-        };
-        if let Outcome::Failed(..) = outcome {
-            self.abandon_claim(d).await;
+        result.unwrap_or_else(|panic| {
+            Stats::bump(&self.stats.panics);
+            let text = panic_text(panic.as_ref());
+            tracing::error!(panic = %text, "handler panicked");
+            Err(Outcome::Failed(ErrorClass::Panic, format!("panic: {text}")))
+        })
+    }
+
+    /// Complete the inbox claims of handled deliveries and acknowledge them together.
+    async fn ack_done(&self, done: &[Delivery]) {
+        if done.is_empty() {
+            return;
         }
-        Some(outcome)
+        if let Some(inbox) = &self.inbox {
+            for d in done {
+                if let Err(e) = inbox.complete(&self.name, d.id()).await {
+                    tracing::warn!(error = %e, id = %d.id(), "inbox complete failed");
+                }
+            }
+        }
+        let failed = self.receiver.ack_batch(done).await;
+        let acked = (done.len() - failed.len().min(done.len())) as u64;
+        self.stats
+            .processed
+            .fetch_add(acked, AtomicOrdering::Relaxed);
+        self.metrics.processed.increment(acked);
+        for (i, e) in failed {
+            let id = done.get(i).map(|d| d.id().to_string()).unwrap_or_default();
+            self.ack_failed(&e, &id);
+        }
     }
 
     /// What a handler error means: a [`Duplicate`] marker anywhere in its chain, or a
@@ -918,13 +1202,17 @@ where
         match self.receiver.ack(d).await {
             Ok(()) => true,
             Err(e) => {
-                // The effect is done; the broker will redeliver and the inbox absorbs it.
-                Stats::bump(&self.stats.settle_failures);
-                self.metrics.settle_failures[SettleOp::Ack as usize].increment(1);
-                tracing::warn!(error = %e, "ack failed; the message may be delivered again");
+                self.ack_failed(&e, d.id().as_str());
                 false
             }
         }
+    }
+
+    fn ack_failed(&self, e: &BrokerError, id: &str) {
+        // The effect is done; the broker will redeliver and the inbox absorbs it.
+        Stats::bump(&self.stats.settle_failures);
+        self.metrics.settle_failures[SettleOp::Ack as usize].increment(1);
+        tracing::warn!(error = %e, id, "ack failed; the message may be delivered again");
     }
 
     async fn settle_failed(&self, d: &Delivery, op: SettleOp, e: &BrokerError) {

@@ -36,6 +36,7 @@
 //! # let _ = report; Ok(()) }
 //! ```
 
+pub mod batch;
 pub mod broker;
 pub mod classify;
 pub mod consumer;
@@ -49,6 +50,7 @@ pub mod replay;
 pub mod retry;
 pub mod telemetry;
 
+pub use batch::{Batch, BatchError};
 pub use broker::{
     Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, Receiver,
     RetryRequest, Subscription,
