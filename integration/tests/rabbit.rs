@@ -157,7 +157,7 @@ async fn retry_route_deleted_returns_and_source_is_not_acked() -> anyhow::Result
         sent.elapsed()
     );
     ensure!(
-        retried.origin().destination == topic,
+        *retried.origin().destination == *topic,
         "origin {:?}",
         retried.origin()
     );
@@ -211,7 +211,7 @@ async fn parking_queue_unavailable_loses_nothing() -> anyhow::Result<()> {
     let parked = receive(dlq.as_ref()).await?;
     let record = DeadLetter::read(parked.headers())?;
     ensure!(parked.id() == &id && record.reason == DeadLetterReason::Permanent);
-    ensure!(record.origin.destination == topic);
+    ensure!(*record.origin.destination == *topic);
     dlq.ack(&parked).await?;
     ensure!(
         tokio::time::timeout(Duration::from_millis(1500), dlq.receive())
@@ -390,7 +390,7 @@ async fn broker_dead_letter_is_read_as_max_deliveries_and_plan_matches_version()
         record.reason == DeadLetterReason::MaxDeliveries,
         "{record:?}"
     );
-    ensure!(record.consumer == "c" && record.origin.destination == topic);
+    ensure!(record.consumer == "c" && *record.origin.destination == *topic);
     ensure!(record.origin.route.as_deref() == Some("order.created"));
     ensure!(parked.headers().get("x-death").is_none());
     dlq.ack(&parked).await?;

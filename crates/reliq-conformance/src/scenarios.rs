@@ -607,7 +607,7 @@ pub async fn dead_letter_metadata_complete_and_decodable(b: &dyn Backend) -> any
     );
     ensure!(r.attempts == 1);
     ensure!(r.consumer == "meta");
-    ensure!(r.origin.destination == ctx.topic, "origin {:?}", r.origin);
+    ensure!(*r.origin.destination == *ctx.topic, "origin {:?}", r.origin);
     let first = r.first_failure_at.context("first failure time")?;
     ensure!(first <= r.dead_lettered_at);
     ensure!(

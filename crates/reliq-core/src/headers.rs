@@ -10,6 +10,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use crate::classify::ErrorClass;
@@ -212,8 +213,9 @@ impl FromStr for DeadLetterReason {
 /// Where a message came from: destination plus the broker's position, where it has one.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Origin {
-    /// Topic, exchange, stream or queue name.
-    pub destination: String,
+    /// Topic, exchange, stream or queue name (shared: a backend hands the same name to
+    /// every delivery of a source without copying it).
+    pub destination: Arc<str>,
     /// Routing key or subject, if the broker routes by one.
     pub route: Option<String>,
     /// Kafka partition.
@@ -289,7 +291,7 @@ impl DeadLetter {
         }
         headers.insert(DEAD_LETTERED_AT, format_time(self.dead_lettered_at));
         headers.insert(CONSUMER, self.consumer.clone());
-        headers.insert(ORIGINAL_DESTINATION, self.origin.destination.clone());
+        headers.insert(ORIGINAL_DESTINATION, &*self.origin.destination);
         let optional = [
             (ORIGINAL_ROUTE, self.origin.route.clone()),
             (
@@ -335,7 +337,7 @@ impl DeadLetter {
             dead_lettered_at: parse_time(required(headers, DEAD_LETTERED_AT)?)?,
             consumer: required(headers, CONSUMER)?.to_owned(),
             origin: Origin {
-                destination: required(headers, ORIGINAL_DESTINATION)?.to_owned(),
+                destination: required(headers, ORIGINAL_DESTINATION)?.into(),
                 route: headers.get(ORIGINAL_ROUTE).map(str::to_owned),
                 partition: parse_optional(headers, ORIGINAL_PARTITION)?,
                 offset: parse_optional(headers, ORIGINAL_OFFSET)?,

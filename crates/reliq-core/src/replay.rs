@@ -289,7 +289,7 @@ impl Replay {
         h.insert(headers::REPLAY_COUNT, (count + 1).to_string());
         h.insert(headers::REPLAYED_AT, headers::format_time(clock.now()));
         let original = Destination {
-            topic: record.origin.destination.clone(),
+            topic: record.origin.destination.to_string(),
             route: record.origin.route.clone(),
         };
         match self.target {

@@ -3,8 +3,8 @@
 //! per-partition offset tracking, pause-based flow control and the crash-loop counter.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -30,12 +30,13 @@ use crate::{DUE_AT_HEADER, Inner, KafkaError, SOURCE_OFFSET_HEADER, SOURCE_PARTI
 const POLL_SLICE: Duration = Duration::from_millis(20);
 /// While the buffer ahead of the runtime is full the poll thread stops taking records
 /// but leaves them in librdkafka's own bounded fetch queue (`queued.max.messages.kbytes`),
-/// checking again every [`FULL_RECHECK`]. Pausing would discard that queue and cost a
+/// waiting for the runtime to take some (at most [`FULL_RECHECK`]). Pausing would discard that queue and cost a
 /// refetch (hundreds of milliseconds) on resume; only a buffer full for longer than this
 /// pauses the partitions, so the poll loop goes back to serving rebalances and
 /// `max.poll.interval.ms` while slow handlers catch up.
 const FLOW_PAUSE_AFTER: Duration = Duration::from_secs(1);
-/// How often a full buffer is checked for room.
+/// Longest a poll thread waits for room in a full buffer before it looks again (the
+/// runtime wakes it as soon as it takes records).
 const FULL_RECHECK: Duration = Duration::from_millis(1);
 /// Most records the poll thread takes from librdkafka in one pass, between two looks at
 /// the buffer bound.
@@ -58,13 +59,54 @@ enum Role {
 
 struct Client {
     topic: String,
+    /// Where this client's records come from, as deliveries report it: the topic itself,
+    /// or for a relay the source topic. Shared, not copied per record.
+    origin: Arc<str>,
     group: String,
     role: Role,
 }
 
+/// Which record a delivery is, packed into its [`DeliveryToken`] without an allocation:
+/// `tag` = offset; `lane` = a marker bit (63) | generation (bits 40–61, wrapping) |
+/// client (bits 32–39) | partition (bits 0–31).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct TokenInfo {
     client: usize,
+    partition: i32,
+    offset: i64,
+    /// The partition's assignment generation, masked to [`GENERATION_MASK`].
     generation: u64,
+}
+
+const TOKEN_MARKER: u64 = 1 << 63;
+const GENERATION_MASK: u64 = (1 << 22) - 1;
+/// Most Kafka consumers one receiver runs (source + relays), so a client index fits the
+/// token's 8 bits.
+const MAX_CLIENTS: usize = 256;
+
+impl TokenInfo {
+    fn token(self) -> DeliveryToken {
+        let lane = TOKEN_MARKER
+            | (self.generation & GENERATION_MASK) << 40
+            | (self.client as u64 & 0xff) << 32
+            | u64::from(self.partition as u32);
+        DeliveryToken {
+            tag: self.offset as u64,
+            lane: lane as i64,
+            extra: None,
+        }
+    }
+
+    fn of(d: &Delivery) -> Option<Self> {
+        let t = d.token();
+        let lane = t.lane as u64;
+        (lane & TOKEN_MARKER != 0 && t.extra.is_none()).then_some(Self {
+            client: ((lane >> 32) & 0xff) as usize,
+            partition: lane as u32 as i32,
+            offset: t.tag as i64,
+            generation: (lane >> 40) & GENERATION_MASK,
+        })
+    }
 }
 
 struct Held {
@@ -101,7 +143,7 @@ struct Part {
 impl Part {
     fn new(generation: u64, head: Option<i64>, head_count: Option<(i64, u32)>) -> Self {
         Self {
-            generation,
+            generation: generation & GENERATION_MASK,
             tracker: OffsetTracker::new(),
             busy: 0,
             revoking: false,
@@ -124,13 +166,24 @@ pub(crate) fn buffer_bound(prefetch: u32) -> usize {
     (prefetch.max(1) as usize).saturating_mul(4).max(16)
 }
 
+/// Room in the buffer a poll thread waits for before its next pass (a quarter of the
+/// bound, at most one pass): passes of a few records would cost a lock, a clock read and
+/// a wake-up each.
+fn refill_room(bound: usize) -> usize {
+    (bound / 4).clamp(1, POLL_BATCH)
+}
+
 #[derive(Default)]
 struct State {
-    parts: HashMap<(usize, i32), Part>,
+    /// Per (client, partition). A fast hasher: the poll thread and the settlements look a
+    /// partition up for every record, and the keys are not attacker-chosen.
+    parts: HashMap<(usize, i32), Part, foldhash::fast::RandomState>,
     /// Deliveries pushed to the stream and not yet taken by the runtime: the buffer
     /// ahead of the runtime, bounded by flow control.
     queued: usize,
     next_generation: u64,
+    /// A poll thread waits on [`Shared::room`] for the buffer to drain.
+    room_wanted: bool,
 }
 
 impl State {
@@ -171,21 +224,82 @@ impl Flow {
     }
 }
 
+/// One poll thread's view for its current pass: the generations of its partitions that
+/// take the fast path, and the records of that path waiting to be tracked. The view is
+/// refreshed whenever a rebalance ran (rebalance callbacks run inside `poll`, on this
+/// thread, so a record is always tagged with the generation it was polled under).
+struct Pass {
+    /// [`Shared::rebalances`] when `fast` was read; `u64::MAX` = read again.
+    seen: u64,
+    /// (partition, generation) of partitions assigned, not revoking, past their first
+    /// record.
+    fast: Vec<(i32, u64)>,
+    pending: Vec<Delivery>,
+}
+
+impl Pass {
+    fn new() -> Self {
+        Self {
+            seen: u64::MAX,
+            fast: Vec::new(),
+            pending: Vec::with_capacity(POLL_BATCH),
+        }
+    }
+
+    /// Read the partitions again before the next record.
+    fn stale(&mut self) {
+        self.seen = u64::MAX;
+    }
+
+    /// The generation of `partition` if its records take the fast path.
+    fn generation(&mut self, shared: &Shared, client: usize, partition: i32) -> Option<u64> {
+        let now = shared.rebalances.load(Ordering::Acquire);
+        if now != self.seen {
+            self.seen = now;
+            self.fast.clear();
+            let s = lock(&shared.state);
+            self.fast.extend(
+                s.parts
+                    .iter()
+                    .filter(|((c, _), part)| *c == client && part.counted && !part.revoking)
+                    .map(|((_, p), part)| (*p, part.generation)),
+            );
+        }
+        self.fast
+            .iter()
+            .find(|(p, _)| *p == partition)
+            .map(|(_, g)| *g)
+    }
+}
+
 struct Shared {
     inner: Arc<Inner>,
     sub: Subscription,
     clients: Vec<Client>,
     state: Mutex<State>,
-    tx: mpsc::UnboundedSender<Delivery>,
+    /// Signalled when the runtime takes records from a full buffer.
+    room: Condvar,
+    /// Counts assignments and revocations (see [`Pass`]).
+    rebalances: AtomicU64,
+    /// To the runtime, in chunks: all a poll pass handed out, one send (and at most one
+    /// wake-up) per pass.
+    tx: mpsc::UnboundedSender<Vec<Delivery>>,
     stop: AtomicBool,
     crashed: AtomicBool,
     runtime: tokio::runtime::Handle,
 }
 
+/// The runtime's end of the stream: chunks from the poll threads, and what is left of
+/// the chunk last taken from.
+struct Inbound {
+    rx: mpsc::UnboundedReceiver<Vec<Delivery>>,
+    ready: VecDeque<Delivery>,
+}
+
 /// A [`Receiver`] over one or more Kafka consumers.
 pub(crate) struct KafkaReceiver {
     shared: Arc<Shared>,
-    rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Delivery>>,
+    rx: tokio::sync::Mutex<Inbound>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -236,6 +350,7 @@ impl KafkaReceiver {
         }
         let mut clients = vec![Client {
             topic: sub.source.clone(),
+            origin: sub.source.as_str().into(),
             group: sub.consumer.clone(),
             role: Role::Source,
         }];
@@ -249,9 +364,20 @@ impl KafkaReceiver {
                 continue;
             }
             clients.push(Client {
+                origin: sub.source.as_str().into(),
                 group: format!("{}.retry.{}ms", sub.consumer, delay.as_millis()),
                 topic,
                 role: Role::Relay(*delay),
+            });
+        }
+        if clients.len() > MAX_CLIENTS {
+            return Err(BrokerError::Config {
+                field: "retry.tiers".into(),
+                reason: format!(
+                    "{} retry tiers; the Kafka backend runs one relay per tier, at most {}",
+                    clients.len() - 1,
+                    MAX_CLIENTS - 1
+                ),
             });
         }
         let mut topics: Vec<String> = clients.iter().map(|c| c.topic.clone()).collect();
@@ -288,6 +414,7 @@ impl KafkaReceiver {
         let topic = sub.dead_letter_name();
         inner.ensure_topics(std::slice::from_ref(&topic)).await?;
         let clients = vec![Client {
+            origin: topic.as_str().into(),
             topic,
             group: format!("{}.dlq-reader", sub.consumer),
             role: Role::DeadLetters,
@@ -306,6 +433,8 @@ impl KafkaReceiver {
             sub: sub.clone(),
             clients,
             state: Mutex::new(State::default()),
+            room: Condvar::new(),
+            rebalances: AtomicU64::new(0),
             tx,
             stop: AtomicBool::new(false),
             crashed: AtomicBool::new(false),
@@ -345,7 +474,10 @@ impl KafkaReceiver {
             clients = shared.clients.len(), "kafka receiver started");
         Ok(Self {
             shared,
-            rx: tokio::sync::Mutex::new(rx),
+            rx: tokio::sync::Mutex::new(Inbound {
+                rx,
+                ready: VecDeque::new(),
+            }),
             threads: Mutex::new(threads),
         })
     }
@@ -400,6 +532,7 @@ impl Shared {
             s.parts
                 .insert((client, e.partition()), Part::new(generation, None, None));
         }
+        self.rebalances.fetch_add(1, Ordering::Release);
         Ok(())
     }
 
@@ -408,16 +541,27 @@ impl Shared {
         let bound = buffer_bound(self.sub.prefetch);
         let mut next_service = Instant::now();
         let mut timeout = Duration::ZERO;
+        // What this pass handed out; sent to the runtime as one chunk at the end of the
+        // pass (before the next poll may block).
+        let mut out = Vec::with_capacity(POLL_BATCH);
+        let mut pass = Pass::new();
         while !self.is_stopped() {
             let queued = lock(&self.state).queued;
             let now = Instant::now();
             let hold_back = flow.hold_back(queued, self.sub.prefetch, now);
             if now >= next_service {
-                timeout = self.service(client, &consumer, flow.paused);
+                timeout = self.service(client, &consumer, flow.paused, &mut out);
+                self.flush(&mut out);
                 next_service = now + SERVICE_EVERY;
             }
-            if hold_back {
-                std::thread::sleep(FULL_RECHECK);
+            // Full, or too little room for a pass worth its overhead: wait for the
+            // runtime to take records (unless paused, when polling serves events only).
+            if hold_back || (bound.saturating_sub(queued) < refill_room(bound) && !flow.paused) {
+                let mut s = lock(&self.state);
+                if bound.saturating_sub(s.queued) < refill_room(bound) {
+                    s.room_wanted = true;
+                    drop(self.room.wait_timeout(s, FULL_RECHECK));
+                }
                 continue;
             }
             // The first poll may block (until records, an event or the next due relay
@@ -426,7 +570,7 @@ impl Shared {
             for _ in 0..bound.saturating_sub(queued).clamp(1, POLL_BATCH) {
                 match consumer.poll(wait) {
                     None => break,
-                    Some(Ok(m)) => self.on_record(client, &consumer, &m),
+                    Some(Ok(m)) => self.on_record(client, &consumer, &m, &mut out, &mut pass),
                     Some(Err(e)) => {
                         tracing::warn!(topic = %self.clients[client].topic, error = %e, "kafka consumer error");
                         break;
@@ -434,6 +578,8 @@ impl Shared {
                 }
                 wait = Duration::ZERO;
             }
+            self.track_pass(&mut pass, &mut out);
+            self.flush(&mut out);
         }
         if !self.crashed.load(Ordering::SeqCst) {
             // Graceful close: commit everything done, synchronously, before leaving.
@@ -474,7 +620,13 @@ impl Shared {
     /// Commit what moved, hand out due relay records, pause/resume (relay heads not due
     /// yet; every partition while `flow_paused`). Returns how long the next poll may
     /// block.
-    fn service(&self, client: usize, consumer: &BaseConsumer<Ctx>, flow_paused: bool) -> Duration {
+    fn service(
+        &self,
+        client: usize,
+        consumer: &BaseConsumer<Ctx>,
+        flow_paused: bool,
+        out: &mut Vec<Delivery>,
+    ) -> Duration {
         let topic = self.clients[client].topic.as_str();
         let now = SystemTime::now();
         let mut due = Vec::new();
@@ -522,9 +674,10 @@ impl Shared {
         }
         for (partition, h) in due {
             if self.blocking(client) {
-                self.resend(h.delivery);
+                lock(&self.state).queued += 1;
+                out.push(h.delivery);
             } else {
-                self.hand_out(client, consumer, partition, h.offset, h.delivery);
+                self.hand_out(client, consumer, partition, h.offset, h.delivery, out);
             }
         }
         // Pause every partition while flow control says so, and relay partitions while
@@ -563,35 +716,63 @@ impl Shared {
         next_due.map_or(POLL_SLICE, |d| d.min(POLL_SLICE))
     }
 
-    fn on_record(&self, client: usize, consumer: &BaseConsumer<Ctx>, m: &BorrowedMessage<'_>) {
+    fn on_record(
+        &self,
+        client: usize,
+        consumer: &BaseConsumer<Ctx>,
+        m: &BorrowedMessage<'_>,
+        out: &mut Vec<Delivery>,
+        pass: &mut Pass,
+    ) {
         let (partition, offset) = (m.partition(), m.offset());
-        let generation = match lock(&self.state).parts.get(&(client, partition)) {
-            Some(p) if !p.revoking => p.generation,
-            _ => return,
+        let role = self.clients[client].role;
+        // Fast path: a source or DLQ partition past its first record, not in blocking
+        // mode — tracked with the rest of the pass under one lock.
+        let fast = if matches!(role, Role::Relay(_)) || self.blocking(client) {
+            None
+        } else {
+            pass.generation(self, client, partition)
+        };
+        let generation = match fast {
+            Some(g) => g,
+            None => {
+                // Slow path, in order behind what the pass holds so far.
+                self.track_pass(pass, out);
+                pass.stale();
+                match lock(&self.state).parts.get(&(client, partition)) {
+                    Some(p) if !p.revoking => p.generation,
+                    _ => return,
+                }
+            }
         };
         let decoded = decode(m);
-        let role = self.clients[client].role;
         let origin = match role {
             Role::Source | Role::DeadLetters => Origin {
-                destination: m.topic().to_owned(),
+                destination: self.clients[client].origin.clone(),
                 partition: Some(partition),
                 offset: Some(offset),
                 ..Origin::default()
             },
             Role::Relay(_) => Origin {
-                destination: self.sub.source.clone(),
+                destination: self.clients[client].origin.clone(),
                 partition: decoded.source_partition,
                 offset: decoded.source_offset,
                 ..Origin::default()
             },
         };
         let attempt = headers::attempt(decoded.message.headers());
-        let token = DeliveryToken {
-            tag: u64::try_from(offset).unwrap_or_default(),
-            lane: i64::from(partition),
-            extra: Some(Box::new(TokenInfo { client, generation })),
-        };
+        let token = TokenInfo {
+            client,
+            partition,
+            offset,
+            generation,
+        }
+        .token();
         let delivery = Delivery::new(decoded.message, attempt, origin, token);
+        if fast.is_some() {
+            pass.pending.push(delivery);
+            return;
+        }
         if let Role::Relay(delay) = role {
             let due = decoded.due.unwrap_or_else(|| {
                 let ts = m.timestamp().to_millis().unwrap_or(0).max(0);
@@ -618,7 +799,7 @@ impl Shared {
                 return;
             }
         }
-        self.hand_out(client, consumer, partition, offset, delivery);
+        self.hand_out(client, consumer, partition, offset, delivery, out);
     }
 
     /// Count the head record (crash-loop guard), then push the delivery to the stream.
@@ -629,6 +810,7 @@ impl Shared {
         partition: i32,
         offset: i64,
         delivery: Delivery,
+        out: &mut Vec<Delivery>,
     ) {
         let role = self.clients[client].role;
         let mut s = lock(&self.state);
@@ -637,9 +819,10 @@ impl Shared {
         };
         if part.counted {
             // Every record after the partition's first: one lock, no counter.
-            let out = self.track(&mut s, client, partition, offset, delivery);
+            let tracked = self.track(&mut s, client, partition, offset, delivery);
             drop(s);
-            return self.send(out);
+            out.extend(tracked);
+            return;
         }
         part.counted = true;
         let count =
@@ -680,8 +863,8 @@ impl Shared {
                 }
             }
         }
-        let out = self.track(&mut lock(&self.state), client, partition, offset, delivery);
-        self.send(out);
+        let tracked = self.track(&mut lock(&self.state), client, partition, offset, delivery);
+        out.extend(tracked);
     }
 
     /// Track the record's offset and count it as buffered; returns it if it goes to the
@@ -715,20 +898,41 @@ impl Shared {
         Some(delivery)
     }
 
-    /// Push a tracked record to the stream.
-    fn send(&self, delivery: Option<Delivery>) {
-        if let Some(d) = delivery
-            && self.tx.send(d).is_err()
-        {
-            tracing::debug!("receiver gone; record left uncommitted");
+    /// Track the pass's fast-path records under one lock and move them to `out`; a
+    /// record whose partition was revoked (or reassigned) since it was polled is
+    /// dropped — it is uncommitted, and its next owner reads it again.
+    fn track_pass(&self, pass: &mut Pass, out: &mut Vec<Delivery>) {
+        if pass.pending.is_empty() {
+            return;
+        }
+        let mut guard = lock(&self.state);
+        let s = &mut *guard;
+        for d in pass.pending.drain(..) {
+            let Some(info) = TokenInfo::of(&d) else {
+                continue;
+            };
+            if let Some(part) = s.parts.get_mut(&(info.client, info.partition))
+                && part.generation == info.generation
+                && !part.revoking
+                && part.tracker.handed_out(info.offset)
+            {
+                s.queued += 1;
+                out.push(d);
+            }
         }
     }
 
-    /// Hand out again a record that is already tracked (a blocking retry when due).
-    fn resend(&self, delivery: Delivery) {
-        lock(&self.state).queued += 1;
-        if self.tx.send(delivery).is_err() {
-            tracing::debug!("receiver gone; record left uncommitted");
+    /// Push tracked records to the stream (one chunk); `out` is left empty.
+    fn flush(&self, out: &mut Vec<Delivery>) {
+        if !out.is_empty() {
+            let chunk = std::mem::replace(out, Vec::with_capacity(out.capacity()));
+            self.send(chunk);
+        }
+    }
+
+    fn send(&self, chunk: Vec<Delivery>) {
+        if self.tx.send(chunk).is_err() {
+            tracing::debug!("receiver gone; records left uncommitted");
         }
     }
 
@@ -777,6 +981,7 @@ impl Shared {
                 Part::new(generation, head, head_count),
             );
         }
+        self.rebalances.fetch_add(1, Ordering::Release);
         tracing::debug!(topic = %self.clients[client].topic, partitions = tpl.count(), "partitions assigned");
     }
 
@@ -796,6 +1001,7 @@ impl Shared {
                 }
             }
         }
+        self.rebalances.fetch_add(1, Ordering::Release);
         let crashed = self.crashed.load(Ordering::SeqCst);
         if !lost && !crashed {
             // Let in-flight records of the revoked partitions settle, then commit.
@@ -834,17 +1040,28 @@ impl Shared {
         for p in &revoked {
             s.parts.remove(&(client, *p));
         }
+        self.rebalances.fetch_add(1, Ordering::Release);
         tracing::debug!(topic = %self.clients[client].topic, partitions = revoked.len(), lost, "partitions revoked");
     }
 
     /// Settle: the record is done (acked, retried or dead-lettered).
     fn finish(&self, d: &Delivery) {
-        let Some(info) = token(d) else { return };
-        let mut s = lock(&self.state);
-        let offset = i64::try_from(d.token().tag).unwrap_or(i64::MAX);
-        let partition = i32::try_from(d.token().lane).unwrap_or(-1);
-        match s.parts.get_mut(&(info.client, partition)) {
-            Some(part) if part.generation == info.generation => {
+        self.finish_locked(&mut lock(&self.state), d);
+    }
+
+    /// [`Shared::finish`] under a lock the caller holds (one lock for a batch).
+    fn finish_locked(&self, s: &mut State, d: &Delivery) {
+        let Some(TokenInfo {
+            client,
+            partition,
+            offset,
+            generation,
+        }) = TokenInfo::of(d)
+        else {
+            return;
+        };
+        match s.parts.get_mut(&(client, partition)) {
+            Some(part) if part.generation == generation => {
                 part.busy = part.busy.saturating_sub(1);
                 part.tracker.complete(offset);
                 if part.out {
@@ -854,9 +1071,7 @@ impl Shared {
                     while let Some((next, d)) = part.waiting.pop_front() {
                         if part.tracker.handed_out(next) {
                             part.out = true;
-                            if self.tx.send(d).is_err() {
-                                tracing::debug!("receiver gone; record left uncommitted");
-                            }
+                            self.send(vec![d]);
                             break;
                         }
                         skipped += 1; // already seen (cannot happen in offset order)
@@ -880,28 +1095,24 @@ impl Shared {
     fn retry_in_place(
         &self,
         delivery: &Delivery,
-        info: &TokenInfo,
+        info: TokenInfo,
         retry: RetryRequest,
     ) -> Result<(), BrokerError> {
         let attempt = headers::attempt(retry.message.headers());
-        let token = DeliveryToken {
-            tag: delivery.token().tag,
-            lane: delivery.token().lane,
-            extra: Some(Box::new(TokenInfo {
-                client: info.client,
-                generation: info.generation,
-            })),
-        };
-        let again = Delivery::new(retry.message, attempt, delivery.origin().clone(), token);
-        let partition = i32::try_from(delivery.token().lane).unwrap_or(-1);
+        let again = Delivery::new(
+            retry.message,
+            attempt,
+            delivery.origin().clone(),
+            info.token(),
+        );
         let mut s = lock(&self.state);
-        if let Some(part) = s.parts.get_mut(&(info.client, partition))
+        if let Some(part) = s.parts.get_mut(&(info.client, info.partition))
             && part.generation == info.generation
         {
             part.busy = part.busy.saturating_sub(1);
             part.held.push_back(Held {
                 due: SystemTime::now() + retry.delay,
-                offset: i64::try_from(delivery.token().tag).unwrap_or(i64::MAX),
+                offset: info.offset,
                 delivery: again,
             });
             part.rewind = true;
@@ -909,10 +1120,6 @@ impl Shared {
         // Otherwise revoked meanwhile: uncommitted, the new owner delivers it.
         Ok(())
     }
-}
-
-fn token(d: &Delivery) -> Option<&TokenInfo> {
-    d.token().extra.as_ref()?.downcast_ref::<TokenInfo>()
 }
 
 fn parse_counter(metadata: &str) -> Option<(i64, u32)> {
@@ -1009,10 +1216,26 @@ impl Receiver for KafkaReceiver {
 
     async fn receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> Result<(), BrokerError> {
         let start = into.len();
+        let max = max.max(1);
         loop {
             let taken = {
-                let mut rx = self.rx.lock().await;
-                rx.recv_many(into, max.max(1)).await
+                let mut inbound = self.rx.lock().await;
+                if inbound.ready.is_empty() {
+                    // `None`: every sender is gone; nothing taken means closed.
+                    if let Some(chunk) = inbound.rx.recv().await {
+                        inbound.ready.extend(chunk);
+                    }
+                }
+                // More chunks that are already there, without waiting.
+                while inbound.ready.len() < max {
+                    match inbound.rx.try_recv() {
+                        Ok(chunk) => inbound.ready.extend(chunk),
+                        Err(_) => break,
+                    }
+                }
+                let n = inbound.ready.len().min(max);
+                into.extend(inbound.ready.drain(..n));
+                n
             };
             if taken == 0 || self.shared.is_stopped() {
                 into.truncate(start);
@@ -1023,11 +1246,15 @@ impl Receiver for KafkaReceiver {
             // reads it from the commit).
             let mut s = lock(&self.shared.state);
             s.queued = s.queued.saturating_sub(taken);
+            let bound = buffer_bound(self.shared.sub.prefetch);
+            if s.room_wanted && bound.saturating_sub(s.queued) >= refill_room(bound) {
+                s.room_wanted = false;
+                self.shared.room.notify_all();
+            }
             let mut kept = start;
             for i in start..into.len() {
-                let current = token(&into[i]).is_some_and(|info| {
-                    let partition = i32::try_from(into[i].token().lane).unwrap_or(-1);
-                    match s.parts.get_mut(&(info.client, partition)) {
+                let current = TokenInfo::of(&into[i]).is_some_and(|info| {
+                    match s.parts.get_mut(&(info.client, info.partition)) {
                         Some(part) if part.generation == info.generation && !part.revoking => {
                             part.busy += 1;
                             true
@@ -1052,6 +1279,16 @@ impl Receiver for KafkaReceiver {
         Ok(())
     }
 
+    /// One lock for the batch; the offsets are committed with the poll thread's next
+    /// service, like single acks.
+    async fn ack_batch(&self, deliveries: &[Delivery]) -> Vec<(usize, BrokerError)> {
+        let mut s = lock(&self.shared.state);
+        for d in deliveries {
+            self.shared.finish_locked(&mut s, d);
+        }
+        Vec::new()
+    }
+
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
         let shared = &self.shared;
         if shared.clients.iter().any(|c| c.role == Role::DeadLetters) {
@@ -1060,7 +1297,7 @@ impl Receiver for KafkaReceiver {
                 what: "retrying from a dead-letter reader",
             });
         }
-        if let Some(info) = token(delivery)
+        if let Some(info) = TokenInfo::of(delivery)
             && shared.blocking(info.client)
         {
             return shared.retry_in_place(delivery, info, retry);
@@ -1100,13 +1337,12 @@ impl Receiver for KafkaReceiver {
     }
 
     async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
-        let Some(info) = token(delivery) else {
+        let Some(info) = TokenInfo::of(delivery) else {
             return Err(BrokerError::Rejected("not a Kafka delivery".into()));
         };
-        let partition = i32::try_from(delivery.token().lane).unwrap_or(-1);
         {
             let mut s = lock(&self.shared.state);
-            match s.parts.get_mut(&(info.client, partition)) {
+            match s.parts.get_mut(&(info.client, info.partition)) {
                 Some(part) if part.generation == info.generation => {
                     part.busy = part.busy.saturating_sub(1);
                     s.queued += 1;
@@ -1120,11 +1356,11 @@ impl Receiver for KafkaReceiver {
         let tx = self.shared.tx.clone();
         let again = delivery.clone();
         if delay.is_zero() {
-            let _ = tx.send(again);
+            let _ = tx.send(vec![again]);
         } else {
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
-                let _ = tx.send(again);
+                let _ = tx.send(vec![again]);
             });
         }
         Ok(())
@@ -1181,6 +1417,31 @@ mod tests {
         assert!(flow.paused);
         assert!(!flow.hold_back(high / 4, 8, t0 + FLOW_PAUSE_AFTER * 3));
         assert!(!flow.paused);
+    }
+
+    #[test]
+    fn the_token_packs_client_partition_offset_and_generation() {
+        let info = TokenInfo {
+            client: 255,
+            partition: i32::MAX,
+            offset: 9_000_000_000,
+            generation: GENERATION_MASK,
+        };
+        let d = Delivery::new(Message::new("x"), 1, Origin::default(), info.token());
+        assert_eq!(TokenInfo::of(&d), Some(info));
+        let wrapped = TokenInfo {
+            generation: GENERATION_MASK + 5,
+            ..info
+        };
+        let d = Delivery::new(Message::new("x"), 1, Origin::default(), wrapped.token());
+        assert_eq!(TokenInfo::of(&d).map(|i| i.generation), Some(4));
+        let foreign = Delivery::new(
+            Message::new("x"),
+            1,
+            Origin::default(),
+            DeliveryToken::tag(7),
+        );
+        assert_eq!(TokenInfo::of(&foreign), None, "not a Kafka delivery");
     }
 
     #[test]

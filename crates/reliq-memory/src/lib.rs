@@ -492,7 +492,7 @@ impl MemoryReceiver {
                     dead_lettered_at: self.clock.now(),
                     consumer: self.consumer.clone(),
                     origin: Origin {
-                        destination: self.queue.topic.clone(),
+                        destination: self.queue.topic.as_str().into(),
                         route: entry.route.clone(),
                         ..Origin::default()
                     },
@@ -520,7 +520,7 @@ impl MemoryReceiver {
                 entry.message,
                 attempt,
                 Origin {
-                    destination: self.queue.topic.clone(),
+                    destination: self.queue.topic.as_str().into(),
                     route: entry.route.clone(),
                     ..Origin::default()
                 },

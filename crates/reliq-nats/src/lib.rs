@@ -674,7 +674,7 @@ impl NatsReceiver {
             }
         });
         let origin = Origin {
-            destination: self.sub.source.clone(),
+            destination: self.sub.source.as_str().into(),
             route: route_of(message.subject.as_str(), &self.sub.source),
             sequence: Some(seq),
             ..Origin::default()
@@ -833,7 +833,7 @@ impl Receiver for DeadLetterReader {
             );
             let attempt = headers::attempt(message.headers());
             let origin = Origin {
-                destination: raw.subject.to_string(),
+                destination: raw.subject.as_str().into(),
                 sequence: Some(seq),
                 ..Origin::default()
             };
@@ -991,7 +991,7 @@ impl AdvisoryRelay {
             dead_lettered_at: SystemTime::now(),
             consumer: self.sub.consumer.clone(),
             origin: Origin {
-                destination: self.sub.source.clone(),
+                destination: self.sub.source.as_str().into(),
                 route: route_of(raw.subject.as_str(), &self.sub.source),
                 sequence: Some(advisory.stream_seq),
                 ..Origin::default()

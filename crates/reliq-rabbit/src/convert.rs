@@ -225,9 +225,9 @@ pub(crate) fn translate_broker_dead_letter(
         consumer: consumer.to_owned(),
         origin: Origin {
             destination: if death.exchange.is_empty() {
-                source.to_owned()
+                source.into()
             } else {
-                death.exchange.clone()
+                death.exchange.as_str().into()
             },
             route: death
                 .routing_keys
@@ -322,7 +322,7 @@ mod tests {
         let dead = translate_broker_dead_letter(plain, &props, "c", "orders", "orders.c");
         let record = DeadLetter::read(dead.headers()).unwrap();
         assert_eq!(record.reason, DeadLetterReason::MaxDeliveries);
-        assert_eq!(record.origin.destination, "orders");
+        assert_eq!(&*record.origin.destination, "orders");
         assert_eq!(record.origin.route.as_deref(), Some("o.new"));
         assert_eq!(record.consumer, "c");
         assert!(record.error.unwrap().contains("delivery_limit"));

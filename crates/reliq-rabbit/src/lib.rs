@@ -869,12 +869,12 @@ impl RabbitReceiver {
                     &self.names.queue,
                 );
                 Origin {
-                    destination: self.names.parking.clone(),
+                    destination: self.names.parking.as_str().into(),
                     ..Origin::default()
                 }
             }
             Role::Consumer if d.exchange.as_str() == self.names.exchange => Origin {
-                destination: self.names.exchange.clone(),
+                destination: self.names.exchange.as_str().into(),
                 route: Some(d.routing_key.as_str().to_owned()).filter(|r| !r.is_empty()),
                 ..Origin::default()
             },
@@ -885,7 +885,7 @@ impl RabbitReceiver {
                     .headers()
                     .get(headers::ORIGINAL_DESTINATION)
                     .unwrap_or(&self.names.exchange)
-                    .to_owned(),
+                    .into(),
                 route: message
                     .headers()
                     .get(headers::ORIGINAL_ROUTE)
@@ -1014,7 +1014,7 @@ impl Receiver for RabbitReceiver {
         let mut copy = retry.message;
         let origin = delivery.origin();
         let h = copy.headers_mut();
-        h.insert(headers::ORIGINAL_DESTINATION, origin.destination.clone());
+        h.insert(headers::ORIGINAL_DESTINATION, &*origin.destination);
         match &origin.route {
             Some(r) => h.insert(headers::ORIGINAL_ROUTE, r.clone()),
             None => drop(h.remove(headers::ORIGINAL_ROUTE)),

@@ -119,7 +119,7 @@ impl Shared {
             self.sub.lease,
         ));
         let origin = Origin {
-            destination: self.sub.source.clone(),
+            destination: self.sub.source.as_str().into(),
             route: decoded.route,
             ..Origin::default()
         };
@@ -600,7 +600,7 @@ impl DeadLetterReader {
                 dead_lettered_at: SystemTime::now(),
                 consumer: self.sub.consumer.clone(),
                 origin: Origin {
-                    destination: self.sub.source.clone(),
+                    destination: self.sub.source.as_str().into(),
                     route: decoded.route,
                     ..Origin::default()
                 },
@@ -612,7 +612,8 @@ impl DeadLetterReader {
             destination: crate::names::dead_letter_queue_name(
                 &self.sub,
                 crate::names::is_fifo(&self.url),
-            ),
+            )
+            .into(),
             ..Origin::default()
         };
         let token = DeliveryToken {

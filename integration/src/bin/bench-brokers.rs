@@ -25,7 +25,8 @@ use anyhow::{Context, bail, ensure};
 use futures::StreamExt;
 use reliq_conformance::support::unique;
 use reliq_core::{
-    BoxError, Broker, Consumer, Delivery, Destination, Message, MessageId, RetryPolicy, Transient,
+    Batch, BoxError, Broker, Consumer, Delivery, Destination, Message, MessageId, RetryPolicy,
+    Transient,
 };
 use reliq_integration::settings;
 
@@ -85,10 +86,25 @@ async fn reliq_publish(broker: &Arc<dyn Broker>, topic: &str, n: usize) -> anyho
     .await
 }
 
+/// How the timed reliq consumer handles messages.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Handling {
+    /// A per-message handler that does nothing.
+    Each,
+    /// Every message fails once (transient), then succeeds: the failure path.
+    FailOnce,
+    /// A batch handler (`start_batch`, batches of up to [`BATCH_SIZE`]) that does nothing.
+    Batch,
+}
+
+/// `batch_size` of the batch-handler runs: half the prefetch, so a second batch is
+/// received while the first is settled.
+const BATCH_SIZE: usize = PREFETCH as usize / 2;
+
 /// Declare the consumer's topology, fill it, then time the runtime draining it.
 async fn reliq_consume(
     broker: &Arc<dyn Broker>,
-    fail_once: bool,
+    handling: Handling,
     n: usize,
 ) -> anyhow::Result<Rate> {
     let topic = unique("bench");
@@ -107,21 +123,37 @@ async fn reliq_consume(
     let last = Arc::new(std::sync::OnceLock::<Instant>::new());
     let (d2, f2, l2) = (done.clone(), first.clone(), last.clone());
     let cpu0 = cpu_time();
-    let handle = builder
-        .start(move |d: Delivery| {
-            let (done, first, last) = (d2.clone(), f2.clone(), l2.clone());
-            async move {
-                first.get_or_init(Instant::now);
-                if fail_once && d.attempt() == 1 {
-                    return Err(Transient::msg("fails once").into());
-                }
-                if done.fetch_add(1, Ordering::Relaxed) + 1 == n as u64 {
-                    last.get_or_init(Instant::now);
-                }
-                Ok::<(), BoxError>(())
-            }
-        })
-        .await?;
+    let count = move |handled: usize| {
+        f2.get_or_init(Instant::now);
+        let handled = handled as u64;
+        if d2.fetch_add(handled, Ordering::Relaxed) + handled == n as u64 {
+            l2.get_or_init(Instant::now);
+        }
+    };
+    let handle = match handling {
+        Handling::Batch => {
+            builder
+                .batch_size(BATCH_SIZE)
+                .start_batch(move |batch: Batch| {
+                    count(batch.len());
+                    async { Ok(()) }
+                })
+                .await?
+        }
+        Handling::Each | Handling::FailOnce => {
+            builder
+                .start(move |d: Delivery| {
+                    let result = if handling == Handling::FailOnce && d.attempt() == 1 {
+                        Err(Transient::msg("fails once").into())
+                    } else {
+                        count(1);
+                        Ok::<(), BoxError>(())
+                    };
+                    async move { result }
+                })
+                .await?
+        }
+    };
     let deadline = Instant::now() + Duration::from_secs(600);
     while done.load(Ordering::Relaxed) < n as u64 {
         ensure!(
@@ -572,19 +604,22 @@ async fn main() -> anyhow::Result<()> {
         .transpose()?
         .unwrap_or(5);
     let only = settings::arg("--only");
+    // `batch`: only the batch-handler consumer and the raw one (for profiling).
     let (do_publish, do_consume) = match only.as_deref() {
         None => (true, true),
         Some("publish") => (true, false),
-        Some("consume") => (false, true),
-        Some(other) => bail!("--only publish|consume, not {other}"),
+        Some("consume" | "batch") => (false, true),
+        Some(other) => bail!("--only publish|consume|batch, not {other}"),
     };
+    let per_message = only.as_deref() != Some("batch");
     let broker = connect(&broker_name).await?;
     // warm-up: connections, topology caches
-    reliq_consume(&broker, false, n.min(500)).await?;
+    reliq_consume(&broker, Handling::Each, n.min(500)).await?;
 
     // Rounds alternate which side goes first, so a broker slowing down over the run (a
     // growing log, a GC) weighs on both sides alike.
     let (mut publish, mut consume) = (Series::default(), Series::default());
+    let mut batched = Series::default();
     for round in 0..rounds {
         let reliq_first = round.is_multiple_of(2);
         if do_publish {
@@ -597,12 +632,28 @@ async fn main() -> anyhow::Result<()> {
             }
         }
         if do_consume {
-            if reliq_first {
-                consume.reliq.push(reliq_consume(&broker, false, n).await?);
+            if reliq_first && per_message {
+                consume
+                    .reliq
+                    .push(reliq_consume(&broker, Handling::Each, n).await?);
             }
-            consume.raw.push(raw_consume(&broker_name, n).await?);
+            if reliq_first {
+                batched
+                    .reliq
+                    .push(reliq_consume(&broker, Handling::Batch, n).await?);
+            }
+            let raw = raw_consume(&broker_name, n).await?;
+            consume.raw.push(raw);
+            batched.raw.push(raw);
             if !reliq_first {
-                consume.reliq.push(reliq_consume(&broker, false, n).await?);
+                batched
+                    .reliq
+                    .push(reliq_consume(&broker, Handling::Batch, n).await?);
+            }
+            if !reliq_first && per_message {
+                consume
+                    .reliq
+                    .push(reliq_consume(&broker, Handling::Each, n).await?);
             }
         }
     }
@@ -613,10 +664,13 @@ async fn main() -> anyhow::Result<()> {
         println!("{}", publish.line("publish (confirmed):"));
     }
     if do_consume {
-        println!("{}", consume.line("consume (no-op):"));
+        if per_message {
+            println!("{}", consume.line("consume (no-op):"));
+        }
+        println!("{}", batched.line("consume (batch handler):"));
     }
     if only.is_none() {
-        let failure = reliq_consume(&broker, true, n.min(2000)).await?;
+        let failure = reliq_consume(&broker, Handling::FailOnce, n.min(2000)).await?;
         println!(
             "  failure path (every message retried once after 1 s): reliq {:.0} msg/s",
             failure.per_sec
