@@ -681,7 +681,7 @@ async fn batch_failures_by_index_take_the_failure_path_the_rest_is_acked() {
             let mut failed = BatchError::new();
             for (i, d) in batch.iter().enumerate() {
                 let n: usize = d.text().unwrap()[1..].parse().unwrap();
-                if n % 10 == 0 {
+                if n.is_multiple_of(10) {
                     failed.fail(i, reliq_core::Permanent::msg("bad sku"));
                     failed.fail(i, reliq_core::Transient::msg("named twice"));
                 }

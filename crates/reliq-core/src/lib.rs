@@ -4,6 +4,10 @@
 //! what a retry policy decides, and the consumer runtime that turns a handler into a
 //! reliable consumer on any backend.
 //!
+//! A handler takes one [`Delivery`] ([`ConsumerBuilder::start`]) or a [`Batch`] of them
+//! ([`ConsumerBuilder::start_batch`], see [`batch`]); the failure path is per message
+//! either way.
+//!
 //! Backends (reliq-memory, reliq-kafka, reliq-rabbit, reliq-nats, reliq-sqs) implement
 //! the small [`Broker`] / [`Receiver`] seam; everything else is here, written once. The
 //! durable stores (reliq-postgres, reliq-sqlite) implement [`Inbox`] and
