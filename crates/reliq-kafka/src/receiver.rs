@@ -1132,6 +1132,15 @@ fn parse_counter(metadata: &str) -> Option<(i64, u32)> {
     Some((offset, n))
 }
 
+/// Header values and keys as text: borrowed when valid UTF-8 (the validating fast path),
+/// with replacement characters otherwise.
+fn text(bytes: &[u8]) -> std::borrow::Cow<'_, str> {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => std::borrow::Cow::Borrowed(s),
+        Err(_) => String::from_utf8_lossy(bytes),
+    }
+}
+
 struct Decoded {
     message: Message,
     due: Option<SystemTime>,
@@ -1148,7 +1157,7 @@ fn decode(m: &BorrowedMessage<'_>) -> Decoded {
     if let Some(raw) = m.headers() {
         for h in raw.iter() {
             // Borrowed: only what is kept is copied (the id once, into its `Arc<str>`).
-            let value = h.value.map(String::from_utf8_lossy).unwrap_or_default();
+            let value = h.value.map(text).unwrap_or_default();
             match h.key {
                 headers::MESSAGE_ID => id = Some(MessageId::from(&*value)),
                 DUE_AT_HEADER => {
@@ -1171,7 +1180,7 @@ fn decode(m: &BorrowedMessage<'_>) -> Decoded {
             m.offset()
         ))
     });
-    let key = m.key().map(|k| String::from_utf8_lossy(k).into_owned());
+    let key = m.key().map(|k| text(k).into_owned());
     let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
     Decoded {
         message: Message::from_parts(id, key, payload, hs),
