@@ -61,7 +61,8 @@ macro_rules! conformance_suite {
             retry_never_fires_early,
             backpressure_bounds_buffered_messages,
             unroutable_publish_fails_loudly,
-            batch_handler_settles_each_delivery_by_its_outcome
+            batch_handler_settles_each_delivery_by_its_outcome,
+            batch_handler_gets_a_backlog_in_batches
         );
     };
     (@tests $backend:ident, paused, $factory:expr, $($scenario:ident),+ $(,)?) => {

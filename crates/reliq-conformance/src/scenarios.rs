@@ -1380,3 +1380,60 @@ pub async fn batch_handler_settles_each_delivery_by_its_outcome(
     );
     Ok(())
 }
+
+/// A backlog waiting in the broker reaches a batch handler in batches: fewer handler
+/// calls than messages, none larger than `batch_size`, every message handled once.
+pub async fn batch_handler_gets_a_backlog_in_batches(b: &dyn Backend) -> anyhow::Result<()> {
+    const BATCH: usize = 16;
+    const N: usize = 100;
+    let ctx = Ctx::new(b, "batch-backlog").await?;
+    // Declare the consumer's topology first, so the backlog waits for it.
+    ctx.broker
+        .subscribe(&ctx.subscription("c"))
+        .await?
+        .close()
+        .await?;
+    let messages: Vec<Message> = (0..N as u32).map(order).collect();
+    let ids: HashSet<MessageId> = messages.iter().map(|m| m.id().clone()).collect();
+    ctx.publish_all(messages).await?;
+    let rec = Recorder::new();
+    let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (r, s2) = (rec.clone(), sizes.clone());
+    let h = ctx
+        .consumer("c")
+        .batch_size(BATCH)
+        .start_batch(move |batch: Batch| {
+            s2.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(batch.len());
+            for d in &batch {
+                r.call(d);
+                r.effect(d.id());
+            }
+            async { Ok(()) }
+        })
+        .await?;
+    wait_until("the backlog handled", soon(b), || rec.effect_count() == N).await?;
+    let s = h.shutdown().await.stats;
+    let sizes = sizes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let effects = rec.effects();
+    ensure!(
+        effects.keys().cloned().collect::<HashSet<_>>() == ids,
+        "handled ids differ from the published ones"
+    );
+    ensure!(
+        effects.values().all(|n| *n == 1),
+        "a message was handled twice"
+    );
+    ensure!(
+        sizes.iter().all(|n| (1..=BATCH).contains(n)),
+        "batch sizes {sizes:?} (batch_size {BATCH})"
+    );
+    ensure!(
+        sizes.len() < N,
+        "{} handler calls for {N} waiting messages: never more than one per batch",
+        sizes.len()
+    );
+    ensure!(s.processed == N as u64 && s.in_flight == 0, "{s:?}");
+    Ok(())
+}

@@ -428,15 +428,13 @@ pub trait Receiver: Send + Sync {
     /// [`Receiver::ack`] for several deliveries (a batch handler's successes); returns
     /// the failures, by index into `deliveries` (empty: all acknowledged). A backend that
     /// settles many deliveries at once (one lock and one commit for Kafka offsets, one
-    /// `DeleteMessageBatch` for SQS) overrides it; the default acks one by one.
+    /// `DeleteMessageBatch` for SQS) overrides it; the default acks each, concurrently.
     async fn ack_batch(&self, deliveries: &[Delivery]) -> Vec<(usize, BrokerError)> {
-        let mut failed = Vec::new();
-        for (i, d) in deliveries.iter().enumerate() {
-            if let Err(e) = self.ack(d).await {
-                failed.push((i, e));
-            }
-        }
-        failed
+        let acks = futures::future::join_all(deliveries.iter().map(|d| self.ack(d))).await;
+        acks.into_iter()
+            .enumerate()
+            .filter_map(|(i, r)| r.err().map(|e| (i, e)))
+            .collect()
     }
 
     /// Hold a copy for `retry.delay`, confirmed, *then* settle the source.

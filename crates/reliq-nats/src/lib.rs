@@ -36,7 +36,7 @@ use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
 use async_trait::async_trait;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 use reliq_core::{
     Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, Headers, Message,
@@ -740,6 +740,35 @@ impl Receiver for NatsReceiver {
         }
     }
 
+    /// One delivery (waiting), then what the current pull already brought (never
+    /// starting a new pull without waiting for it): a batch handler gets the pull.
+    async fn receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> Result<(), BrokerError> {
+        into.push(self.receive().await?);
+        let mut batch = self.batch.lock().await;
+        let mut taken = 1;
+        while taken < max {
+            let Some(pull) = batch.as_mut() else { break };
+            match pull.next().now_or_never() {
+                Some(Some(Ok(msg))) => match self.convert(msg) {
+                    Ok(d) => {
+                        self.outstanding.fetch_add(1, Ordering::Relaxed);
+                        into.push(d);
+                        taken += 1;
+                    }
+                    Err(e) => tracing::debug!(error = %e, "skipping a non-delivery message"),
+                },
+                None => break,
+                // The pull is complete, expired or failed: the next `receive` pulls again.
+                Some(None) => *batch = None,
+                Some(Some(Err(e))) => {
+                    tracing::warn!(error = %e, "pull failed; pulling again");
+                    *batch = None;
+                }
+            }
+        }
+        Ok(())
+    }
+
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
         self.settle(delivery, AckKind::Ack).await
     }
@@ -779,7 +808,7 @@ impl Receiver for NatsReceiver {
         self.closed.cancel();
         if let Some(mut pull) = self.batch.lock().await.take() {
             // Messages already pulled but never handed out go back at once.
-            while let Some(Some(Ok(msg))) = futures::FutureExt::now_or_never(pull.next()) {
+            while let Some(Some(Ok(msg))) = pull.next().now_or_never() {
                 let _ = msg.ack_with(AckKind::Nak(None)).await;
             }
         }

@@ -94,7 +94,7 @@ use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use lapin::Confirmation;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
@@ -992,6 +992,34 @@ impl Receiver for RabbitReceiver {
                 }
             }
         }
+    }
+
+    /// One delivery (waiting), then whatever the channel already holds (up to the
+    /// prefetch, never waiting): a batch handler gets what the broker pushed.
+    async fn receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> Result<(), BrokerError> {
+        into.push(self.receive().await?);
+        let mut live = self.live.lock().await;
+        for _ in 1..max {
+            let Some(l) = live.as_mut() else { break };
+            match l.consumer.next().now_or_never() {
+                Some(Some(Ok(d))) => into.push(self.delivery(d, l.generation)),
+                // Nothing buffered: the batch is what arrived.
+                None => break,
+                // Lost or cancelled: the next `receive` reopens, as it would have.
+                Some(Some(Err(e))) => {
+                    tracing::warn!(queue = self.queue(), error = %e, "consumer channel lost; reopening");
+                    *live = None;
+                }
+                Some(None) => {
+                    tracing::warn!(
+                        queue = self.queue(),
+                        "consumer cancelled by the broker; resuming"
+                    );
+                    *live = None;
+                }
+            }
+        }
+        Ok(())
     }
 
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {

@@ -431,18 +431,23 @@ impl SqsReceiver {
     }
 }
 
+impl SqsReceiver {
+    /// The oldest message the pollers buffered, if any.
+    fn pop_buffered(&self) -> Option<Delivery> {
+        self.shared
+            .buffer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front()
+    }
+}
+
 #[async_trait]
 impl Receiver for SqsReceiver {
     async fn receive(&self) -> Result<Delivery, BrokerError> {
         loop {
             let notified = self.shared.ready.notified();
-            let popped = self
-                .shared
-                .buffer
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .pop_front();
-            if let Some(d) = popped {
+            if let Some(d) = self.pop_buffered() {
                 match self.shared.lock_groups().admit(d) {
                     Some(d) => return Ok(d),
                     None => continue, // waits behind its FIFO group's message
@@ -465,6 +470,19 @@ impl Receiver for SqsReceiver {
                 _ = self.shared.closed.cancelled() => {}
             }
         }
+    }
+
+    /// One delivery (waiting), then what the pollers already buffered, never waiting.
+    async fn receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> Result<(), BrokerError> {
+        into.push(self.receive().await?);
+        for _ in 1..max {
+            let Some(d) = self.pop_buffered() else { break };
+            // `None`: held back behind its FIFO group's message, handed out later.
+            if let Some(d) = self.shared.lock_groups().admit(d) {
+                into.push(d);
+            }
+        }
+        Ok(())
     }
 
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
