@@ -320,7 +320,8 @@ struct QueueState {
 
 struct Queue {
     name: String,
-    topic: String,
+    /// The source topic, shared with every delivery's origin (not copied per delivery).
+    topic: Arc<str>,
     filter: Option<String>,
     delivery_limit: Option<u32>,
     dlq: Option<Arc<Queue>>,
@@ -340,7 +341,7 @@ impl Queue {
     ) -> Self {
         Self {
             name,
-            topic,
+            topic: topic.into(),
             filter,
             delivery_limit,
             dlq,
@@ -492,7 +493,7 @@ impl MemoryReceiver {
                     dead_lettered_at: self.clock.now(),
                     consumer: self.consumer.clone(),
                     origin: Origin {
-                        destination: self.queue.topic.as_str().into(),
+                        destination: self.queue.topic.clone(),
                         route: entry.route.clone(),
                         ..Origin::default()
                     },
@@ -520,7 +521,7 @@ impl MemoryReceiver {
                 entry.message,
                 attempt,
                 Origin {
-                    destination: self.queue.topic.as_str().into(),
+                    destination: self.queue.topic.clone(),
                     route: entry.route.clone(),
                     ..Origin::default()
                 },
