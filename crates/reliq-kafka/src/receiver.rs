@@ -205,11 +205,13 @@ struct Flow {
 
 impl Flow {
     /// Update with the buffer state; `true` = take no records now (the caller waits
-    /// briefly and checks again), `false` = poll (records, or only events while the
-    /// partitions are paused).
+    /// for room and checks again), `false` = poll (records, or only events while the
+    /// partitions are paused). The buffer counts as full while less than a
+    /// [`refill_room`] is left, so a stuck runtime leads to the pause (and polling for
+    /// events) whatever the level it stopped at.
     fn hold_back(&mut self, queued: usize, prefetch: u32, now: Instant) -> bool {
         let high = buffer_bound(prefetch);
-        if queued < high {
+        if high.saturating_sub(queued) >= refill_room(high) {
             self.full_since = None;
             if self.paused && queued <= high / 4 {
                 self.paused = false;
@@ -554,9 +556,9 @@ impl Shared {
                 self.flush(&mut out);
                 next_service = now + SERVICE_EVERY;
             }
-            // Full, or too little room for a pass worth its overhead: wait for the
-            // runtime to take records (unless paused, when polling serves events only).
-            if hold_back || (bound.saturating_sub(queued) < refill_room(bound) && !flow.paused) {
+            // Too little room for a pass worth its overhead: wait for the runtime to take
+            // records (while paused, the loop polls for events instead).
+            if hold_back {
                 let mut s = lock(&self.state);
                 if bound.saturating_sub(s.queued) < refill_room(bound) {
                     s.room_wanted = true;
@@ -1410,16 +1412,24 @@ mod tests {
         let mut flow = Flow::default();
         let t0 = Instant::now();
         let high = buffer_bound(8); // 32
-        assert!(!flow.hold_back(high - 1, 8, t0), "room: poll");
-        assert!(flow.hold_back(high, 8, t0), "full: hold back, no pause");
+        let refill = refill_room(high); // 8
+        assert!(
+            !flow.hold_back(high - refill, 8, t0),
+            "a refill's room: poll"
+        );
+        assert!(
+            flow.hold_back(high - refill + 1, 8, t0),
+            "less than a refill left: hold back, no pause"
+        );
         assert!(flow.hold_back(high, 8, t0 + FLOW_PAUSE_AFTER / 2));
         assert!(!flow.paused);
         // Room again before the pause: poll at once, and the clock restarts.
-        assert!(!flow.hold_back(high - 1, 8, t0 + FLOW_PAUSE_AFTER / 2));
-        assert!(flow.hold_back(high, 8, t0 + FLOW_PAUSE_AFTER));
+        assert!(!flow.hold_back(high - refill, 8, t0 + FLOW_PAUSE_AFTER / 2));
+        assert!(flow.hold_back(high - 1, 8, t0 + FLOW_PAUSE_AFTER));
         assert!(!flow.paused);
-        // Full for longer: pause and poll (events only) ...
-        assert!(!flow.hold_back(high, 8, t0 + FLOW_PAUSE_AFTER * 2));
+        // Held back for longer — also short of full, where a stuck runtime may leave
+        // it: pause and poll (events only) ...
+        assert!(!flow.hold_back(high - 1, 8, t0 + FLOW_PAUSE_AFTER * 2));
         assert!(flow.paused);
         // ... until the runtime has drained it to a quarter.
         assert!(!flow.hold_back(high / 2, 8, t0 + FLOW_PAUSE_AFTER * 3));
