@@ -7,7 +7,7 @@ use anyhow::ensure;
 use reliq_conformance::support::{Recorder, unique, wait_until};
 use reliq_conformance::{Backend, Ctx};
 use reliq_core::{
-    BoxError, Broker, Consumer, ConsumerHandle, DeadLetter, DeadLetterReason, Delivery,
+    Batch, BoxError, Broker, Consumer, ConsumerHandle, DeadLetter, DeadLetterReason, Delivery,
     Destination, Message, Poison, RetryPolicy, Subscription, Transient,
 };
 use reliq_integration::kafka::KafkaBackend;
@@ -80,28 +80,44 @@ mod kafka {
     }
 
     /// A member of group `c` on `topic` that records into `rec` (1 ms of work each).
+    /// A group member recording every record it handles, with a per-message handler or
+    /// a batch handler (batches of up to 8).
     async fn member(
         broker: &KafkaBroker,
         topic: &str,
         rec: &Recorder,
+        batches: bool,
     ) -> anyhow::Result<ConsumerHandle> {
         let r = rec.clone();
-        Ok(
-            Consumer::builder(Arc::new(broker.clone()) as Arc<dyn Broker>, "c")
-                .subscribe(topic.to_owned(), None::<String>)
-                .retry(RetryPolicy::tiers([Duration::from_secs(1)]))
-                .max_in_flight(16)
-                .start(move |d: Delivery| {
+        let builder = Consumer::builder(Arc::new(broker.clone()) as Arc<dyn Broker>, "c")
+            .subscribe(topic.to_owned(), None::<String>)
+            .retry(RetryPolicy::tiers([Duration::from_secs(1)]))
+            .max_in_flight(16);
+        if batches {
+            return Ok(builder
+                .batch_size(8)
+                .start_batch(move |batch: Batch| {
                     let r = r.clone();
                     async move {
-                        r.call(&d);
+                        batch.iter().for_each(|d| r.call(d));
                         tokio::time::sleep(Duration::from_millis(1)).await;
-                        r.effect(d.id());
-                        Ok::<(), BoxError>(())
+                        batch.iter().for_each(|d| r.effect(d.id()));
+                        Ok(())
                     }
                 })
-                .await?,
-        )
+                .await?);
+        }
+        Ok(builder
+            .start(move |d: Delivery| {
+                let r = r.clone();
+                async move {
+                    r.call(&d);
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    r.effect(d.id());
+                    Ok::<(), BoxError>(())
+                }
+            })
+            .await?)
     }
 
     /// 2,000 keyed records on 3 partitions; a second member joins the group mid-run and
@@ -111,6 +127,18 @@ mod kafka {
     /// at most a handful).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_member_joining_and_leaving_mid_run_loses_nothing() -> anyhow::Result<()> {
+        join_and_leave(false).await
+    }
+
+    /// The same with batch handlers: batches settle with one `ack_batch`, also across
+    /// the revocations.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_member_joining_and_leaving_mid_run_loses_nothing_with_batches() -> anyhow::Result<()>
+    {
+        join_and_leave(true).await
+    }
+
+    async fn join_and_leave(batches: bool) -> anyhow::Result<()> {
         const TOTAL: usize = 2_000;
         let url = format!(
             "{}&reliq.partitions=3&reliq.group.prefix={}.",
@@ -121,7 +149,7 @@ mod kafka {
         let topic = unique("join-leave");
         a.ensure_topics(std::slice::from_ref(&topic)).await?;
         let (rec_a, rec_b) = (Recorder::new(), Recorder::new());
-        let first = member(&a, &topic, &rec_a).await?;
+        let first = member(&a, &topic, &rec_a, batches).await?;
 
         let publisher = {
             let (a, topic) = (a.clone(), topic.clone());
@@ -150,7 +178,7 @@ mod kafka {
             || rec_a.effect_count() >= 500,
         )
         .await?;
-        let second = member(&b, &topic, &rec_b).await?;
+        let second = member(&b, &topic, &rec_b, batches).await?;
         wait_until(
             "the second member takes records",
             Duration::from_secs(60),
