@@ -809,3 +809,44 @@ async fn batch_config_errors_name_the_field() {
         );
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn batch_calls_record_their_size_and_one_duration_each() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder.install().unwrap();
+    let broker = MemoryBroker::new();
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let (h, _) = batch_consumer(
+        &broker,
+        300,
+        |b| b.batch_size(40),
+        move |_batch: Batch| {
+            c.fetch_add(1, Ordering::Relaxed);
+            async { Ok(()) }
+        },
+    )
+    .await;
+    wait_for("300 processed", || h.stats().processed == 300).await;
+    h.shutdown().await;
+    let snapshot = snapshotter.snapshot().into_vec();
+    let observations = |name: &str| -> Vec<f64> {
+        snapshot
+            .iter()
+            .find_map(|(key, _, _, v)| match v {
+                DebugValue::Histogram(xs) if key.key().name() == name => {
+                    Some(xs.iter().map(|x| x.into_inner()).collect())
+                }
+                _ => None,
+            })
+            .unwrap_or_default()
+    };
+    let sizes = observations("reliq_batch_size");
+    let calls = calls.load(Ordering::Relaxed) as usize;
+    assert_eq!(sizes.len(), calls, "one size per call");
+    assert_eq!(sizes.iter().sum::<f64>(), 300.0);
+    assert!(sizes.iter().all(|n| (1.0..=40.0).contains(n)), "{sizes:?}");
+    assert_eq!(observations("reliq_handler_duration_seconds").len(), calls);
+}

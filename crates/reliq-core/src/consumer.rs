@@ -937,7 +937,10 @@ where
                 }
                 return;
             }
-            r = self.call((self.handler)(Batch::new(batch.clone()))) => r,
+            r = async {
+                self.metrics.batch_size.record(batch.len() as f64);
+                self.call((self.handler)(Batch::new(batch.clone()))).await
+            } => r,
         };
         let failed: Vec<(usize, Outcome)> = match result {
             Ok(Ok(())) => Vec::new(),

@@ -12,9 +12,14 @@
 //! | `reliq_messages_discarded_total` | counter | `reason` |
 //! | `reliq_messages_duplicate_total` | counter | |
 //! | `reliq_handler_duration_seconds` | histogram | |
+//! | `reliq_batch_size` | histogram | |
 //! | `reliq_in_flight` | gauge | |
 //! | `reliq_settle_failures_total` | counter | `operation` = `ack\|retry\|dead_letter\|release` (`dead_letter` = DLQ publish failures) |
 //! | `reliq_messages_replayed_total` | counter | |
+//!
+//! `reliq_handler_duration_seconds` has one observation per handler call: per message, or
+//! per batch with a batch handler, whose calls also record their size in
+//! `reliq_batch_size`.
 //!
 //! The outbox relay's metrics carry a `relay` label (the relay's name) instead:
 //!
@@ -45,6 +50,8 @@ pub const DISCARDED: &str = "reliq_messages_discarded_total";
 pub const DUPLICATES: &str = "reliq_messages_duplicate_total";
 /// `reliq_handler_duration_seconds`
 pub const HANDLER_DURATION: &str = "reliq_handler_duration_seconds";
+/// `reliq_batch_size`
+pub const BATCH_SIZE: &str = "reliq_batch_size";
 /// `reliq_in_flight`
 pub const IN_FLIGHT: &str = "reliq_in_flight";
 /// `reliq_settle_failures_total`
@@ -91,6 +98,7 @@ pub(crate) struct ConsumerMetrics {
     pub discarded: [Counter; 6],
     pub duplicates: Counter,
     pub handler_duration: Histogram,
+    pub batch_size: Histogram,
     pub in_flight: Gauge,
     pub settle_failures: [Counter; 4],
 }
@@ -109,6 +117,7 @@ impl ConsumerMetrics {
                 .map(|r| counter!(DISCARDED, "consumer" => c.clone(), "reason" => r.as_str())),
             duplicates: counter!(DUPLICATES, "consumer" => c.clone()),
             handler_duration: histogram!(HANDLER_DURATION, "consumer" => c.clone()),
+            batch_size: histogram!(BATCH_SIZE, "consumer" => c.clone()),
             in_flight: gauge!(IN_FLIGHT, "consumer" => c.clone()),
             settle_failures: SettleOp::NAMES
                 .map(|op| counter!(SETTLE_FAILURES, "consumer" => c.clone(), "operation" => op)),
