@@ -426,9 +426,10 @@ pub trait Receiver: Send + Sync {
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError>;
 
     /// [`Receiver::ack`] for several deliveries (a batch handler's successes); returns
-    /// the failures, by index into `deliveries` (empty: all acknowledged). A backend that
-    /// settles many deliveries at once (one lock and one commit for Kafka offsets, one
-    /// `DeleteMessageBatch` for SQS) overrides it; the default acks each, concurrently.
+    /// the failures, by index into `deliveries` (empty: all acknowledged). The default
+    /// acks each, concurrently (SQS's delete batcher turns concurrent acks into
+    /// `DeleteMessageBatch` calls); a backend that settles many at once cheaper overrides
+    /// it (Kafka: one lock for the batch's offsets).
     async fn ack_batch(&self, deliveries: &[Delivery]) -> Vec<(usize, BrokerError)> {
         let acks = futures::future::join_all(deliveries.iter().map(|d| self.ack(d))).await;
         acks.into_iter()

@@ -950,16 +950,21 @@ where
             }
             Err(outcome) => (0..batch.len()).map(|i| (i, outcome.clone())).collect(),
             Ok(Err(BatchError(Failed::Some(list)))) => {
+                let mut named = vec![false; batch.len()];
                 let mut failed = Vec::with_capacity(list.len());
                 for (i, e) in list {
-                    if i >= batch.len() {
-                        tracing::error!(
+                    match named.get_mut(i) {
+                        None => tracing::error!(
                             index = i,
                             size = batch.len(),
                             "the batch handler named a failed delivery outside the batch; ignored"
-                        );
-                    } else if !failed.iter().any(|(seen, _)| *seen == i) {
-                        failed.push((i, self.failure(e)));
+                        ),
+                        // Named twice: the first error counts.
+                        Some(true) => {}
+                        Some(seen) => {
+                            *seen = true;
+                            failed.push((i, self.failure(e)));
+                        }
                     }
                 }
                 failed
@@ -968,9 +973,13 @@ where
         if failed.is_empty() {
             return self.ack_done(&batch).await;
         }
-        let done: Vec<Delivery> = (0..batch.len())
-            .filter(|i| !failed.iter().any(|(f, _)| f == i))
-            .map(|i| batch[i].clone())
+        let mut is_failed = vec![false; batch.len()];
+        failed.iter().for_each(|(i, _)| is_failed[*i] = true);
+        let done: Vec<Delivery> = batch
+            .iter()
+            .zip(&is_failed)
+            .filter(|(_, failed)| !**failed)
+            .map(|(d, _)| d.clone())
             .collect();
         self.ack_done(&done).await;
         // The failures settle concurrently: each may wait for a retry or DLQ confirm.
@@ -1046,12 +1055,8 @@ impl<H> Shared<H> {
         if done.is_empty() {
             return;
         }
-        if let Some(inbox) = &self.inbox {
-            for d in done {
-                if let Err(e) = inbox.complete(&self.name, d.id()).await {
-                    tracing::warn!(error = %e, id = %d.id(), "inbox complete failed");
-                }
-            }
+        for d in done {
+            self.complete_claim(d).await;
         }
         let failed = self.receiver.ack_batch(done).await;
         let acked = (done.len() - failed.len().min(done.len())) as u64;
@@ -1083,6 +1088,15 @@ impl<H> Shared<H> {
         self.ack(d).await;
     }
 
+    /// Record this delivery's effect as done in the runtime's inbox, if there is one.
+    async fn complete_claim(&self, d: &Delivery) {
+        if let Some(inbox) = &self.inbox
+            && let Err(e) = inbox.complete(&self.name, d.id()).await
+        {
+            tracing::warn!(error = %e, id = %d.id(), "inbox complete failed");
+        }
+    }
+
     /// Forget this delivery's inbox claim: its effect did not happen.
     async fn abandon_claim(&self, d: &Delivery) {
         if let Some(inbox) = &self.inbox
@@ -1096,11 +1110,7 @@ impl<H> Shared<H> {
         let (class, text) = match outcome {
             Outcome::Done | Outcome::Duplicate => {
                 // A duplicate's effect exists too (an earlier delivery made it).
-                if let Some(inbox) = &self.inbox
-                    && let Err(e) = inbox.complete(&self.name, d.id()).await
-                {
-                    tracing::warn!(error = %e, "inbox complete failed");
-                }
+                self.complete_claim(d).await;
                 if matches!(outcome, Outcome::Duplicate) {
                     self.skip_duplicate(d).await;
                 } else if self.ack(d).await {

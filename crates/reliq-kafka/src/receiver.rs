@@ -30,10 +30,10 @@ use crate::{DUE_AT_HEADER, Inner, KafkaError, SOURCE_OFFSET_HEADER, SOURCE_PARTI
 const POLL_SLICE: Duration = Duration::from_millis(20);
 /// While the buffer ahead of the runtime is full the poll thread stops taking records
 /// but leaves them in librdkafka's own bounded fetch queue (`queued.max.messages.kbytes`),
-/// waiting for the runtime to take some (at most [`FULL_RECHECK`]). Pausing would discard that queue and cost a
-/// refetch (hundreds of milliseconds) on resume; only a buffer full for longer than this
-/// pauses the partitions, so the poll loop goes back to serving rebalances and
-/// `max.poll.interval.ms` while slow handlers catch up.
+/// waiting for the runtime to take some (at most [`FULL_RECHECK`] per wait). Pausing
+/// would discard that queue and cost a refetch (hundreds of milliseconds) on resume; only
+/// a buffer full for longer than this pauses the partitions, so the poll loop goes back
+/// to serving rebalances and `max.poll.interval.ms` while slow handlers catch up.
 const FLOW_PAUSE_AFTER: Duration = Duration::from_secs(1);
 /// Longest a poll thread waits for room in a full buffer before it looks again (the
 /// runtime wakes it as soon as it takes records).
@@ -900,26 +900,24 @@ impl Shared {
         Some(delivery)
     }
 
-    /// Track the pass's fast-path records under one lock and move them to `out`; a
-    /// record whose partition was revoked (or reassigned) since it was polled is
-    /// dropped — it is uncommitted, and its next owner reads it again.
+    /// [`Shared::track`] the pass's fast-path records under one lock and move them to
+    /// `out`; a record whose partition was reassigned since it was polled is dropped — it
+    /// is uncommitted, and its next owner reads it again.
     fn track_pass(&self, pass: &mut Pass, out: &mut Vec<Delivery>) {
         if pass.pending.is_empty() {
             return;
         }
-        let mut guard = lock(&self.state);
-        let s = &mut *guard;
+        let mut s = lock(&self.state);
         for d in pass.pending.drain(..) {
             let Some(info) = TokenInfo::of(&d) else {
                 continue;
             };
-            if let Some(part) = s.parts.get_mut(&(info.client, info.partition))
-                && part.generation == info.generation
-                && !part.revoking
-                && part.tracker.handed_out(info.offset)
-            {
-                s.queued += 1;
-                out.push(d);
+            let current = s
+                .parts
+                .get(&(info.client, info.partition))
+                .is_some_and(|part| part.generation == info.generation);
+            if current {
+                out.extend(self.track(&mut s, info.client, info.partition, info.offset, d));
             }
         }
     }

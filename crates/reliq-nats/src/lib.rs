@@ -643,6 +643,21 @@ impl NatsReceiver {
         Ok(())
     }
 
+    /// A pulled message as a delivery, counted as outstanding; `None` for a status
+    /// message or one without JetStream metadata (not a delivery).
+    fn take(&self, msg: jetstream::Message) -> Option<Delivery> {
+        match self.convert(msg) {
+            Ok(d) => {
+                self.outstanding.fetch_add(1, Ordering::Relaxed);
+                Some(d)
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "skipping a non-delivery message");
+                None
+            }
+        }
+    }
+
     fn convert(&self, msg: jetstream::Message) -> Result<Delivery, BrokerError> {
         let info = msg
             .info()
@@ -722,14 +737,11 @@ impl Receiver for NatsReceiver {
             }
             let Some(pull) = batch.as_mut() else { continue };
             match pull.next().await {
-                Some(Ok(msg)) => match self.convert(msg) {
-                    Ok(d) => {
-                        self.outstanding.fetch_add(1, Ordering::Relaxed);
+                Some(Ok(msg)) => {
+                    if let Some(d) = self.take(msg) {
                         return Ok(d);
                     }
-                    // A status message or one without JetStream metadata: not a delivery.
-                    Err(e) => tracing::debug!(error = %e, "skipping a non-delivery message"),
-                },
+                }
                 // The pull request is complete or expired: ask again.
                 None => *batch = None,
                 Some(Err(e)) => {
@@ -749,14 +761,12 @@ impl Receiver for NatsReceiver {
         while taken < max {
             let Some(pull) = batch.as_mut() else { break };
             match pull.next().now_or_never() {
-                Some(Some(Ok(msg))) => match self.convert(msg) {
-                    Ok(d) => {
-                        self.outstanding.fetch_add(1, Ordering::Relaxed);
+                Some(Some(Ok(msg))) => {
+                    if let Some(d) = self.take(msg) {
                         into.push(d);
                         taken += 1;
                     }
-                    Err(e) => tracing::debug!(error = %e, "skipping a non-delivery message"),
-                },
+                }
                 None => break,
                 // The pull is complete, expired or failed: the next `receive` pulls again.
                 Some(None) => *batch = None,

@@ -857,6 +857,25 @@ impl RabbitReceiver {
         })
     }
 
+    /// The consumer's channel failed (`error`) or the broker cancelled the consumer
+    /// (`None`): forget it, so the next `receive` opens a new one.
+    fn consumer_lost(&self, live: &mut Option<Live>, error: Option<lapin::Error>) {
+        if !self.closed.load(Ordering::SeqCst) {
+            match error {
+                Some(e) => {
+                    tracing::warn!(queue = self.queue(), error = %e, "consumer channel lost; reopening");
+                }
+                None => {
+                    tracing::warn!(
+                        queue = self.queue(),
+                        "consumer cancelled by the broker; resuming"
+                    );
+                }
+            }
+        }
+        *live = None;
+    }
+
     fn delivery(&self, d: lapin::message::Delivery, generation: u64) -> Delivery {
         let mut message = convert::message(&d.properties, &d.data);
         let origin = match self.role {
@@ -975,21 +994,8 @@ impl Receiver for RabbitReceiver {
             };
             match l.consumer.next().await {
                 Some(Ok(d)) => return Ok(self.delivery(d, l.generation)),
-                Some(Err(e)) => {
-                    if !self.closed.load(Ordering::SeqCst) {
-                        tracing::warn!(queue = self.queue(), error = %e, "consumer channel lost; reopening");
-                    }
-                    *live = None;
-                }
-                None => {
-                    if !self.closed.load(Ordering::SeqCst) {
-                        tracing::warn!(
-                            queue = self.queue(),
-                            "consumer cancelled by the broker; resuming"
-                        );
-                    }
-                    *live = None;
-                }
+                Some(Err(e)) => self.consumer_lost(&mut live, Some(e)),
+                None => self.consumer_lost(&mut live, None),
             }
         }
     }
@@ -1006,17 +1012,8 @@ impl Receiver for RabbitReceiver {
                 // Nothing buffered: the batch is what arrived.
                 None => break,
                 // Lost or cancelled: the next `receive` reopens, as it would have.
-                Some(Some(Err(e))) => {
-                    tracing::warn!(queue = self.queue(), error = %e, "consumer channel lost; reopening");
-                    *live = None;
-                }
-                Some(None) => {
-                    tracing::warn!(
-                        queue = self.queue(),
-                        "consumer cancelled by the broker; resuming"
-                    );
-                    *live = None;
-                }
+                Some(Some(Err(e))) => self.consumer_lost(&mut live, Some(e)),
+                Some(None) => self.consumer_lost(&mut live, None),
             }
         }
         Ok(())
