@@ -223,11 +223,16 @@ impl KafkaConfig {
             ("heartbeat.interval.ms", "500".into()),
             ("fetch.wait.max.ms", "100".into()),
             // librdkafka's fetch queue is the second stage of flow control (the poll
-            // thread stops taking records while the runtime's buffer is full): small and
-            // bounded, refilled quickly (the default 1 s back-off would stall refills).
+            // thread stops taking records while the runtime's buffer is full), bounded
+            // in memory by `queued.max.messages.kbytes`. It fetches again only once the
+            // queue is below `queued.min.messages`, looking every
+            // `fetch.queue.backoff.ms`: a threshold of a few prefetches starved fast
+            // consumers (BENCHMARKS.md), so it stays at librdkafka's default of 100,000
+            // records (the memory bound is the one above), and the look is frequent (the
+            // default 1 s back-off would stall refills).
             (
                 "queued.min.messages",
-                prefetch.max(1).saturating_mul(2).to_string(),
+                prefetch.max(1).saturating_mul(4).max(100_000).to_string(),
             ),
             ("fetch.queue.backoff.ms", "10".into()),
             ("fetch.error.backoff.ms", "20".into()),

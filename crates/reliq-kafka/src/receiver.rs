@@ -109,6 +109,55 @@ impl TokenInfo {
     }
 }
 
+/// A record as librdkafka handed it out, not decoded yet. The poll thread — the serial
+/// stage of the receive path — only tracks its offset; the receive loop decodes it
+/// (headers, id, payload copy) on the runtime's threads.
+///
+/// The message borrows its consumer; [`Polled::new`] extends that borrow to `'static`.
+/// What keeps it sound: a `Polled` lives only in its poll thread (the pass, the chunk
+/// being built) and in [`Shared::inbound`], where the receive loop decodes or drops it
+/// while holding the inbound lock — and before a poll thread drops its consumer it
+/// removes every `Polled` of that consumer from the inbound, holding that lock
+/// ([`Shared::purge_polled`]). No `Polled` reaches the runtime or the user.
+struct Polled {
+    message: BorrowedMessage<'static>,
+    info: TokenInfo,
+}
+
+// The crate's one `unsafe`: the lifetime extension above, and its call in `on_record`.
+#[allow(unsafe_code)]
+impl Polled {
+    /// # Safety
+    /// The caller keeps the invariant above: `message`'s consumer outlives the `Polled`.
+    unsafe fn new(message: BorrowedMessage<'_>, info: TokenInfo) -> Self {
+        // SAFETY: only the lifetime changes (same type and layout); the caller
+        // guarantees the consumer outlives the message.
+        let message = unsafe {
+            std::mem::transmute::<BorrowedMessage<'_>, BorrowedMessage<'static>>(message)
+        };
+        Self { message, info }
+    }
+}
+
+/// What the poll threads hand to the receive loop.
+enum Record {
+    /// Decoded on the poll thread: relay and blocking-mode records, a partition's first
+    /// record (crash-loop counter), records handed out again after a release. Boxed:
+    /// the rare case, and chunks of small records are cheaper to allocate and move.
+    Ready(Box<Delivery>),
+    /// The fast path: decoded by the receive loop.
+    Polled(Polled),
+}
+
+impl Record {
+    fn info(&self) -> Option<TokenInfo> {
+        match self {
+            Record::Ready(d) => TokenInfo::of(d),
+            Record::Polled(p) => Some(p.info),
+        }
+    }
+}
+
 struct Held {
     due: SystemTime,
     offset: i64,
@@ -236,7 +285,7 @@ struct Pass {
     /// (partition, generation) of partitions assigned, not revoking, past their first
     /// record.
     fast: Vec<(i32, u64)>,
-    pending: Vec<Delivery>,
+    pending: Vec<Polled>,
 }
 
 impl Pass {
@@ -285,29 +334,54 @@ struct Shared {
     rebalances: AtomicU64,
     /// To the runtime, in chunks: all a poll pass handed out, one send (and at most one
     /// wake-up) per pass.
-    tx: mpsc::UnboundedSender<Vec<Delivery>>,
+    tx: mpsc::UnboundedSender<Vec<Record>>,
+    /// The runtime's end of `tx`. Here rather than in the receiver: a poll thread locks
+    /// it to purge its undecoded records before it drops its consumer ([`Polled`]).
+    inbound: tokio::sync::Mutex<Inbound>,
     stop: AtomicBool,
     crashed: AtomicBool,
     runtime: tokio::runtime::Handle,
 }
 
 /// The runtime's end of the stream: chunks from the poll threads, and what is left of
-/// the chunk last taken from.
+/// the chunks last taken from.
 struct Inbound {
-    rx: mpsc::UnboundedReceiver<Vec<Delivery>>,
-    ready: VecDeque<Delivery>,
+    rx: mpsc::UnboundedReceiver<Vec<Record>>,
+    ready: VecDeque<Record>,
+    /// The records one receive keeps, between the state lock and decoding (reused).
+    kept: Vec<Record>,
 }
 
 /// A [`Receiver`] over one or more Kafka consumers.
 pub(crate) struct KafkaReceiver {
     shared: Arc<Shared>,
-    rx: tokio::sync::Mutex<Inbound>,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Critical sections leave the state consistent; a poisoned lock is usable.
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Purges a poll thread's undecoded records when the thread leaves (see [`Polled`]);
+/// a panicking poll thread also stops the receiver, which has lost a consumer.
+struct PurgeOnExit<'a> {
+    shared: &'a Shared,
+    client: usize,
+}
+
+impl Drop for PurgeOnExit<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            tracing::error!(
+                client = self.client,
+                "a kafka poll thread panicked; the receiver stops"
+            );
+            self.shared.crashed.store(true, Ordering::SeqCst);
+            self.shared.stop.store(true, Ordering::SeqCst);
+        }
+        self.shared.purge_polled(self.client);
+    }
 }
 
 struct Ctx {
@@ -438,6 +512,11 @@ impl KafkaReceiver {
             room: Condvar::new(),
             rebalances: AtomicU64::new(0),
             tx,
+            inbound: tokio::sync::Mutex::new(Inbound {
+                rx,
+                ready: VecDeque::new(),
+                kept: Vec::new(),
+            }),
             stop: AtomicBool::new(false),
             crashed: AtomicBool::new(false),
             runtime: tokio::runtime::Handle::current(),
@@ -476,10 +555,6 @@ impl KafkaReceiver {
             clients = shared.clients.len(), "kafka receiver started");
         Ok(Self {
             shared,
-            rx: tokio::sync::Mutex::new(Inbound {
-                rx,
-                ready: VecDeque::new(),
-            }),
             threads: Mutex::new(threads),
         })
     }
@@ -539,6 +614,11 @@ impl Shared {
     }
 
     fn poll_loop(self: Arc<Self>, client: usize, consumer: BaseConsumer<Ctx>) {
+        // Dropped before `consumer` (locals go before arguments), on a panic too.
+        let purge = PurgeOnExit {
+            shared: &self,
+            client,
+        };
         let mut flow = Flow::default();
         let bound = buffer_bound(self.sub.prefetch);
         let mut next_service = Instant::now();
@@ -572,7 +652,7 @@ impl Shared {
             for _ in 0..bound.saturating_sub(queued).clamp(1, POLL_BATCH) {
                 match consumer.poll(wait) {
                     None => break,
-                    Some(Ok(m)) => self.on_record(client, &consumer, &m, &mut out, &mut pass),
+                    Some(Ok(m)) => self.on_record(client, &consumer, m, &mut out, &mut pass),
                     Some(Err(e)) => {
                         tracing::warn!(topic = %self.clients[client].topic, error = %e, "kafka consumer error");
                         break;
@@ -595,8 +675,25 @@ impl Shared {
                 tracing::warn!(error = %e, "final commit failed; done records may be redelivered");
             }
         }
+        drop((out, pass, purge));
         // Dropping the consumer leaves the group (its revoke runs in `revoke`).
         drop(consumer);
+    }
+
+    /// Drop every undecoded record of `client`'s consumer still in the inbound: the
+    /// consumer is about to go (see [`Polled`]). Runs after `stop`: a receive waiting for
+    /// a chunk holds the inbound lock, so an empty chunk wakes it and it returns on
+    /// seeing `stop`, releasing the lock.
+    fn purge_polled(&self, client: usize) {
+        let _ = self.tx.send(Vec::new());
+        let mut inbound = self.inbound.blocking_lock();
+        let Inbound { rx, ready, kept } = &mut *inbound;
+        while let Ok(chunk) = rx.try_recv() {
+            ready.extend(chunk);
+        }
+        let other = |r: &Record| !matches!(r, Record::Polled(p) if p.info.client == client);
+        ready.retain(other);
+        kept.retain(other);
     }
 
     /// Positions of `client`'s partitions that pass `keep`, as a list to commit.
@@ -627,7 +724,7 @@ impl Shared {
         client: usize,
         consumer: &BaseConsumer<Ctx>,
         flow_paused: bool,
-        out: &mut Vec<Delivery>,
+        out: &mut Vec<Record>,
     ) -> Duration {
         let topic = self.clients[client].topic.as_str();
         let now = SystemTime::now();
@@ -677,7 +774,7 @@ impl Shared {
         for (partition, h) in due {
             if self.blocking(client) {
                 lock(&self.state).queued += 1;
-                out.push(h.delivery);
+                out.push(Record::Ready(Box::new(h.delivery)));
             } else {
                 self.hand_out(client, consumer, partition, h.offset, h.delivery, out);
             }
@@ -722,61 +819,50 @@ impl Shared {
         &self,
         client: usize,
         consumer: &BaseConsumer<Ctx>,
-        m: &BorrowedMessage<'_>,
-        out: &mut Vec<Delivery>,
+        m: BorrowedMessage<'_>,
+        out: &mut Vec<Record>,
         pass: &mut Pass,
     ) {
         let (partition, offset) = (m.partition(), m.offset());
         let role = self.clients[client].role;
         // Fast path: a source or DLQ partition past its first record, not in blocking
-        // mode — tracked with the rest of the pass under one lock.
+        // mode — tracked with the rest of the pass under one lock, decoded by the
+        // receive loop.
         let fast = if matches!(role, Role::Relay(_)) || self.blocking(client) {
             None
         } else {
             pass.generation(self, client, partition)
         };
-        let generation = match fast {
-            Some(g) => g,
-            None => {
-                // Slow path, in order behind what the pass holds so far.
-                self.track_pass(pass, out);
-                pass.stale();
-                match lock(&self.state).parts.get(&(client, partition)) {
-                    Some(p) if !p.revoking => p.generation,
-                    _ => return,
-                }
-            }
+        if let Some(generation) = fast {
+            let info = TokenInfo {
+                client,
+                partition,
+                offset,
+                generation,
+            };
+            // SAFETY: the record stays in this thread's pass and chunk, then in the
+            // inbound, from which this thread purges it before dropping `consumer`.
+            #[allow(unsafe_code)]
+            let polled = unsafe { Polled::new(m, info) };
+            pass.pending.push(polled);
+            return;
+        }
+        // Slow path, in order behind what the pass holds so far.
+        self.track_pass(pass, out);
+        pass.stale();
+        let generation = match lock(&self.state).parts.get(&(client, partition)) {
+            Some(p) if !p.revoking => p.generation,
+            _ => return,
         };
-        let decoded = decode(m);
-        let origin = match role {
-            Role::Source | Role::DeadLetters => Origin {
-                destination: self.clients[client].origin.clone(),
-                partition: Some(partition),
-                offset: Some(offset),
-                ..Origin::default()
-            },
-            Role::Relay(_) => Origin {
-                destination: self.clients[client].origin.clone(),
-                partition: decoded.source_partition,
-                offset: decoded.source_offset,
-                ..Origin::default()
-            },
-        };
-        let attempt = headers::attempt(decoded.message.headers());
-        let token = TokenInfo {
+        let info = TokenInfo {
             client,
             partition,
             offset,
             generation,
-        }
-        .token();
-        let delivery = Delivery::new(decoded.message, attempt, origin, token);
-        if fast.is_some() {
-            pass.pending.push(delivery);
-            return;
-        }
+        };
+        let (delivery, due) = self.delivery(&m, info);
         if let Role::Relay(delay) = role {
-            let due = decoded.due.unwrap_or_else(|| {
+            let due = due.unwrap_or_else(|| {
                 let ts = m.timestamp().to_millis().unwrap_or(0).max(0);
                 UNIX_EPOCH + Duration::from_millis(u64::try_from(ts).unwrap_or(0)) + delay
             });
@@ -804,6 +890,38 @@ impl Shared {
         self.hand_out(client, consumer, partition, offset, delivery, out);
     }
 
+    /// The delivery for a record of `info.client`'s consumer, and its due-time header
+    /// (set on relay records).
+    fn delivery(&self, m: &BorrowedMessage<'_>, info: TokenInfo) -> (Delivery, Option<SystemTime>) {
+        let decoded = decode(m);
+        let client = &self.clients[info.client];
+        let origin = match client.role {
+            Role::Source | Role::DeadLetters => Origin {
+                destination: client.origin.clone(),
+                partition: Some(info.partition),
+                offset: Some(info.offset),
+                ..Origin::default()
+            },
+            Role::Relay(_) => Origin {
+                destination: client.origin.clone(),
+                partition: decoded.source_partition,
+                offset: decoded.source_offset,
+                ..Origin::default()
+            },
+        };
+        let attempt = headers::attempt(decoded.message.headers());
+        let delivery = Delivery::new(decoded.message, attempt, origin, info.token());
+        (delivery, decoded.due)
+    }
+
+    /// A record as the runtime gets it.
+    fn decode_record(&self, record: Record) -> Delivery {
+        match record {
+            Record::Ready(d) => *d,
+            Record::Polled(p) => self.delivery(&p.message, p.info).0,
+        }
+    }
+
     /// Count the head record (crash-loop guard), then push the delivery to the stream.
     fn hand_out(
         &self,
@@ -812,7 +930,7 @@ impl Shared {
         partition: i32,
         offset: i64,
         delivery: Delivery,
-        out: &mut Vec<Delivery>,
+        out: &mut Vec<Record>,
     ) {
         let role = self.clients[client].role;
         let mut s = lock(&self.state);
@@ -821,7 +939,13 @@ impl Shared {
         };
         if part.counted {
             // Every record after the partition's first: one lock, no counter.
-            let tracked = self.track(&mut s, client, partition, offset, delivery);
+            let tracked = self.track(
+                &mut s,
+                client,
+                partition,
+                offset,
+                Record::Ready(Box::new(delivery)),
+            );
             drop(s);
             out.extend(tracked);
             return;
@@ -865,7 +989,13 @@ impl Shared {
                 }
             }
         }
-        let tracked = self.track(&mut lock(&self.state), client, partition, offset, delivery);
+        let tracked = self.track(
+            &mut lock(&self.state),
+            client,
+            partition,
+            offset,
+            Record::Ready(Box::new(delivery)),
+        );
         out.extend(tracked);
     }
 
@@ -879,8 +1009,8 @@ impl Shared {
         client: usize,
         partition: i32,
         offset: i64,
-        delivery: Delivery,
-    ) -> Option<Delivery> {
+        record: Record,
+    ) -> Option<Record> {
         let blocking = self.blocking(client);
         let part = s.parts.get_mut(&(client, partition))?;
         if part.revoking {
@@ -888,7 +1018,8 @@ impl Shared {
         }
         if blocking && (part.out || !part.waiting.is_empty()) {
             // One record per partition at a time: this one waits for the one out.
-            part.waiting.push_back((offset, delivery));
+            // (Blocking mode takes the slow path: this is decoded already.)
+            part.waiting.push_back((offset, self.decode_record(record)));
             s.queued += 1;
             return None;
         }
@@ -897,40 +1028,39 @@ impl Shared {
         }
         part.out = blocking;
         s.queued += 1;
-        Some(delivery)
+        Some(record)
     }
 
     /// [`Shared::track`] the pass's fast-path records under one lock and move them to
     /// `out`; a record whose partition was reassigned since it was polled is dropped — it
     /// is uncommitted, and its next owner reads it again.
-    fn track_pass(&self, pass: &mut Pass, out: &mut Vec<Delivery>) {
+    fn track_pass(&self, pass: &mut Pass, out: &mut Vec<Record>) {
         if pass.pending.is_empty() {
             return;
         }
         let mut s = lock(&self.state);
-        for d in pass.pending.drain(..) {
-            let Some(info) = TokenInfo::of(&d) else {
-                continue;
-            };
+        for p in pass.pending.drain(..) {
+            let info = p.info;
             let current = s
                 .parts
                 .get(&(info.client, info.partition))
                 .is_some_and(|part| part.generation == info.generation);
             if current {
-                out.extend(self.track(&mut s, info.client, info.partition, info.offset, d));
+                let record = Record::Polled(p);
+                out.extend(self.track(&mut s, info.client, info.partition, info.offset, record));
             }
         }
     }
 
     /// Push tracked records to the stream (one chunk); `out` is left empty.
-    fn flush(&self, out: &mut Vec<Delivery>) {
+    fn flush(&self, out: &mut Vec<Record>) {
         if !out.is_empty() {
             let chunk = std::mem::replace(out, Vec::with_capacity(out.capacity()));
             self.send(chunk);
         }
     }
 
-    fn send(&self, chunk: Vec<Delivery>) {
+    fn send(&self, chunk: Vec<Record>) {
         if self.tx.send(chunk).is_err() {
             tracing::debug!("receiver gone; records left uncommitted");
         }
@@ -1071,7 +1201,7 @@ impl Shared {
                     while let Some((next, d)) = part.waiting.pop_front() {
                         if part.tracker.handed_out(next) {
                             part.out = true;
-                            self.send(vec![d]);
+                            self.send(vec![Record::Ready(Box::new(d))]);
                             break;
                         }
                         skipped += 1; // already seen (cannot happen in offset order)
@@ -1224,60 +1354,64 @@ impl Receiver for KafkaReceiver {
     }
 
     async fn receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> Result<(), BrokerError> {
-        let start = into.len();
+        let shared = &*self.shared;
         let max = max.max(1);
         loop {
-            let taken = {
-                let mut inbound = self.rx.lock().await;
-                if inbound.ready.is_empty() {
-                    // `None`: every sender is gone; nothing taken means closed.
-                    if let Some(chunk) = inbound.rx.recv().await {
-                        inbound.ready.extend(chunk);
-                    }
-                }
-                // More chunks that are already there, without waiting.
-                while inbound.ready.len() < max {
-                    match inbound.rx.try_recv() {
-                        Ok(chunk) => inbound.ready.extend(chunk),
-                        Err(_) => break,
-                    }
-                }
-                let n = inbound.ready.len().min(max);
-                into.extend(inbound.ready.drain(..n));
-                n
-            };
-            if taken == 0 || self.shared.is_stopped() {
-                into.truncate(start);
+            if shared.is_stopped() {
                 return Err(BrokerError::Closed);
+            }
+            let mut inbound = shared.inbound.lock().await;
+            if inbound.ready.is_empty() {
+                match inbound.rx.recv().await {
+                    Some(chunk) => inbound.ready.extend(chunk),
+                    // Every sender is gone.
+                    None => return Err(BrokerError::Closed),
+                }
+            }
+            // More chunks that are already there, without waiting.
+            while inbound.ready.len() < max {
+                match inbound.rx.try_recv() {
+                    Ok(chunk) => inbound.ready.extend(chunk),
+                    Err(_) => break,
+                }
+            }
+            let Inbound { ready, kept, .. } = &mut *inbound;
+            let taken = ready.len().min(max);
+            if taken == 0 {
+                // An empty chunk: a poll thread's wake-up on stop.
+                continue;
             }
             // One lock for the batch: leave the buffer, count as busy on its partition —
             // or drop a record whose partition was revoked meanwhile (the new owner
             // reads it from the commit).
-            let mut s = lock(&self.shared.state);
-            s.queued = s.queued.saturating_sub(taken);
-            let bound = buffer_bound(self.shared.sub.prefetch);
-            if s.room_wanted && bound.saturating_sub(s.queued) >= refill_room(bound) {
-                s.room_wanted = false;
-                self.shared.room.notify_all();
-            }
-            let mut kept = start;
-            for i in start..into.len() {
-                let current = TokenInfo::of(&into[i]).is_some_and(|info| {
-                    match s.parts.get_mut(&(info.client, info.partition)) {
-                        Some(part) if part.generation == info.generation && !part.revoking => {
-                            part.busy += 1;
-                            true
+            {
+                let mut s = lock(&shared.state);
+                s.queued = s.queued.saturating_sub(taken);
+                let bound = buffer_bound(shared.sub.prefetch);
+                if s.room_wanted && bound.saturating_sub(s.queued) >= refill_room(bound) {
+                    s.room_wanted = false;
+                    shared.room.notify_all();
+                }
+                for record in ready.drain(..taken) {
+                    let current = record.info().is_some_and(|info| {
+                        match s.parts.get_mut(&(info.client, info.partition)) {
+                            Some(part) if part.generation == info.generation && !part.revoking => {
+                                part.busy += 1;
+                                true
+                            }
+                            _ => false,
                         }
-                        _ => false,
+                    });
+                    if current {
+                        kept.push(record);
                     }
-                });
-                if current {
-                    into.swap(kept, i);
-                    kept += 1;
                 }
             }
-            into.truncate(kept);
-            if kept > start {
+            // Decode outside the state lock (the poll threads and settlements take it),
+            // inside the inbound lock (see `Polled`).
+            let kept_any = !kept.is_empty();
+            into.extend(kept.drain(..).map(|r| shared.decode_record(r)));
+            if kept_any {
                 return Ok(());
             }
         }
@@ -1365,11 +1499,11 @@ impl Receiver for KafkaReceiver {
         let tx = self.shared.tx.clone();
         let again = delivery.clone();
         if delay.is_zero() {
-            let _ = tx.send(vec![again]);
+            let _ = tx.send(vec![Record::Ready(Box::new(again))]);
         } else {
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
-                let _ = tx.send(vec![again]);
+                let _ = tx.send(vec![Record::Ready(Box::new(again))]);
             });
         }
         Ok(())

@@ -46,7 +46,15 @@ impl OffsetTracker {
 
     /// Mark `offset` done; returns false if it was not outstanding.
     pub fn complete(&mut self, offset: i64) -> bool {
-        let Ok(i) = self.pending.binary_search_by_key(&offset, |(o, _)| *o) else {
+        // Offsets are mostly contiguous (gaps only after compaction or transaction
+        // markers): try the slot `offset` would have without gaps before searching.
+        let direct = self.pending.front().and_then(|&(first, _)| {
+            let i = usize::try_from(offset.checked_sub(first)?).ok()?;
+            (self.pending.get(i)?.0 == offset).then_some(i)
+        });
+        let Some(i) =
+            direct.or_else(|| self.pending.binary_search_by_key(&offset, |(o, _)| *o).ok())
+        else {
             return false;
         };
         if self.pending[i].1 {
