@@ -361,4 +361,83 @@ mod kafka {
         dlq.close().await?;
         Ok(())
     }
+
+    /// The receive path hands records to the runtime undecoded (librdkafka's own
+    /// messages, borrowed from their consumer): a consumer shut down, or dropped as in a
+    /// crash, while its buffer is full of them purges them before its Kafka consumer
+    /// goes, and loses nothing — the next consumer handles every record.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn consumers_stopped_with_a_full_buffer_lose_nothing() -> anyhow::Result<()> {
+        const TOTAL: usize = 3_000;
+        let backend = KafkaBackend::new();
+        let ctx = Ctx::new(&backend, "stop-full").await?;
+        let messages: Vec<Message> = (0..TOTAL).map(|i| Message::new(format!("{i}"))).collect();
+        let ids: Vec<_> = messages.iter().map(|m| m.id().clone()).collect();
+        ctx.publish_all(messages).await?;
+        let rec = Recorder::new();
+        // Slow handlers: the receiver's buffer (4 x max_in_flight) fills up behind them.
+        let slow = |rec: &Recorder| {
+            let r = rec.clone();
+            ctx.consumer("c")
+                .max_in_flight(16)
+                .shutdown_timeout(Duration::from_millis(50))
+                .start(move |d: Delivery| {
+                    let r = r.clone();
+                    async move {
+                        r.call(&d);
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        r.effect(d.id());
+                        Ok::<(), BoxError>(())
+                    }
+                })
+        };
+        let calls = |rec: &Recorder| ids.iter().map(|id| rec.calls_for(id).len()).sum::<usize>();
+        let graceful = slow(&rec).await?;
+        wait_until(
+            "the first consumer handles records",
+            Duration::from_secs(30),
+            || calls(&rec) >= 16,
+        )
+        .await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let report = graceful.shutdown().await;
+        ensure!(
+            !report.drained && report.stats.released > 0,
+            "{:?}",
+            report.stats
+        );
+        let before = calls(&rec);
+        let crashing = slow(&rec).await?;
+        wait_until(
+            "the second consumer handles records",
+            Duration::from_secs(30),
+            || calls(&rec) >= before + 16,
+        )
+        .await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        crashing.crash().await;
+        let r = rec.clone();
+        let last = ctx
+            .consumer("c")
+            .start(move |d: Delivery| {
+                let r = r.clone();
+                async move {
+                    r.effect(d.id());
+                    Ok::<(), BoxError>(())
+                }
+            })
+            .await?;
+        wait_until("every record handled", Duration::from_secs(60), || {
+            rec.effects().len() >= TOTAL
+        })
+        .await?;
+        let s = last.shutdown().await.stats;
+        let effects = rec.effects();
+        for id in &ids {
+            ensure!(effects.contains_key(id), "record {id} was lost");
+        }
+        ensure!(effects.len() == TOTAL, "{} distinct records", effects.len());
+        ensure!(s.settle_failures == 0, "{s:?}");
+        Ok(())
+    }
 }

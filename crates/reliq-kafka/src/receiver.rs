@@ -692,8 +692,11 @@ impl Shared {
             ready.extend(chunk);
         }
         let other = |r: &Record| !matches!(r, Record::Polled(p) if p.info.client == client);
+        let before = ready.len() + kept.len();
         ready.retain(other);
         kept.retain(other);
+        let purged = before - ready.len() - kept.len();
+        tracing::debug!(topic = %self.clients[client].topic, purged, "undecoded records dropped before the consumer closes");
     }
 
     /// Positions of `client`'s partitions that pass `keep`, as a list to commit.
