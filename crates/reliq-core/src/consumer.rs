@@ -17,14 +17,16 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering as AtomicOrdering};
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, SemaphorePermit};
 use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
@@ -325,7 +327,8 @@ impl ConsumerBuilder {
             inbox: self.inbox,
             handler_timeout: self.handler_timeout,
             clock: Clock::new(),
-            concurrency: Arc::new(Semaphore::new(concurrency)),
+            concurrency: (concurrency < self.max_in_flight as usize)
+                .then(|| Semaphore::new(concurrency)),
             stats: Arc::new(Stats::default()),
             keyed: Mutex::new(HashMap::new()),
             ordering: self.ordering,
@@ -335,8 +338,8 @@ impl ConsumerBuilder {
                 max: self.settle_backoff.1,
             },
             tracker: TaskTracker::new(),
-            hard_stop: CancellationToken::new(),
-            crash: CancellationToken::new(),
+            hard_stop: Signal::default(),
+            crash: Signal::default(),
         });
         let stop = CancellationToken::new();
         let in_flight = Arc::new(Semaphore::new(self.max_in_flight as usize));
@@ -501,7 +504,7 @@ impl ConsumerHandle {
                 timeout = ?self.shutdown_timeout,
                 "in-flight handlers did not finish in time; releasing their deliveries"
             );
-            self.shared.hard_stop().cancel();
+            self.shared.hard_stop().fire();
             tracker.wait().await;
         }
         if let Err(e) = self.receiver.close().await {
@@ -518,7 +521,7 @@ impl ConsumerHandle {
     /// (after its lease / on connection loss). For tests of crash behaviour.
     pub async fn crash(self) {
         self.stop.cancel();
-        self.shared.crash().cancel();
+        self.shared.crash().fire();
         let _ = self.loop_task.await;
         let tracker = self.shared.tracker();
         tracker.close();
@@ -530,8 +533,8 @@ impl ConsumerHandle {
 trait Control: Send + Sync {
     fn stats(&self) -> &Stats;
     fn tracker(&self) -> &TaskTracker;
-    fn hard_stop(&self) -> &CancellationToken;
-    fn crash(&self) -> &CancellationToken;
+    fn hard_stop(&self) -> &Signal;
+    fn crash(&self) -> &Signal;
 }
 
 impl<F: Send + Sync> Control for Shared<F> {
@@ -541,11 +544,54 @@ impl<F: Send + Sync> Control for Shared<F> {
     fn tracker(&self) -> &TaskTracker {
         &self.tracker
     }
-    fn hard_stop(&self) -> &CancellationToken {
+    fn hard_stop(&self) -> &Signal {
         &self.hard_stop
     }
-    fn crash(&self) -> &CancellationToken {
+    fn crash(&self) -> &Signal {
         &self.crash
+    }
+}
+
+/// A one-way stop signal (hard stop, crash) that every in-flight delivery races against.
+/// A `CancellationToken::cancelled()` per delivery locks the token and its waiter list to
+/// register and again to deregister — shared locks every worker takes for every
+/// message. Here a flag is read first, and the token is registered with only when the
+/// guarded work has to wait.
+#[derive(Default)]
+struct Signal {
+    fired: AtomicBool,
+    token: CancellationToken,
+}
+
+impl Signal {
+    fn fire(&self) {
+        self.fired.store(true, AtomicOrdering::SeqCst);
+        self.token.cancel();
+    }
+
+    /// `work`'s output, or `None` if the signal fired first. Checked before every poll of
+    /// `work`, as a biased `select!` with the signal first would.
+    async fn unless_fired<F: Future>(&self, work: F) -> Option<F::Output> {
+        let mut work = pin!(work);
+        let mut wait = pin!(None::<WaitForCancellationFuture<'_>>);
+        std::future::poll_fn(|cx| {
+            if self.fired.load(AtomicOrdering::SeqCst) {
+                return Poll::Ready(None);
+            }
+            if let Poll::Ready(out) = work.as_mut().poll(cx) {
+                return Poll::Ready(Some(out));
+            }
+            // `work` waits: be woken by the signal too. (No lost wake-up: the token
+            // checks its own state when the waiter registers.)
+            if wait.is_none() {
+                wait.set(Some(self.token.cancelled()));
+            }
+            match wait.as_mut().as_pin_mut().map(|w| w.poll(cx)) {
+                Some(Poll::Ready(())) => Poll::Ready(None),
+                _ => Poll::Pending,
+            }
+        })
+        .await
     }
 }
 
@@ -603,15 +649,18 @@ struct Shared<F> {
     inbox: Option<Arc<dyn Inbox>>,
     handler_timeout: Option<Duration>,
     clock: Clock,
-    concurrency: Arc<Semaphore>,
+    /// Most handlers running at once; `None` when that is no stricter than the in-flight
+    /// bound (a handler holds at least one in-flight delivery), which saves a semaphore
+    /// per message.
+    concurrency: Option<Semaphore>,
     stats: Arc<Stats>,
     metrics: ConsumerMetrics,
     keyed: Mutex<HashMap<String, VecDeque<Held>>>,
     ordering: Ordering,
     backoff: SettleBackoff,
     tracker: TaskTracker,
-    hard_stop: CancellationToken,
-    crash: CancellationToken,
+    hard_stop: Signal,
+    crash: Signal,
 }
 
 async fn receive_loop<H: Send + Sync + 'static>(
@@ -789,28 +838,21 @@ where
         // Graceful path: handle, then settle; a hard stop (shutdown deadline) releases
         // a delivery whose handler is still running. Settling itself is not cut short.
         let work = async {
-            tokio::select! {
-                biased;
-                _ = s.hard_stop.cancelled() => {
+            match s.hard_stop.unless_fired(s.handle(&d)).await {
+                None => {
                     s.abandon_claim(&d).await;
                     s.release(&d, Duration::ZERO).await;
                 }
-                outcome = s.handle(&d) => {
-                    if let Some(outcome) = outcome {
-                        s.settle(&d, outcome).await;
-                    }
-                }
+                Some(Some(outcome)) => s.settle(&d, outcome).await,
+                Some(None) => {}
             }
         };
         // A crash stops everything at once, a settlement in progress included: nothing
         // more reaches the broker, as when the process dies.
-        tokio::select! {
-            biased;
-            _ = s.crash.cancelled() => {
-                // A crash rolls back an uncommitted inbox claim, as a transaction would.
-                s.abandon_claim(&d).await;
-            }
-            _ = work => count_settled(&s, 1),
+        match s.crash.unless_fired(work).await {
+            // A crash rolls back an uncommitted inbox claim, as a transaction would.
+            None => s.abandon_claim(&d).await,
+            Some(()) => count_settled(&s, 1),
         }
     }
     .instrument(span)
@@ -857,14 +899,17 @@ async fn process_batch<F, Fut>(
     );
     async {
         // As for one message: a crash stops everything at once and settles nothing.
-        tokio::select! {
-            biased;
-            _ = shared.crash.cancelled() => {
+        match shared
+            .crash
+            .unless_fired(shared.handle_batch(&deliveries))
+            .await
+        {
+            None => {
                 for d in deliveries.iter() {
                     shared.abandon_claim(d).await;
                 }
             }
-            _ = shared.handle_batch(&deliveries) => count_settled(&shared, deliveries.len()),
+            Some(()) => count_settled(&shared, deliveries.len()),
         }
     }
     .instrument(span)
@@ -879,7 +924,7 @@ where
     /// Run the handler. `None` means the delivery was already settled (duplicate, inbox
     /// failure).
     async fn handle(&self, d: &Delivery) -> Option<Outcome> {
-        let _slot = self.concurrency.acquire().await.ok()?;
+        let _slot = self.concurrency_slot().await;
         if !self.claim(d).await {
             return None;
         }
@@ -902,11 +947,7 @@ where
 {
     /// Claim (with an inbox), call the batch handler once, settle every delivery.
     async fn handle_batch(&self, deliveries: &Arc<Vec<Delivery>>) {
-        let slot = tokio::select! {
-            biased;
-            _ = self.hard_stop.cancelled() => None,
-            slot = self.concurrency.acquire() => slot.ok(),
-        };
+        let slot = self.hard_stop.unless_fired(self.concurrency_slot()).await;
         let Some(_slot) = slot else {
             for d in deliveries.iter() {
                 self.release(d, Duration::ZERO).await;
@@ -928,19 +969,16 @@ where
                 Arc::new(first)
             }
         };
-        let result = tokio::select! {
-            biased;
-            _ = self.hard_stop.cancelled() => {
-                for d in batch.iter() {
-                    self.abandon_claim(d).await;
-                    self.release(d, Duration::ZERO).await;
-                }
-                return;
+        let call = async {
+            self.metrics.batch_size.record(batch.len() as f64);
+            self.call((self.handler)(Batch::new(batch.clone()))).await
+        };
+        let Some(result) = self.hard_stop.unless_fired(call).await else {
+            for d in batch.iter() {
+                self.abandon_claim(d).await;
+                self.release(d, Duration::ZERO).await;
             }
-            r = async {
-                self.metrics.batch_size.record(batch.len() as f64);
-                self.call((self.handler)(Batch::new(batch.clone()))).await
-            } => r,
+            return;
         };
         let failed: Vec<(usize, Outcome)> = match result {
             Ok(Ok(())) => Vec::new(),
@@ -996,6 +1034,12 @@ where
 }
 
 impl<H> Shared<H> {
+    /// Wait for a handler slot, held while the handler runs (`None`: no limit to keep).
+    async fn concurrency_slot(&self) -> Option<SemaphorePermit<'_>> {
+        // The semaphore is never closed.
+        self.concurrency.as_ref()?.acquire().await.ok()
+    }
+
     /// Claim `d` in the runtime's inbox, if there is one. False: already settled (a
     /// duplicate, acknowledged; or the claim failed and the delivery was released).
     async fn claim(&self, d: &Delivery) -> bool {
