@@ -780,7 +780,12 @@ where
     let key = match (shared.ordering, held.0.key()) {
         (Ordering::PerKey, Some(k)) => k.to_owned(),
         _ => {
-            shared.tracker.spawn(process(shared.clone(), held));
+            // Boxed: the ~2 KB state moves once, into the box, instead of through each
+            // step of building the task (`memmove` was a fifth of the workers' time at
+            // ~450 k deliveries/s on Kafka; boxed, 10–30 % more deliveries/s there).
+            shared
+                .tracker
+                .spawn(Box::pin(process(shared.clone(), held)));
             return;
         }
     };
