@@ -376,6 +376,9 @@ mod kafka {
         ctx.publish_all(messages).await?;
         let rec = Recorder::new();
         // Slow handlers: the receiver's buffer (4 x max_in_flight) fills up behind them.
+        // Each takes far longer than the test waits, so the stops below always find all
+        // 16 mid-handler (a 100 ms handler let a stop land between two rounds and find
+        // nothing to release).
         let slow = |rec: &Recorder| {
             let r = rec.clone();
             ctx.consumer("c")
@@ -385,7 +388,7 @@ mod kafka {
                     let r = r.clone();
                     async move {
                         r.call(&d);
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        tokio::time::sleep(Duration::from_secs(30)).await;
                         r.effect(d.id());
                         Ok::<(), BoxError>(())
                     }
