@@ -157,10 +157,24 @@ async fn restart_mid_run_loses_nothing(
         publish_errors.load(Ordering::Relaxed)
     );
 
-    wait_until("every message processed", Duration::from_secs(180), || {
+    wait_until("every message processed", Duration::from_secs(60), || {
         rec.effect_count() >= ids.len()
     })
-    .await?;
+    .await
+    .with_context(|| {
+        // Which messages (by number) and how far each got: a retry stuck in a tier
+        // shows as a single attempt.
+        let effects = rec.effects();
+        let calls = rec.calls();
+        let missing: Vec<String> = (ids.iter().enumerate())
+            .filter(|(_, id)| !effects.contains_key(*id))
+            .map(|(n, id)| {
+                let attempts = calls.iter().filter(|c| &c.id == id).count();
+                format!("{n} ({attempts} calls)")
+            })
+            .collect();
+        format!("unprocessed: {missing:?}")
+    })?;
     // A short quiet period: a late duplicate would show up as a second effect.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let effects = rec.effects();

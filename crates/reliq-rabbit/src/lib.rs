@@ -60,6 +60,16 @@
 //! [`BrokerError::Config`] (PRECONDITION_FAILED). [`plan`] prints both forms, for
 //! operators who manage policies themselves.
 //!
+//! **Broker setting for operators**: a tier hands an expired message back to its source
+//! queue through the broker's at-least-once dead-letter worker, which re-sends a forward
+//! whose confirm never came only after `dead_letter_worker_publisher_confirm_timeout`
+//! (default 180 s). After a broker restart the first forward can find the source queue
+//! not yet up, so every retry that was waiting in a tier then stalls for 3 minutes
+//! (measured here). Set it lower in `advanced.config`, e.g.
+//! `[{rabbit, [{dead_letter_worker_publisher_confirm_timeout, 5000}]}].` (what
+//! `scripts/brokers` does); a forward re-sent too early is a duplicate, which the
+//! runtime's inbox absorbs like any redelivery.
+//!
 //! RabbitMQ 4.3's quorum-queue delayed retry is not used yet: the brokers reliq is tested
 //! against here (3.10) do not have it, so retries always go through TTL tiers.
 //!
