@@ -17,7 +17,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
@@ -578,27 +577,50 @@ impl Signal {
 
     /// `work`'s output, or `None` if the signal fired first. Checked before every poll of
     /// `work`, as a biased `select!` with the signal first would.
-    async fn unless_fired<F: Future>(&self, work: F) -> Option<F::Output> {
-        let mut work = pin!(work);
-        let mut wait = pin!(None::<WaitForCancellationFuture<'_>>);
-        std::future::poll_fn(|cx| {
-            if self.fired.load(AtomicOrdering::SeqCst) {
-                return Poll::Ready(None);
-            }
-            if let Poll::Ready(out) = work.as_mut().poll(cx) {
-                return Poll::Ready(Some(out));
-            }
-            // `work` waits: be woken by the signal too. (No lost wake-up: the token
-            // checks its own state when the waiter registers.)
-            if wait.is_none() {
-                wait.set(Some(self.token.cancelled()));
-            }
-            match wait.as_mut().as_pin_mut().map(|w| w.poll(cx)) {
-                Some(Poll::Ready(())) => Poll::Ready(None),
-                _ => Poll::Pending,
-            }
-        })
-        .await
+    fn unless_fired<F: Future>(&self, work: F) -> UnlessFired<'_, F> {
+        UnlessFired {
+            signal: self,
+            work,
+            wait: None,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// [`Signal::unless_fired`]'s future. A named future rather than an `async fn`: an
+    /// `async fn` keeps its argument and the pinned copy of it side by side, so each of
+    /// the two nested races doubled the per-delivery state (2 KB where the handling
+    /// inside needs a few hundred bytes; above ~1 KB every allocation of it also misses
+    /// the allocator's per-thread cache).
+    struct UnlessFired<'a, F> {
+        signal: &'a Signal,
+        #[pin]
+        work: F,
+        #[pin]
+        wait: Option<WaitForCancellationFuture<'a>>,
+    }
+}
+
+impl<F: Future> Future for UnlessFired<'_, F> {
+    type Output = Option<F::Output>;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        if this.signal.fired.load(AtomicOrdering::SeqCst) {
+            return Poll::Ready(None);
+        }
+        if let Poll::Ready(out) = this.work.poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        // `work` waits: be woken by the signal too. (No lost wake-up: the token checks
+        // its own state when the waiter registers.)
+        if this.wait.is_none() {
+            this.wait.set(Some(this.signal.token.cancelled()));
+        }
+        match this.wait.as_pin_mut().map(|w| w.poll(cx)) {
+            Some(Poll::Ready(())) => Poll::Ready(None),
+            _ => Poll::Pending,
+        }
     }
 }
 
