@@ -656,7 +656,8 @@ impl SettleBackoff {
     }
 }
 
-type Held = (Delivery, OwnedSemaphorePermit);
+/// A delivery and its in-flight permit (none if a backend returned more than asked for).
+type Held = (Delivery, Option<OwnedSemaphorePermit>);
 
 /// Most deliveries the receive loop takes from the backend in one call for a per-message
 /// handler (bounded by the free in-flight room as well).
@@ -796,58 +797,77 @@ fn dispatch_each<F, Fut>(
         return;
     }
     count_received(shared, batch.len());
+    if batch.len() > permits.num_permits() {
+        // A backend broke the `receive_batch` contract and returned more than asked:
+        // handle the extra deliveries anyway (without a permit) rather than drop them.
+        tracing::error!(consumer = %shared.name, "receive_batch returned more deliveries than asked for");
+    }
     let mut group = Vec::new();
     for delivery in batch.drain(..) {
-        let permit = permits.split(1).or_else(|| {
-            // A backend broke the `receive_batch` contract and returned more than asked:
-            // handle the delivery anyway (an empty permit) rather than drop it.
-            tracing::error!(consumer = %shared.name, "receive_batch returned more deliveries than asked for");
-            in_flight.clone().try_acquire_many_owned(0).ok()
-        });
-        let Some(permit) = permit else {
-            tracing::error!(consumer = %shared.name, id = %delivery.id(),
-                "no in-flight permit; the broker redelivers the message after its lease");
-            continue;
-        };
         match (shared.ordering, delivery.key()) {
             (Ordering::PerKey, Some(key)) => {
                 let key = key.to_owned();
+                let permit = take_permits(&mut permits, in_flight, 1);
                 dispatch_keyed(shared, key, (delivery, permit));
             }
             _ => {
-                group.push((delivery, permit));
+                group.push(delivery);
                 if group.len() == shared.group_size {
-                    spawn_group(shared, std::mem::take(&mut group));
+                    let room = take_permits(&mut permits, in_flight, group.len());
+                    spawn_group(shared, std::mem::take(&mut group), room);
                 }
             }
         }
     }
-    spawn_group(shared, group);
+    if !group.is_empty() {
+        let room = take_permits(&mut permits, in_flight, group.len());
+        spawn_group(shared, group, room);
+    }
 }
 
-/// Run `group`'s deliveries concurrently in one task.
-fn spawn_group<F, Fut>(shared: &Arc<Shared<F>>, group: Vec<Held>)
-where
+/// `n` of the receive's permits, or as many as are left (none, as an empty permit, when
+/// a backend returned more deliveries than asked for).
+fn take_permits(
+    permits: &mut OwnedSemaphorePermit,
+    in_flight: &Arc<Semaphore>,
+    n: usize,
+) -> Option<OwnedSemaphorePermit> {
+    permits
+        .split(n.min(permits.num_permits()))
+        .or_else(|| in_flight.clone().try_acquire_many_owned(0).ok())
+}
+
+/// Run `group`'s deliveries concurrently in one task; `room` holds their in-flight
+/// permits, freed as they are settled — those settled in one pass of the task at once.
+fn spawn_group<F, Fut>(
+    shared: &Arc<Shared<F>>,
+    group: Vec<Delivery>,
+    mut room: Option<OwnedSemaphorePermit>,
+) where
     F: Fn(Delivery) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
 {
-    if group.len() <= 1 {
-        for held in group {
-            // Boxed: the ~2 KB state moves once, into the box, instead of through each
-            // step of building the task.
-            shared
-                .tracker
-                .spawn(Box::pin(process(shared.clone(), held)));
-        }
-        return;
-    }
     let mut running: FuturesUnordered<_> = group
         .into_iter()
-        .map(|held| process(shared.clone(), held))
+        .map(|delivery| process(shared.clone(), delivery))
         .collect();
-    shared
-        .tracker
-        .spawn(async move { while running.next().await.is_some() {} });
+    shared.tracker.spawn(std::future::poll_fn(move |cx| {
+        let mut settled = 0;
+        loop {
+            match running.poll_next_unpin(cx) {
+                Poll::Ready(Some(())) => settled += 1,
+                // Done: the closure, and with it what is left of `room`, is dropped.
+                Poll::Ready(None) => return Poll::Ready(()),
+                Poll::Pending => break,
+            }
+        }
+        if let Some(room) = room.as_mut()
+            && settled > 0
+        {
+            drop(room.split(settled.min(room.num_permits())));
+        }
+        Poll::Pending
+    }));
 }
 
 /// Per-key ordering: a delivery whose key is being handled queues behind it; otherwise
@@ -869,8 +889,9 @@ where
     let shared = shared.clone();
     shared.tracker.clone().spawn(async move {
         let mut next = Some(held);
-        while let Some(held) = next {
-            process(shared.clone(), held).await;
+        while let Some((delivery, permit)) = next {
+            process(shared.clone(), delivery).await;
+            drop(permit);
             let mut keyed = shared.keyed.lock().unwrap_or_else(|p| p.into_inner());
             next = keyed.get_mut(&key).and_then(VecDeque::pop_front);
             if next.is_none() {
@@ -888,7 +909,7 @@ enum Outcome {
     Failed(ErrorClass, String),
 }
 
-async fn process<F, Fut>(shared: Arc<Shared<F>>, (delivery, _permit): Held)
+async fn process<F, Fut>(shared: Arc<Shared<F>>, delivery: Delivery)
 where
     F: Fn(Delivery) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
