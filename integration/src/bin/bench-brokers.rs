@@ -21,6 +21,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+/// Built with `--features mimalloc`: mimalloc for every Rust allocation of both sides
+/// (librdkafka's own allocations still use the C library's `malloc`).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::{Context, bail, ensure};
 use futures::StreamExt;
 use reliq_conformance::support::unique;
