@@ -838,7 +838,9 @@ fn take_permits(
 }
 
 /// Run `group`'s deliveries concurrently in one task; `room` holds their in-flight
-/// permits, freed as they are settled — those settled in one pass of the task at once.
+/// permits. After each pass over the group, the successes of the pass are acknowledged
+/// together (one `ack_batch`: one lock for Kafka offsets) and the permits of every
+/// delivery settled in it are freed at once (one semaphore lock).
 fn spawn_group<F, Fut>(
     shared: &Arc<Shared<F>>,
     group: Vec<Delivery>,
@@ -849,25 +851,41 @@ fn spawn_group<F, Fut>(
 {
     let mut running: FuturesUnordered<_> = group
         .into_iter()
-        .map(|delivery| process(shared.clone(), delivery))
+        .map(|delivery| handle_one(shared.clone(), delivery))
         .collect();
-    shared.tracker.spawn(std::future::poll_fn(move |cx| {
-        let mut settled = 0;
+    let shared = shared.clone();
+    shared.tracker.clone().spawn(async move {
+        let mut handled = Vec::new();
         loop {
-            match running.poll_next_unpin(cx) {
-                Poll::Ready(Some(())) => settled += 1,
-                // Done: the closure, and with it what is left of `room`, is dropped.
-                Poll::Ready(None) => return Poll::Ready(()),
-                Poll::Pending => break,
+            let mut settled = 0;
+            let finished = std::future::poll_fn(|cx| {
+                loop {
+                    match running.poll_next_unpin(cx) {
+                        Poll::Ready(Some(success)) => {
+                            settled += 1;
+                            handled.extend(success);
+                        }
+                        Poll::Ready(None) => return Poll::Ready(true),
+                        Poll::Pending if settled > 0 => return Poll::Ready(false),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
+            })
+            .await;
+            if !handled.is_empty() {
+                ack_handled(&shared, &handled).await;
+                handled.clear();
+            }
+            if let Some(room) = room.as_mut()
+                && settled > 0
+            {
+                drop(room.split(settled.min(room.num_permits())));
+            }
+            if finished {
+                break;
             }
         }
-        if let Some(room) = room.as_mut()
-            && settled > 0
-        {
-            drop(room.split(settled.min(room.num_permits())));
-        }
-        Poll::Pending
-    }));
+    });
 }
 
 /// Per-key ordering: a delivery whose key is being handled queues behind it; otherwise
@@ -909,7 +927,20 @@ enum Outcome {
     Failed(ErrorClass, String),
 }
 
+/// Handle and settle one delivery.
 async fn process<F, Fut>(shared: Arc<Shared<F>>, delivery: Delivery)
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    if let Some(handled) = handle_one(shared.clone(), delivery).await {
+        ack_handled(&shared, std::slice::from_ref(&handled)).await;
+    }
+}
+
+/// Handle one delivery and settle it — except a success, which is returned for the caller
+/// to acknowledge ([`ack_handled`]), so that a group acknowledges its successes together.
+async fn handle_one<F, Fut>(shared: Arc<Shared<F>>, delivery: Delivery) -> Option<Delivery>
 where
     F: Fn(Delivery) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
@@ -926,8 +957,8 @@ where
         span.record("trace_id", tp.trace_id);
         span.record("parent_span_id", tp.parent_id);
     }
-    let s = shared.clone();
-    let d = delivery.clone();
+    let s = shared;
+    let d = delivery;
     async move {
         // Graceful path: handle, then settle; a hard stop (shutdown deadline) releases
         // a delivery whose handler is still running. Settling itself is not cut short.
@@ -936,21 +967,50 @@ where
                 None => {
                     s.abandon_claim(&d).await;
                     s.release(&d, Duration::ZERO).await;
+                    None
                 }
-                Some(Some(outcome)) => s.settle(&d, outcome).await,
-                Some(None) => {}
+                Some(Some(Outcome::Done)) => Some(d.clone()),
+                Some(Some(outcome)) => {
+                    s.settle(&d, outcome).await;
+                    None
+                }
+                Some(None) => None,
             }
         };
         // A crash stops everything at once, a settlement in progress included: nothing
         // more reaches the broker, as when the process dies.
         match s.crash.unless_fired(work).await {
             // A crash rolls back an uncommitted inbox claim, as a transaction would.
-            None => s.abandon_claim(&d).await,
-            Some(()) => count_settled(&s, 1),
+            None => {
+                s.abandon_claim(&d).await;
+                None
+            }
+            Some(None) => {
+                count_settled(&s, 1);
+                None
+            }
+            Some(handled) => handled,
         }
     }
     .instrument(span)
-    .await;
+    .await
+}
+
+/// Complete the inbox claims of successfully handled deliveries and acknowledge them
+/// together — unless the consumer crashed first (the claims are then rolled back).
+async fn ack_handled<F, Fut>(shared: &Shared<F>, handled: &[Delivery])
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    match shared.crash.unless_fired(shared.ack_done(handled)).await {
+        None => {
+            for d in handled {
+                shared.abandon_claim(d).await;
+            }
+        }
+        Some(()) => count_settled(shared, handled.len()),
+    }
 }
 
 /// Batch handler: what one `receive_batch` returned is one batch, holding its permits

@@ -595,6 +595,18 @@ impl Receiver for MemoryReceiver {
         Ok(())
     }
 
+    /// One lock and one wake-up for the whole batch.
+    async fn ack_batch(&self, deliveries: &[Delivery]) -> Vec<(usize, BrokerError)> {
+        let failed: Vec<(usize, BrokerError)> = {
+            let mut s = self.queue.lock();
+            (deliveries.iter().enumerate())
+                .filter_map(|(i, d)| self.take(&mut s, d.token().tag).err().map(|e| (i, e)))
+                .collect()
+        };
+        self.queue.notify.notify_waiters();
+        failed
+    }
+
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
         if !self.queue.retry_available.load(Ordering::SeqCst) {
             return Err(BrokerError::Rejected(format!(
