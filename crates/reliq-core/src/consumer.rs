@@ -780,8 +780,7 @@ fn count_settled<H>(shared: &Shared<H>, n: usize) {
 ///
 /// Deliveries without a key to serialise on run in groups of up to
 /// [`Shared::group_size`]: one task per group drives its deliveries' futures together
-/// ([`spawn_group`]: each runs and fails on its own; successes are acknowledged
-/// together). A tokio task per delivery
+/// (each completes, settles and frees its permit on its own). A tokio task per delivery
 /// cost more than the rest of a cheap handler's path (spawn, a wake-up of another worker,
 /// the runtime's task list locked twice); groups stay small enough to spread a CPU-heavy
 /// handler's work over every worker.
@@ -839,10 +838,9 @@ fn take_permits(
 }
 
 /// Run `group`'s deliveries concurrently in one task; `room` holds their in-flight
-/// permits. Successes are acknowledged together — those of one pass over the group with
-/// one `ack_batch` (one lock for Kafka offsets), while the group's other deliveries go
-/// on — and the permits of the deliveries settled since the last pass are freed at once
-/// (one semaphore lock).
+/// permits. After each pass over the group, the successes of the pass are acknowledged
+/// together (one `ack_batch`: one lock for Kafka offsets) and the permits of every
+/// delivery settled in it are freed at once (one semaphore lock).
 fn spawn_group<F, Fut>(
     shared: &Arc<Shared<F>>,
     group: Vec<Delivery>,
@@ -856,52 +854,38 @@ fn spawn_group<F, Fut>(
         .map(|delivery| handle_one(shared.clone(), delivery))
         .collect();
     let shared = shared.clone();
-    let mut handled = Vec::new();
-    // The acknowledgement in progress; it yields how many deliveries it settled.
-    let mut acking: Option<std::pin::Pin<Box<dyn Future<Output = usize> + Send>>> = None;
-    let mut finished = false;
-    shared
-        .tracker
-        .clone()
-        .spawn(std::future::poll_fn(move |cx| {
-            loop {
-                let mut settled = 0;
-                while !finished {
+    shared.tracker.clone().spawn(async move {
+        let mut handled = Vec::new();
+        loop {
+            let mut settled = 0;
+            let finished = std::future::poll_fn(|cx| {
+                loop {
                     match running.poll_next_unpin(cx) {
-                        Poll::Ready(Some(Some(success))) => handled.push(success),
-                        // Failed (retried, dead-lettered...), released or crashed: settled.
-                        Poll::Ready(Some(None)) => settled += 1,
-                        Poll::Ready(None) => finished = true,
-                        Poll::Pending => break,
+                        Poll::Ready(Some(success)) => {
+                            settled += 1;
+                            handled.extend(success);
+                        }
+                        Poll::Ready(None) => return Poll::Ready(true),
+                        Poll::Pending if settled > 0 => return Poll::Ready(false),
+                        Poll::Pending => return Poll::Pending,
                     }
                 }
-                if let Some(ack) = acking.as_mut()
-                    && let Poll::Ready(acked) = ack.as_mut().poll(cx)
-                {
-                    settled += acked;
-                    acking = None;
-                }
-                if let Some(room) = room.as_mut()
-                    && settled > 0
-                {
-                    drop(room.split(settled.min(room.num_permits())));
-                }
-                if acking.is_none() && !handled.is_empty() {
-                    let successes = std::mem::take(&mut handled);
-                    let shared = shared.clone();
-                    acking = Some(Box::pin(async move {
-                        ack_handled(&shared, &successes).await;
-                        successes.len()
-                    }));
-                    continue; // poll the new acknowledgement at once
-                }
-                return if finished && acking.is_none() {
-                    Poll::Ready(())
-                } else {
-                    Poll::Pending
-                };
+            })
+            .await;
+            if !handled.is_empty() {
+                ack_handled(&shared, &handled).await;
+                handled.clear();
             }
-        }));
+            if let Some(room) = room.as_mut()
+                && settled > 0
+            {
+                drop(room.split(settled.min(room.num_permits())));
+            }
+            if finished {
+                break;
+            }
+        }
+    });
 }
 
 /// Per-key ordering: a delivery whose key is being handled queues behind it; otherwise
