@@ -1306,15 +1306,12 @@ impl<H> Shared<H> {
 
     async fn settle(&self, d: &Delivery, outcome: Outcome) {
         let (class, text) = match outcome {
-            Outcome::Done | Outcome::Duplicate => {
+            // The one success path: the same as a group's or a batch's successes.
+            Outcome::Done => return self.ack_done(std::slice::from_ref(d)).await,
+            Outcome::Duplicate => {
                 // A duplicate's effect exists too (an earlier delivery made it).
                 self.complete_claim(d).await;
-                if matches!(outcome, Outcome::Duplicate) {
-                    self.skip_duplicate(d).await;
-                } else if self.ack(d).await {
-                    Stats::bump(&self.stats.processed);
-                    self.metrics.processed.increment(1);
-                }
+                self.skip_duplicate(d).await;
                 return;
             }
             Outcome::Failed(class, text) => (class, text),
