@@ -78,6 +78,7 @@
 //! Settings come from the URL, see [`KafkaConfig`].
 
 mod config;
+mod fetch;
 mod receiver;
 pub mod tracker;
 

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use rdkafka::ClientContext;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
-use rdkafka::message::{BorrowedMessage, Headers as _, Message as _};
+use rdkafka::message::{BorrowedMessage, Headers as _, Message as KafkaMessage};
 use rdkafka::producer::Producer as _;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
@@ -23,6 +23,7 @@ use reliq_core::{
 use tokio::sync::mpsc;
 
 use crate::config::RetryMode;
+use crate::fetch::{FetchQueue, Fetched};
 use crate::tracker::OffsetTracker;
 use crate::{DUE_AT_HEADER, Inner, KafkaError, SOURCE_OFFSET_HEADER, SOURCE_PARTITION_HEADER};
 
@@ -40,7 +41,17 @@ const FLOW_PAUSE_AFTER: Duration = Duration::from_secs(1);
 const FULL_RECHECK: Duration = Duration::from_millis(1);
 /// Most records the poll thread takes from librdkafka in one pass, between two looks at
 /// the buffer bound.
-const POLL_BATCH: usize = 256;
+pub(crate) const POLL_BATCH: usize = 256;
+/// How often a poll thread routes its assigned partitions to its fetch queue again. A
+/// partition is routed before its assignment starts its fetch; but a fetch stop still
+/// pending from an earlier revoke of the same partition, completing after that, drops
+/// the route — and the fetch that starts next keeps records on the partition's own
+/// queue. Routing again is idempotent and cheap (a lookup and a forward per partition);
+/// it bounds that stall to this long.
+const ROUTE_EVERY: Duration = Duration::from_millis(100);
+/// Most events (rebalances, errors, commit results) a poll pass serves before it takes
+/// records; the rest wait for the next pass.
+const EVENTS_PER_PASS: usize = 16;
 /// Shortest interval between two services (commits, due relay records, pauses) while
 /// records keep arriving: none of them needs to run per record, and an asynchronous
 /// commit per record would be a broker request per record.
@@ -113,29 +124,86 @@ impl TokenInfo {
 /// stage of the receive path — only tracks its offset; the receive loop decodes it
 /// (headers, id, payload copy) on the runtime's threads.
 ///
-/// The message borrows its consumer; [`Polled::new`] extends that borrow to `'static`.
-/// What keeps it sound: a `Polled` lives only in its poll thread (the pass, the chunk
-/// being built) and in [`Shared::inbound`], where the receive loop decodes or drops it
-/// while holding the inbound lock — and before a poll thread drops its consumer it
-/// removes every `Polled` of that consumer from the inbound, holding that lock
-/// ([`Shared::purge_polled`]). No `Polled` reaches the runtime or the user.
+/// The message refers to its consumer's internals ([`Fetched`]). What keeps that sound:
+/// a `Polled` lives only in its poll thread (the pass, the chunk being built) and in
+/// [`Shared::inbound`], where the receive loop decodes or drops it while holding the
+/// inbound lock — and before a poll thread drops its consumer it removes every `Polled`
+/// of that consumer from the inbound, holding that lock ([`Shared::purge_polled`]). No
+/// `Polled` reaches the runtime or the user.
 struct Polled {
-    message: BorrowedMessage<'static>,
+    message: Fetched,
     info: TokenInfo,
 }
 
-// The crate's one `unsafe`: the lifetime extension above, and its call in `on_record`.
-#[allow(unsafe_code)]
-impl Polled {
-    /// # Safety
-    /// The caller keeps the invariant above: `message`'s consumer outlives the `Polled`.
-    unsafe fn new(message: BorrowedMessage<'_>, info: TokenInfo) -> Self {
-        // SAFETY: only the lifetime changes (same type and layout); the caller
-        // guarantees the consumer outlives the message.
-        let message = unsafe {
-            std::mem::transmute::<BorrowedMessage<'_>, BorrowedMessage<'static>>(message)
-        };
-        Self { message, info }
+/// A record as the poll thread reads it: from the consumer's fetch queue ([`Fetched`],
+/// every record normally), or from `BaseConsumer::poll` (a record fetched before its
+/// partition was routed to the fetch queue; decoded at once).
+trait KafkaRecord: Sized {
+    fn partition(&self) -> i32;
+    fn offset(&self) -> i64;
+    fn payload(&self) -> Option<&[u8]>;
+    fn key(&self) -> Option<&[u8]>;
+    fn timestamp_ms(&self) -> Option<i64>;
+    /// Each header (name, value), in order.
+    fn headers(&self, f: impl FnMut(&str, Option<&[u8]>));
+    /// The record for the fast path (decoded later by the receive loop), or back if it
+    /// cannot wait.
+    fn into_polled(self, info: TokenInfo) -> Result<Polled, Self>;
+}
+
+impl KafkaRecord for Fetched {
+    fn partition(&self) -> i32 {
+        Fetched::partition(self)
+    }
+    fn offset(&self) -> i64 {
+        Fetched::offset(self)
+    }
+    fn payload(&self) -> Option<&[u8]> {
+        Fetched::payload(self)
+    }
+    fn key(&self) -> Option<&[u8]> {
+        Fetched::key(self)
+    }
+    fn timestamp_ms(&self) -> Option<i64> {
+        Fetched::timestamp_ms(self)
+    }
+    fn headers(&self, f: impl FnMut(&str, Option<&[u8]>)) {
+        Fetched::headers(self, f);
+    }
+    fn into_polled(self, info: TokenInfo) -> Result<Polled, Self> {
+        Ok(Polled {
+            message: self,
+            info,
+        })
+    }
+}
+
+impl KafkaRecord for BorrowedMessage<'_> {
+    fn partition(&self) -> i32 {
+        KafkaMessage::partition(self)
+    }
+    fn offset(&self) -> i64 {
+        KafkaMessage::offset(self)
+    }
+    fn payload(&self) -> Option<&[u8]> {
+        KafkaMessage::payload(self)
+    }
+    fn key(&self) -> Option<&[u8]> {
+        KafkaMessage::key(self)
+    }
+    fn timestamp_ms(&self) -> Option<i64> {
+        KafkaMessage::timestamp(self).to_millis()
+    }
+    fn headers(&self, mut f: impl FnMut(&str, Option<&[u8]>)) {
+        if let Some(raw) = KafkaMessage::headers(self) {
+            for h in raw.iter() {
+                f(h.key, h.value);
+            }
+        }
+    }
+    /// Borrows its consumer: decoded by the poll thread.
+    fn into_polled(self, _: TokenInfo) -> Result<Polled, Self> {
+        Err(self)
     }
 }
 
@@ -387,6 +455,39 @@ impl Drop for PurgeOnExit<'_> {
 struct Ctx {
     shared: Weak<Shared>,
     client: usize,
+    /// The consumer's fetch queue, once made (it needs the consumer's handle).
+    fetch: OnceLock<Weak<FetchQueue>>,
+}
+
+impl Ctx {
+    /// Route the partitions about to be assigned to the fetch queue (before the
+    /// assignment starts their fetch; see [`FetchQueue::route`]).
+    fn route(&self, tpl: &TopicPartitionList) {
+        if let Some(fetch) = self.fetch.get().and_then(Weak::upgrade) {
+            for e in tpl.elements() {
+                fetch.route(e.topic(), e.partition());
+            }
+        }
+    }
+}
+
+/// A poll thread's consumer and its fetch queue. The queue is declared first: it goes
+/// before the consumer it refers to.
+struct ClientConsumer {
+    fetch: Arc<FetchQueue>,
+    consumer: BaseConsumer<Ctx>,
+}
+
+impl ClientConsumer {
+    fn new(consumer: BaseConsumer<Ctx>) -> Result<Self, BrokerError> {
+        // SAFETY: the handle is the consumer's, which `Self` drops after the queue.
+        #[allow(unsafe_code)]
+        let fetch = unsafe { FetchQueue::new(consumer.client().native_ptr()) }
+            .map(Arc::new)
+            .ok_or_else(|| BrokerError::Other("librdkafka could not make a queue".into()))?;
+        let _ = consumer.context().fetch.set(Arc::downgrade(&fetch));
+        Ok(Self { fetch, consumer })
+    }
 }
 
 impl ClientContext for Ctx {}
@@ -401,7 +502,7 @@ impl ConsumerContext for Ctx {
                 }
             }
             Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
-            Rebalance::Assign(_) => {}
+            Rebalance::Assign(tpl) => self.route(tpl),
         }
     }
 
@@ -530,12 +631,15 @@ impl KafkaReceiver {
                 .create_with_context(Ctx {
                     shared: Arc::downgrade(&shared),
                     client: i,
+                    fetch: OnceLock::new(),
                 })
                 .map_err(KafkaError::from)?;
+            let consumer = ClientConsumer::new(consumer)?;
             if c.role == Role::DeadLetters {
-                shared.assign_all(i, &consumer).await?;
+                shared.assign_all(i, &consumer.consumer).await?;
             } else {
                 consumer
+                    .consumer
                     .subscribe(&[c.topic.as_str()])
                     .map_err(KafkaError::from)?;
             }
@@ -601,6 +705,7 @@ impl Shared {
         if tpl.count() == 0 {
             return Err(BrokerError::Unroutable(topic));
         }
+        consumer.context().route(&tpl);
         consumer.assign(&tpl).map_err(KafkaError::from)?;
         let mut s = lock(&self.state);
         for e in tpl.elements() {
@@ -613,7 +718,8 @@ impl Shared {
         Ok(())
     }
 
-    fn poll_loop(self: Arc<Self>, client: usize, consumer: BaseConsumer<Ctx>) {
+    fn poll_loop(self: Arc<Self>, client: usize, consumer: ClientConsumer) {
+        let ClientConsumer { fetch, consumer } = consumer;
         // Dropped before `consumer` (locals go before arguments), on a panic too.
         let purge = PurgeOnExit {
             shared: &self,
@@ -627,6 +733,8 @@ impl Shared {
         // pass (before the next poll may block).
         let mut out = Vec::with_capacity(POLL_BATCH);
         let mut pass = Pass::new();
+        let mut fetched = Vec::with_capacity(POLL_BATCH);
+        let mut next_route = Instant::now() + ROUTE_EVERY;
         while !self.is_stopped() {
             let queued = lock(&self.state).queued;
             let now = Instant::now();
@@ -635,6 +743,10 @@ impl Shared {
                 timeout = self.service(client, &consumer, flow.paused, &mut out);
                 self.flush(&mut out);
                 next_service = now + SERVICE_EVERY;
+            }
+            if now >= next_route {
+                self.route(client, &fetch);
+                next_route = now + ROUTE_EVERY;
             }
             // Too little room for a pass worth its overhead: wait for the runtime to take
             // records (while paused, the loop polls for events instead).
@@ -646,19 +758,30 @@ impl Shared {
                 }
                 continue;
             }
-            // The first poll may block (until records, an event or the next due relay
-            // record); the rest of the pass only takes what librdkafka already holds.
-            let mut wait = timeout;
-            for _ in 0..bound.saturating_sub(queued).clamp(1, POLL_BATCH) {
-                match consumer.poll(wait) {
-                    None => break,
+            // Events first (rebalances, errors, commit results), without waiting: they
+            // wait at most one pass, at most `POLL_SLICE`.
+            for _ in 0..EVENTS_PER_PASS {
+                if !fetch.events_waiting() {
+                    break;
+                }
+                match consumer.poll(Duration::ZERO) {
+                    None => {}
                     Some(Ok(m)) => self.on_record(client, &consumer, m, &mut out, &mut pass),
                     Some(Err(e)) => {
                         tracing::warn!(topic = %self.clients[client].topic, error = %e, "kafka consumer error");
-                        break;
                     }
                 }
-                wait = Duration::ZERO;
+            }
+            // Then the records librdkafka holds, up to the room left, in one take that
+            // may block (until records arrive or the next relay record is due).
+            let room = bound.saturating_sub(queued).clamp(1, POLL_BATCH);
+            fetch.take(timeout, room, &mut fetched);
+            for m in fetched.drain(..) {
+                if let Some(e) = m.error() {
+                    tracing::warn!(topic = %self.clients[client].topic, error = %e, "kafka consumer error");
+                    continue;
+                }
+                self.on_record(client, &consumer, m, &mut out, &mut pass);
             }
             self.track_pass(&mut pass, &mut out);
             self.flush(&mut out);
@@ -675,9 +798,25 @@ impl Shared {
                 tracing::warn!(error = %e, "final commit failed; done records may be redelivered");
             }
         }
-        drop((out, pass, purge));
-        // Dropping the consumer leaves the group (its revoke runs in `revoke`).
+        drop((out, pass, fetched, purge));
+        // The fetch queue goes first (it refers to the consumer); dropping the consumer
+        // leaves the group (its revoke runs in `revoke`).
+        drop(fetch);
         drop(consumer);
+    }
+
+    /// Route `client`'s assigned partitions to its fetch queue again (see
+    /// [`ROUTE_EVERY`]).
+    fn route(&self, client: usize, fetch: &FetchQueue) {
+        let partitions: Vec<i32> = lock(&self.state)
+            .parts
+            .iter()
+            .filter(|((c, _), part)| *c == client && !part.revoking)
+            .map(|((_, p), _)| *p)
+            .collect();
+        for p in partitions {
+            fetch.route(&self.clients[client].topic, p);
+        }
     }
 
     /// Drop every undecoded record of `client`'s consumer still in the inbound: the
@@ -822,7 +961,7 @@ impl Shared {
         &self,
         client: usize,
         consumer: &BaseConsumer<Ctx>,
-        m: BorrowedMessage<'_>,
+        mut m: impl KafkaRecord,
         out: &mut Vec<Record>,
         pass: &mut Pass,
     ) {
@@ -843,14 +982,26 @@ impl Shared {
                 offset,
                 generation,
             };
-            // SAFETY: the record stays in this thread's pass and chunk, then in the
-            // inbound, from which this thread purges it before dropping `consumer`.
-            #[allow(unsafe_code)]
-            let polled = unsafe { Polled::new(m, info) };
-            pass.pending.push(polled);
-            return;
+            match m.into_polled(info) {
+                Ok(polled) => return pass.pending.push(polled),
+                Err(back) => m = back,
+            }
         }
-        // Slow path, in order behind what the pass holds so far.
+        self.decode_now(client, consumer, m, out, pass);
+    }
+
+    /// [`Shared::on_record`]'s slow path: decoded on the poll thread, in order behind
+    /// what the pass holds so far.
+    fn decode_now(
+        &self,
+        client: usize,
+        consumer: &BaseConsumer<Ctx>,
+        m: impl KafkaRecord,
+        out: &mut Vec<Record>,
+        pass: &mut Pass,
+    ) {
+        let (partition, offset) = (m.partition(), m.offset());
+        let role = self.clients[client].role;
         self.track_pass(pass, out);
         pass.stale();
         let generation = match lock(&self.state).parts.get(&(client, partition)) {
@@ -866,7 +1017,7 @@ impl Shared {
         let (delivery, due) = self.delivery(&m, info);
         if let Role::Relay(delay) = role {
             let due = due.unwrap_or_else(|| {
-                let ts = m.timestamp().to_millis().unwrap_or(0).max(0);
+                let ts = m.timestamp_ms().unwrap_or(0).max(0);
                 UNIX_EPOCH + Duration::from_millis(u64::try_from(ts).unwrap_or(0)) + delay
             });
             let mut s = lock(&self.state);
@@ -895,9 +1046,9 @@ impl Shared {
 
     /// The delivery for a record of `info.client`'s consumer, and its due-time header
     /// (set on relay records).
-    fn delivery(&self, m: &BorrowedMessage<'_>, info: TokenInfo) -> (Delivery, Option<SystemTime>) {
-        let decoded = decode(m);
+    fn delivery(&self, m: &impl KafkaRecord, info: TokenInfo) -> (Delivery, Option<SystemTime>) {
         let client = &self.clients[info.client];
+        let decoded = decode(m, &client.topic);
         let origin = match client.role {
             Role::Source | Role::DeadLetters => Origin {
                 destination: client.origin.clone(),
@@ -1281,37 +1432,31 @@ struct Decoded {
     source_offset: Option<i64>,
 }
 
-fn decode(m: &BorrowedMessage<'_>) -> Decoded {
+/// `m` of `topic`, as reliq sees it.
+fn decode(m: &impl KafkaRecord, topic: &str) -> Decoded {
     let mut id = None;
     let mut due = None;
     let mut source_partition = None;
     let mut source_offset = None;
     let mut hs = Headers::new();
-    if let Some(raw) = m.headers() {
-        for h in raw.iter() {
-            // Borrowed: only what is kept is copied (the id once, into its `Arc<str>`).
-            let value = h.value.map(text).unwrap_or_default();
-            match h.key {
-                headers::MESSAGE_ID => id = Some(MessageId::from(&*value)),
-                DUE_AT_HEADER => {
-                    due = value
-                        .parse::<u64>()
-                        .ok()
-                        .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
-                }
-                SOURCE_PARTITION_HEADER => source_partition = value.parse().ok(),
-                SOURCE_OFFSET_HEADER => source_offset = value.parse().ok(),
-                k => hs.insert(k, value),
+    m.headers(|name, value| {
+        // Borrowed: only what is kept is copied (the id once, into its `Arc<str>`).
+        let value = value.map(text).unwrap_or_default();
+        match name {
+            headers::MESSAGE_ID => id = Some(MessageId::from(&*value)),
+            DUE_AT_HEADER => {
+                due = value
+                    .parse::<u64>()
+                    .ok()
+                    .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
             }
+            SOURCE_PARTITION_HEADER => source_partition = value.parse().ok(),
+            SOURCE_OFFSET_HEADER => source_offset = value.parse().ok(),
+            k => hs.insert(k, value),
         }
-    }
+    });
     let id = id.filter(|i| !i.as_str().is_empty()).unwrap_or_else(|| {
-        MessageId::from(format!(
-            "kafka-{}-{}-{}",
-            m.topic(),
-            m.partition(),
-            m.offset()
-        ))
+        MessageId::from(format!("kafka-{topic}-{}-{}", m.partition(), m.offset()))
     });
     let key = m.key().map(|k| text(k).into_owned());
     let payload = Bytes::copy_from_slice(m.payload().unwrap_or_default());
