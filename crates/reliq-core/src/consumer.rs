@@ -849,12 +849,15 @@ fn spawn_group<F, Fut>(
     F: Fn(Delivery) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
 {
-    let mut running: FuturesUnordered<_> = group
-        .into_iter()
-        .map(|delivery| handle_one(shared.clone(), delivery))
-        .collect();
     let shared = shared.clone();
     shared.tracker.clone().spawn(async move {
+        // Built here, not by the receive loop: each delivery's task node is allocated
+        // and freed on the thread that runs the group, and the receive loop — the
+        // serial stage — only hands the deliveries over.
+        let mut running: FuturesUnordered<_> = group
+            .into_iter()
+            .map(|delivery| handle_one(shared.clone(), delivery))
+            .collect();
         let mut handled = Vec::new();
         loop {
             let mut settled = 0;
