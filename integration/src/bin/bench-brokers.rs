@@ -37,6 +37,10 @@ use reliq_core::{
 use reliq_integration::settings;
 
 const IN_FLIGHT: usize = 64;
+/// Publishes outstanding while filling a topic for a consume round (Kafka): the fill is
+/// not measured, and at [`IN_FLIGHT`] it took most of a round (librdkafka lingers a few
+/// milliseconds per batch), which kept the consume rounds too short to measure steadily.
+const FILL_IN_FLIGHT: usize = 4096;
 const PREFETCH: u32 = 256;
 
 fn payload(i: usize) -> Vec<u8> {
@@ -62,7 +66,16 @@ async fn connect(broker: &str) -> anyhow::Result<Arc<dyn Broker>> {
 /// Time `n` confirmed publishes, [`IN_FLIGHT`] outstanding at a time: `publish(i)` is
 /// the i-th publish, resolving once the broker confirmed it. Every side of every broker
 /// publishes through this, so they differ only in the client calls.
-async fn publish_window<F, Fut>(n: usize, mut publish: F) -> anyhow::Result<Rate>
+async fn publish_window<F, Fut>(n: usize, publish: F) -> anyhow::Result<Rate>
+where
+    F: FnMut(usize) -> Fut,
+    Fut: Future<Output = anyhow::Result<()>>,
+{
+    publish_window_of(n, IN_FLIGHT, publish).await
+}
+
+/// [`publish_window`] with `window` publishes outstanding.
+async fn publish_window_of<F, Fut>(n: usize, window: usize, mut publish: F) -> anyhow::Result<Rate>
 where
     F: FnMut(usize) -> Fut,
     Fut: Future<Output = anyhow::Result<()>>,
@@ -70,7 +83,7 @@ where
     let (t0, cpu0) = (Instant::now(), cpu_time());
     let mut pending = futures::stream::FuturesUnordered::new();
     for i in 0..n {
-        if pending.len() >= IN_FLIGHT
+        if pending.len() >= window
             && let Some(r) = pending.next().await
         {
             r?;
@@ -84,8 +97,17 @@ where
 }
 
 async fn reliq_publish(broker: &Arc<dyn Broker>, topic: &str, n: usize) -> anyhow::Result<Rate> {
+    reliq_publish_of(broker, topic, n, IN_FLIGHT).await
+}
+
+async fn reliq_publish_of(
+    broker: &Arc<dyn Broker>,
+    topic: &str,
+    n: usize,
+    window: usize,
+) -> anyhow::Result<Rate> {
     let dest = Destination::new(topic);
-    publish_window(n, |i| {
+    publish_window_of(n, window, |i| {
         let publish = broker.publish(&dest, Message::new(payload(i)));
         async move { Ok(publish.await?) }
     })
@@ -112,6 +134,7 @@ async fn reliq_consume(
     broker: &Arc<dyn Broker>,
     handling: Handling,
     n: usize,
+    fill_window: usize,
 ) -> anyhow::Result<Rate> {
     let topic = unique("bench");
     let builder = Consumer::builder(broker.clone(), "bench")
@@ -119,7 +142,7 @@ async fn reliq_consume(
         .retry(RetryPolicy::tiers([Duration::from_secs(1)]).max_attempts(3))
         .max_in_flight(PREFETCH);
     drop(broker.subscribe(&builder.subscription()?).await?);
-    reliq_publish(broker, &topic, n).await?;
+    reliq_publish_of(broker, &topic, n, fill_window).await?;
     let done = Arc::new(AtomicU64::new(0));
     // Timed from the first delivery, like the raw consumers: group joins and
     // subscription set-up are not part of the throughput.
@@ -359,13 +382,13 @@ mod raw_kafka {
         settings::authority(&settings::get("RELIQ_KAFKA_URL")).to_owned()
     }
 
-    async fn fill(topic: &str, n: usize) -> anyhow::Result<Rate> {
+    async fn fill(topic: &str, n: usize, window: usize) -> anyhow::Result<Rate> {
         let producer: FutureProducer = ClientConfig::new()
             .set("bootstrap.servers", bootstrap())
             .set("acks", "all")
             .set("enable.idempotence", "true")
             .create()?;
-        publish_window(n, |i| {
+        publish_window_of(n, window, |i| {
             let producer = producer.clone();
             async move {
                 producer
@@ -382,12 +405,12 @@ mod raw_kafka {
     }
 
     pub async fn publish(n: usize) -> anyhow::Result<Rate> {
-        fill(&unique("bench-raw"), n).await
+        fill(&unique("bench-raw"), n, IN_FLIGHT).await
     }
 
     pub async fn consume(n: usize) -> anyhow::Result<Rate> {
         let topic = unique("bench-raw");
-        fill(&topic, n).await?;
+        fill(&topic, n, FILL_IN_FLIGHT).await?;
         let consumer: StreamConsumer = ClientConfig::new()
             .set("bootstrap.servers", bootstrap())
             .set("group.id", unique("bench-raw-group"))
@@ -619,8 +642,14 @@ async fn main() -> anyhow::Result<()> {
     };
     let per_message = only.as_deref() != Some("batch");
     let broker = connect(&broker_name).await?;
+    // Fills for the consume rounds: fast on Kafka (see FILL_IN_FLIGHT), as before elsewhere.
+    let fill = if broker_name == "kafka" {
+        FILL_IN_FLIGHT
+    } else {
+        IN_FLIGHT
+    };
     // warm-up: connections, topology caches
-    reliq_consume(&broker, Handling::Each, n.min(500)).await?;
+    reliq_consume(&broker, Handling::Each, n.min(500), fill).await?;
 
     // Rounds alternate which side goes first, so a broker slowing down over the run (a
     // growing log, a GC) weighs on both sides alike.
@@ -641,12 +670,12 @@ async fn main() -> anyhow::Result<()> {
             if reliq_first && per_message {
                 consume
                     .reliq
-                    .push(reliq_consume(&broker, Handling::Each, n).await?);
+                    .push(reliq_consume(&broker, Handling::Each, n, fill).await?);
             }
             if reliq_first {
                 batched
                     .reliq
-                    .push(reliq_consume(&broker, Handling::Batch, n).await?);
+                    .push(reliq_consume(&broker, Handling::Batch, n, fill).await?);
             }
             let raw = raw_consume(&broker_name, n).await?;
             consume.raw.push(raw);
@@ -654,12 +683,12 @@ async fn main() -> anyhow::Result<()> {
             if !reliq_first {
                 batched
                     .reliq
-                    .push(reliq_consume(&broker, Handling::Batch, n).await?);
+                    .push(reliq_consume(&broker, Handling::Batch, n, fill).await?);
             }
             if !reliq_first && per_message {
                 consume
                     .reliq
-                    .push(reliq_consume(&broker, Handling::Each, n).await?);
+                    .push(reliq_consume(&broker, Handling::Each, n, fill).await?);
             }
         }
     }
@@ -676,7 +705,7 @@ async fn main() -> anyhow::Result<()> {
         println!("{}", batched.line("consume (batch handler):"));
     }
     if only.is_none() {
-        let failure = reliq_consume(&broker, Handling::FailOnce, n.min(2000)).await?;
+        let failure = reliq_consume(&broker, Handling::FailOnce, n.min(2000), fill).await?;
         println!(
             "  failure path (every message retried once after 1 s): reliq {:.0} msg/s",
             failure.per_sec
