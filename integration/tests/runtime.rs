@@ -1,7 +1,7 @@
 //! Runtime behaviour beyond the portable suite, on the memory backend (virtual time):
 //! handler timeouts, unknown errors, custom classification, the discard route, startup
 //! validation that names the bad setting, the metrics contract, a backend breaking the
-//! `receive_batch` contract, and batch handlers.
+//! `receive_batch` contract, batch handlers, and the acks of deliveries handled together.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -849,4 +849,62 @@ async fn batch_calls_record_their_size_and_one_duration_each() {
     assert_eq!(sizes.iter().sum::<f64>(), 300.0);
     assert!(sizes.iter().all(|n| (1.0..=40.0).contains(n)), "{sizes:?}");
     assert_eq!(observations("reliq_handler_duration_seconds").len(), calls);
+}
+
+/// Deliveries handled together (one group of the per-message runtime) are acknowledged
+/// as each pass over them finishes: one slow handler holds back neither the acks nor the
+/// in-flight slots of the deliveries that finished beside it.
+#[tokio::test(start_paused = true)]
+async fn a_slow_delivery_does_not_hold_back_the_acks_of_its_group() {
+    use reliq_core::Broker;
+    let broker = MemoryBroker::new();
+    let sub = Subscription::new("c", "t");
+    // The backlog exists before the consumer starts, so one receive takes all ten and
+    // they run side by side.
+    drop(broker.subscribe(&sub).await.unwrap());
+    for i in 0..10 {
+        broker
+            .publish(&Destination::new("t"), Message::new(format!("{i}")))
+            .await
+            .unwrap();
+    }
+    let t0 = tokio::time::Instant::now();
+    let h = Consumer::builder(Arc::new(broker.clone()), "c")
+        .subscribe("t", None::<String>)
+        .max_in_flight(64)
+        .start(|d: Delivery| async move {
+            // Shorter than the memory broker's lease (30 s), past which it redelivers.
+            if d.payload() == b"0" {
+                tokio::time::sleep(secs(20)).await;
+            }
+            Ok::<(), BoxError>(())
+        })
+        .await
+        .unwrap();
+    wait_for("the nine fast deliveries acknowledged", || {
+        h.stats().processed == 9
+    })
+    .await;
+    assert!(
+        t0.elapsed() < secs(1),
+        "acknowledged only after {:?}: held back by the slow delivery",
+        t0.elapsed()
+    );
+    assert_eq!(
+        broker.faults().depth(&sub),
+        (0, 1),
+        "only the slow delivery is still unacknowledged"
+    );
+    assert_eq!(
+        h.stats().in_flight,
+        1,
+        "the nine freed their in-flight slots"
+    );
+    wait_for("the slow delivery acknowledged", || {
+        h.stats().processed == 10
+    })
+    .await;
+    assert!(t0.elapsed() >= secs(20));
+    assert_eq!(h.stats().received, 10, "nothing redelivered");
+    h.shutdown().await;
 }
