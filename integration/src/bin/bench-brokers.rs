@@ -74,6 +74,15 @@ where
     publish_window_of(n, IN_FLIGHT, publish).await
 }
 
+/// After a fill, before a timed consume: flush the fill's dirty pages (`sync`), so the
+/// kernel's writeback of the broker's log — ~0.6 GB a round at 1 M records — does not
+/// land in the middle of the next measurement on one side or the other.
+async fn settle_after_fill() -> anyhow::Result<()> {
+    let status = tokio::process::Command::new("sync").status().await?;
+    ensure!(status.success(), "sync failed: {status}");
+    Ok(())
+}
+
 /// [`publish_window`] with `window` publishes outstanding.
 async fn publish_window_of<F, Fut>(n: usize, window: usize, mut publish: F) -> anyhow::Result<Rate>
 where
@@ -143,6 +152,7 @@ async fn reliq_consume(
         .max_in_flight(PREFETCH);
     drop(broker.subscribe(&builder.subscription()?).await?);
     reliq_publish_of(broker, &topic, n, fill_window).await?;
+    settle_after_fill().await?;
     let done = Arc::new(AtomicU64::new(0));
     // Timed from the first delivery, like the raw consumers: group joins and
     // subscription set-up are not part of the throughput.
@@ -382,7 +392,27 @@ mod raw_kafka {
         settings::authority(&settings::get("RELIQ_KAFKA_URL")).to_owned()
     }
 
+    /// Partitions of the raw side's topics: the same as the topics reliq creates
+    /// (`reliq.partitions`, default 3), so both sides fetch and produce the same shape.
+    /// (Auto-created, they had the broker's one partition, whose single fetch stream
+    /// capped the raw consumer at ~0.6 M msg/s in some rounds.)
+    const PARTITIONS: i32 = 3;
+
+    async fn create(topic: &str) -> anyhow::Result<()> {
+        use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+        use rdkafka::client::DefaultClientContext;
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap())
+            .create()?;
+        let new = NewTopic::new(topic, PARTITIONS, TopicReplication::Fixed(1));
+        for result in admin.create_topics([&new], &AdminOptions::new()).await? {
+            result.map_err(|(t, e)| anyhow::anyhow!("creating {t}: {e}"))?;
+        }
+        Ok(())
+    }
+
     async fn fill(topic: &str, n: usize, window: usize) -> anyhow::Result<Rate> {
+        create(topic).await?;
         let producer: FutureProducer = ClientConfig::new()
             .set("bootstrap.servers", bootstrap())
             .set("acks", "all")
@@ -440,11 +470,21 @@ mod raw_kafka {
     pub async fn consume(n: usize) -> anyhow::Result<Rate> {
         let topic = unique("bench-raw");
         fill(&topic, n, FILL_IN_FLIGHT).await?;
+        settle_after_fill().await?;
         let consumer: StreamConsumer = ClientConfig::new()
             .set("bootstrap.servers", bootstrap())
             .set("group.id", unique("bench-raw-group"))
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")
+            // reliq's fetch settings (`KafkaConfig::consumer`), so both sides fetch alike.
+            // With librdkafka's default `fetch.queue.backoff.ms` (1 s) a consumer that
+            // drains its fetch queue faster than that waits out the back-off: the raw
+            // side ran at ~0.4–0.65 M msg/s in some rounds and ~1.6–2.0 M in others.
+            .set("fetch.wait.max.ms", "100")
+            .set("queued.min.messages", "100000")
+            .set("fetch.queue.backoff.ms", "10")
+            .set("fetch.error.backoff.ms", "20")
+            .set("queued.max.messages.kbytes", "4096")
             .create()?;
         consumer.subscribe(&[&topic])?;
         let cpu0 = cpu_time();
