@@ -24,10 +24,10 @@ use rdkafka::bindings as rd;
 /// (see `Polled` in the receiver for how the poll threads guarantee it).
 pub(crate) struct Fetched(NonNull<rd::rd_kafka_message_t>);
 
-// SAFETY: a librdkafka message may be read and destroyed from any thread; this type
-// gives shared access only through `&self` (reads) and destroys it once, on drop.
+// SAFETY: a librdkafka message may be used and destroyed from any thread, one at a
+// time; it is destroyed once, on drop. Not `Sync`: reading the headers parses and caches
+// them in the message, a write behind `&self`.
 unsafe impl Send for Fetched {}
-unsafe impl Sync for Fetched {}
 
 impl Drop for Fetched {
     fn drop(&mut self) {

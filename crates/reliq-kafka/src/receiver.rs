@@ -718,9 +718,11 @@ impl Shared {
         Ok(())
     }
 
-    fn poll_loop(self: Arc<Self>, client: usize, consumer: ClientConsumer) {
-        let ClientConsumer { fetch, consumer } = consumer;
-        // Dropped before `consumer` (locals go before arguments), on a panic too.
+    fn poll_loop(self: Arc<Self>, client: usize, owned: ClientConsumer) {
+        // Borrowed, not moved out: the argument drops after every local, on a panic too,
+        // and its fields in order (the fetch queue, then the consumer it refers to).
+        let (fetch, consumer) = (&*owned.fetch, &owned.consumer);
+        // Dropped before `owned` (locals go before arguments), on a panic too.
         let purge = PurgeOnExit {
             shared: &self,
             client,
@@ -740,12 +742,12 @@ impl Shared {
             let now = Instant::now();
             let hold_back = flow.hold_back(queued, self.sub.prefetch, now);
             if now >= next_service {
-                timeout = self.service(client, &consumer, flow.paused, &mut out);
+                timeout = self.service(client, consumer, flow.paused, &mut out);
                 self.flush(&mut out);
                 next_service = now + SERVICE_EVERY;
             }
             if now >= next_route {
-                self.route(client, &fetch);
+                self.route(client, fetch);
                 next_route = now + ROUTE_EVERY;
             }
             // Too little room for a pass worth its overhead: wait for the runtime to take
@@ -766,7 +768,7 @@ impl Shared {
                 }
                 match consumer.poll(Duration::ZERO) {
                     None => {}
-                    Some(Ok(m)) => self.on_record(client, &consumer, m, &mut out, &mut pass),
+                    Some(Ok(m)) => self.on_record(client, consumer, m, &mut out, &mut pass),
                     Some(Err(e)) => {
                         tracing::warn!(topic = %self.clients[client].topic, error = %e, "kafka consumer error");
                     }
@@ -781,7 +783,7 @@ impl Shared {
                     tracing::warn!(topic = %self.clients[client].topic, error = %e, "kafka consumer error");
                     continue;
                 }
-                self.on_record(client, &consumer, m, &mut out, &mut pass);
+                self.on_record(client, consumer, m, &mut out, &mut pass);
             }
             self.track_pass(&mut pass, &mut out);
             self.flush(&mut out);
@@ -801,8 +803,7 @@ impl Shared {
         drop((out, pass, fetched, purge));
         // The fetch queue goes first (it refers to the consumer); dropping the consumer
         // leaves the group (its revoke runs in `revoke`).
-        drop(fetch);
-        drop(consumer);
+        drop(owned);
     }
 
     /// Route `client`'s assigned partitions to its fetch queue again (see
