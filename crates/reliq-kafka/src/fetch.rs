@@ -17,6 +17,7 @@ use std::ptr::NonNull;
 use std::time::Duration;
 
 use rdkafka::bindings as rd;
+use rdkafka::message::{BorrowedMessage, Headers as _, Message};
 
 /// A record taken from a [`FetchQueue`]; owned, returned to librdkafka on drop.
 ///
@@ -53,16 +54,35 @@ impl Fetched {
         let text = unsafe { CStr::from_ptr(rd::rd_kafka_message_errstr(self.0.as_ptr())) };
         Some(text.to_string_lossy().into_owned())
     }
+}
 
-    pub(crate) fn partition(&self) -> i32 {
+/// A record as the poll thread reads it: a [`Fetched`] (every record, normally) or a
+/// record `BaseConsumer::poll` returned (one fetched before its partition was routed to
+/// the fetch queue).
+pub(crate) trait KafkaRecord: Sized {
+    fn partition(&self) -> i32;
+    fn offset(&self) -> i64;
+    fn payload(&self) -> Option<&[u8]>;
+    fn key(&self) -> Option<&[u8]>;
+    /// The record's timestamp in milliseconds since the epoch, if it has one.
+    fn timestamp_ms(&self) -> Option<i64>;
+    /// Call `f` with each header (name, value), in order.
+    fn headers(&self, f: impl FnMut(&str, Option<&[u8]>));
+    /// The owned record, to be decoded later (off the poll thread), or back if it
+    /// borrows its consumer and must be decoded now.
+    fn into_fetched(self) -> Result<Fetched, Self>;
+}
+
+impl KafkaRecord for Fetched {
+    fn partition(&self) -> i32 {
         self.raw().partition
     }
 
-    pub(crate) fn offset(&self) -> i64 {
+    fn offset(&self) -> i64 {
         self.raw().offset
     }
 
-    pub(crate) fn payload(&self) -> Option<&[u8]> {
+    fn payload(&self) -> Option<&[u8]> {
         let m = self.raw();
         // SAFETY: librdkafka's (pointer, length) of a buffer the message keeps alive.
         (!m.payload.is_null()).then(|| unsafe {
@@ -70,7 +90,7 @@ impl Fetched {
         })
     }
 
-    pub(crate) fn key(&self) -> Option<&[u8]> {
+    fn key(&self) -> Option<&[u8]> {
         let m = self.raw();
         // SAFETY: as for the payload.
         (!m.key.is_null()).then(|| unsafe {
@@ -78,8 +98,7 @@ impl Fetched {
         })
     }
 
-    /// The record's timestamp in milliseconds since the epoch, if it has one.
-    pub(crate) fn timestamp_ms(&self) -> Option<i64> {
+    fn timestamp_ms(&self) -> Option<i64> {
         let mut kind = rd::rd_kafka_timestamp_type_t::RD_KAFKA_TIMESTAMP_NOT_AVAILABLE;
         // SAFETY: reads the message; `kind` is a valid out-pointer.
         let ts = unsafe { rd::rd_kafka_message_timestamp(self.0.as_ptr(), &mut kind) };
@@ -87,9 +106,8 @@ impl Fetched {
             .then_some(ts)
     }
 
-    /// Call `f` with each header (name, value) in order. A name that is not UTF-8 is
-    /// passed with its invalid bytes replaced.
-    pub(crate) fn headers(&self, mut f: impl FnMut(&str, Option<&[u8]>)) {
+    /// A name that is not UTF-8 is passed with its invalid bytes replaced.
+    fn headers(&self, mut f: impl FnMut(&str, Option<&[u8]>)) {
         let mut hdrs: *mut rd::rd_kafka_headers_t = std::ptr::null_mut();
         // SAFETY: `hdrs` is a valid out-pointer; the list belongs to the message.
         let err = unsafe { rd::rd_kafka_message_headers(self.0.as_ptr(), &mut hdrs) };
@@ -113,6 +131,38 @@ impl Fetched {
                 .then(|| unsafe { std::slice::from_raw_parts(value.cast::<u8>(), size) });
             f(&name, value);
         }
+    }
+
+    fn into_fetched(self) -> Result<Fetched, Self> {
+        Ok(self)
+    }
+}
+
+impl KafkaRecord for BorrowedMessage<'_> {
+    fn partition(&self) -> i32 {
+        Message::partition(self)
+    }
+    fn offset(&self) -> i64 {
+        Message::offset(self)
+    }
+    fn payload(&self) -> Option<&[u8]> {
+        Message::payload(self)
+    }
+    fn key(&self) -> Option<&[u8]> {
+        Message::key(self)
+    }
+    fn timestamp_ms(&self) -> Option<i64> {
+        Message::timestamp(self).to_millis()
+    }
+    fn headers(&self, mut f: impl FnMut(&str, Option<&[u8]>)) {
+        if let Some(raw) = Message::headers(self) {
+            for h in raw.iter() {
+                f(h.key, h.value);
+            }
+        }
+    }
+    fn into_fetched(self) -> Result<Fetched, Self> {
+        Err(self)
     }
 }
 

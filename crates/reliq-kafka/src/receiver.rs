@@ -12,7 +12,6 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use rdkafka::ClientContext;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
-use rdkafka::message::{BorrowedMessage, Headers as _, Message as KafkaMessage};
 use rdkafka::producer::Producer as _;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
@@ -23,7 +22,7 @@ use reliq_core::{
 use tokio::sync::mpsc;
 
 use crate::config::RetryMode;
-use crate::fetch::{FetchQueue, Fetched};
+use crate::fetch::{FetchQueue, Fetched, KafkaRecord};
 use crate::tracker::OffsetTracker;
 use crate::{DUE_AT_HEADER, Inner, KafkaError, SOURCE_OFFSET_HEADER, SOURCE_PARTITION_HEADER};
 
@@ -133,78 +132,6 @@ impl TokenInfo {
 struct Polled {
     message: Fetched,
     info: TokenInfo,
-}
-
-/// A record as the poll thread reads it: from the consumer's fetch queue ([`Fetched`],
-/// every record normally), or from `BaseConsumer::poll` (a record fetched before its
-/// partition was routed to the fetch queue; decoded at once).
-trait KafkaRecord: Sized {
-    fn partition(&self) -> i32;
-    fn offset(&self) -> i64;
-    fn payload(&self) -> Option<&[u8]>;
-    fn key(&self) -> Option<&[u8]>;
-    fn timestamp_ms(&self) -> Option<i64>;
-    /// Each header (name, value), in order.
-    fn headers(&self, f: impl FnMut(&str, Option<&[u8]>));
-    /// The record for the fast path (decoded later by the receive loop), or back if it
-    /// cannot wait.
-    fn into_polled(self, info: TokenInfo) -> Result<Polled, Self>;
-}
-
-impl KafkaRecord for Fetched {
-    fn partition(&self) -> i32 {
-        Fetched::partition(self)
-    }
-    fn offset(&self) -> i64 {
-        Fetched::offset(self)
-    }
-    fn payload(&self) -> Option<&[u8]> {
-        Fetched::payload(self)
-    }
-    fn key(&self) -> Option<&[u8]> {
-        Fetched::key(self)
-    }
-    fn timestamp_ms(&self) -> Option<i64> {
-        Fetched::timestamp_ms(self)
-    }
-    fn headers(&self, f: impl FnMut(&str, Option<&[u8]>)) {
-        Fetched::headers(self, f);
-    }
-    fn into_polled(self, info: TokenInfo) -> Result<Polled, Self> {
-        Ok(Polled {
-            message: self,
-            info,
-        })
-    }
-}
-
-impl KafkaRecord for BorrowedMessage<'_> {
-    fn partition(&self) -> i32 {
-        KafkaMessage::partition(self)
-    }
-    fn offset(&self) -> i64 {
-        KafkaMessage::offset(self)
-    }
-    fn payload(&self) -> Option<&[u8]> {
-        KafkaMessage::payload(self)
-    }
-    fn key(&self) -> Option<&[u8]> {
-        KafkaMessage::key(self)
-    }
-    fn timestamp_ms(&self) -> Option<i64> {
-        KafkaMessage::timestamp(self).to_millis()
-    }
-    fn headers(&self, mut f: impl FnMut(&str, Option<&[u8]>)) {
-        if let Some(raw) = KafkaMessage::headers(self) {
-            for h in raw.iter() {
-                f(h.key, h.value);
-            }
-        }
-    }
-    /// Borrows its consumer: decoded by the poll thread.
-    fn into_polled(self, _: TokenInfo) -> Result<Polled, Self> {
-        Err(self)
-    }
 }
 
 /// What the poll threads hand to the receive loop.
@@ -983,8 +910,8 @@ impl Shared {
                 offset,
                 generation,
             };
-            match m.into_polled(info) {
-                Ok(polled) => return pass.pending.push(polled),
+            match m.into_fetched() {
+                Ok(message) => return pass.pending.push(Polled { message, info }),
                 Err(back) => m = back,
             }
         }

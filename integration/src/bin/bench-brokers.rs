@@ -399,16 +399,20 @@ mod raw_kafka {
     const PARTITIONS: i32 = 3;
 
     async fn create(topic: &str) -> anyhow::Result<()> {
-        use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-        use rdkafka::client::DefaultClientContext;
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", bootstrap())
-            .create()?;
+        use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
+        let admin = admin()?;
         let new = NewTopic::new(topic, PARTITIONS, TopicReplication::Fixed(1));
         for result in admin.create_topics([&new], &AdminOptions::new()).await? {
             result.map_err(|(t, e)| anyhow::anyhow!("creating {t}: {e}"))?;
         }
         Ok(())
+    }
+
+    fn admin() -> anyhow::Result<rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext>>
+    {
+        Ok(ClientConfig::new()
+            .set("bootstrap.servers", bootstrap())
+            .create()?)
     }
 
     async fn fill(topic: &str, n: usize, window: usize) -> anyhow::Result<Rate> {
@@ -442,11 +446,8 @@ mod raw_kafka {
     /// topics included). A round of 1 M-record consumes writes ~0.6 GB; left behind, the
     /// broker's log and its GC grow run after run, and the rates drift with them.
     pub async fn delete_bench_topics() -> anyhow::Result<()> {
-        use rdkafka::admin::{AdminClient, AdminOptions};
-        use rdkafka::client::DefaultClientContext;
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", bootstrap())
-            .create()?;
+        use rdkafka::admin::AdminOptions;
+        let admin = admin()?;
         let names: Vec<String> = admin
             .inner()
             .fetch_metadata(None, Duration::from_secs(10))?
