@@ -12,7 +12,9 @@
 //! - **publish**: `--messages` confirmed publishes, 64 in flight (reliq `Broker::publish`
 //!   vs the raw client's confirmed publish);
 //! - **consume**: a pre-filled queue/stream/topic drained with a no-op handler, prefetch
-//!   256 (the reliq runtime vs a raw consumer that acks/commits each message);
+//!   256 (the reliq runtime vs a raw consumer that acks/commits each message; on Kafka,
+//!   where librdkafka parses headers only when asked, a second raw consumer also reads
+//!   each record's message id, as reliq does for every delivery);
 //! - **failure path** (reliq only): every message fails once (transient), is retried after
 //!   the 1 s tier and then succeeds.
 
