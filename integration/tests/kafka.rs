@@ -362,8 +362,92 @@ mod kafka {
         Ok(())
     }
 
+    /// Deliveries decode their message when first read, holding librdkafka's record
+    /// (and so its consumer) until then. A handler that keeps deliveries without reading
+    /// them neither holds up the consumer's shutdown nor its group leave — another
+    /// member takes the partitions at once, from the committed offsets — and the kept
+    /// deliveries still read their id, payload, headers and attempt after the consumer
+    /// and its broker connection are gone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deliveries_kept_past_shutdown_still_read_and_hold_nothing_up() -> anyhow::Result<()> {
+        let backend = KafkaBackend::new();
+        let ctx = Ctx::new(&backend, "kept").await?;
+        let messages: Vec<Message> = (0..50)
+            .map(|i| Message::new(format!("m-{i}")).with_header("tenant", "acme"))
+            .collect();
+        let published: std::collections::HashMap<_, _> = messages
+            .iter()
+            .map(|m| (m.id().clone(), m.payload().clone()))
+            .collect();
+        ctx.publish_all(messages).await?;
+        let kept = Arc::new(std::sync::Mutex::new(Vec::<Delivery>::new()));
+        let k = kept.clone();
+        let first = ctx
+            .consumer("c")
+            .start(move |d: Delivery| {
+                // Kept, not read: the message stays undecoded.
+                k.lock().expect("kept").push(d);
+                async { Ok::<(), BoxError>(()) }
+            })
+            .await?;
+        let count = |kept: &std::sync::Mutex<Vec<Delivery>>| kept.lock().expect("kept").len();
+        wait_until("50 kept", Duration::from_secs(30), || count(&kept) == 50).await?;
+        let t0 = std::time::Instant::now();
+        let report = first.shutdown().await;
+        ensure!(
+            report.drained && report.stats.processed == 50,
+            "{:?}",
+            report.stats
+        );
+        ensure!(
+            t0.elapsed() < Duration::from_secs(10),
+            "shutdown took {:?} with deliveries kept",
+            t0.elapsed()
+        );
+        // The group was left: a new member gets the partitions and only what came after.
+        let rec = Recorder::new();
+        let second = ctx.consumer("c").start(rec.succeeding()).await?;
+        let later: Vec<Message> = (0..10)
+            .map(|i| Message::new(format!("later-{i}")))
+            .collect();
+        let later_ids: Vec<_> = later.iter().map(|m| m.id().clone()).collect();
+        ctx.publish_all(later).await?;
+        wait_until("10 later records", Duration::from_secs(30), || {
+            rec.effect_count() == 10
+        })
+        .await?;
+        ensure!(
+            later_ids.iter().all(|id| rec.effects().contains_key(id)),
+            "the new member handled other records: {:?}",
+            rec.effects()
+        );
+        second.shutdown().await;
+        drop(ctx);
+        // Read only now, with both consumers and the broker connection gone.
+        let kept = std::mem::take(&mut *kept.lock().expect("kept"));
+        for d in &kept {
+            let payload = published.get(d.id());
+            ensure!(
+                payload.is_some_and(|p| p.as_ref() == d.payload()),
+                "delivery {:?}: unknown id or wrong payload",
+                d.id()
+            );
+            ensure!(
+                d.headers().get("tenant") == Some("acme"),
+                "{:?}",
+                d.headers()
+            );
+            ensure!(d.attempt() == 1 && d.message().payload().as_ref() == d.payload());
+        }
+        let ids: std::collections::HashSet<_> = kept.iter().map(|d| d.id().clone()).collect();
+        ensure!(ids.len() == 50, "{} distinct ids", ids.len());
+        // The last deliveries take the last consumer with them (on a thread of its own).
+        drop(kept);
+        Ok(())
+    }
+
     /// The receive path hands records to the runtime undecoded (librdkafka's own
-    /// messages, borrowed from their consumer): a consumer shut down, or dropped as in a
+    /// messages, each holding its consumer): a consumer shut down, or dropped as in a
     /// crash, while its buffer is full of them purges them before its Kafka consumer
     /// goes, and loses nothing — the next consumer handles every record.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

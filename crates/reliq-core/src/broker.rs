@@ -221,9 +221,32 @@ impl fmt::Debug for DeliveryToken {
     }
 }
 
+/// A message a backend hands over before decoding it, so that what nobody reads is never
+/// decoded (Kafka: librdkafka parses a record's headers only when asked, and that parse
+/// is most of a record's cost).
+///
+/// The payload and the key are read in place; everything else — the id, the headers —
+/// comes from [`RawMessage::message`], which decodes the whole message the first time it
+/// is called and returns the same message after that. The attempt of a delivery built
+/// from a raw message is its `reliq-attempt` header ([`headers::attempt`]).
+pub trait RawMessage: Send + Sync + 'static {
+    /// The payload bytes, without decoding anything else.
+    fn payload(&self) -> &[u8];
+    /// The key bytes as the broker holds them, without decoding anything else.
+    fn key(&self) -> Option<&[u8]>;
+    /// The decoded message (decoded once, on the first call).
+    fn message(&self) -> &Message;
+}
+
+enum Body {
+    Decoded(Message),
+    Raw(Box<dyn RawMessage>),
+}
+
 struct DeliveryInner {
-    message: Message,
-    attempt: u32,
+    body: Body,
+    /// Set when built; for a raw message, read from its headers on first use.
+    attempt: std::sync::OnceLock<u32>,
     origin: Origin,
     token: DeliveryToken,
     published_at: Option<std::time::SystemTime>,
@@ -248,8 +271,20 @@ impl Delivery {
     /// Built by backends.
     pub fn new(message: Message, attempt: u32, origin: Origin, token: DeliveryToken) -> Self {
         Self(Arc::new(DeliveryInner {
-            message,
-            attempt: attempt.max(1),
+            body: Body::Decoded(message),
+            attempt: std::sync::OnceLock::from(attempt.max(1)),
+            origin,
+            token,
+            published_at: None,
+        }))
+    }
+
+    /// Built by backends that decode on demand (see [`RawMessage`]); the attempt is the
+    /// message's `reliq-attempt` header.
+    pub fn raw(message: Box<dyn RawMessage>, origin: Origin, token: DeliveryToken) -> Self {
+        Self(Arc::new(DeliveryInner {
+            body: Body::Raw(message),
+            attempt: std::sync::OnceLock::new(),
             origin,
             token,
             published_at: None,
@@ -268,8 +303,8 @@ impl Delivery {
         published_at: std::time::SystemTime,
     ) -> Self {
         Self(Arc::new(DeliveryInner {
-            message,
-            attempt: attempt.max(1),
+            body: Body::Decoded(message),
+            attempt: std::sync::OnceLock::from(attempt.max(1)),
             origin,
             token,
             published_at: Some(published_at),
@@ -281,34 +316,51 @@ impl Delivery {
         self.0.published_at
     }
 
-    /// The message.
+    /// The message (decoded now if the backend handed it over raw).
     pub fn message(&self) -> &Message {
-        &self.0.message
+        match &self.0.body {
+            Body::Decoded(m) => m,
+            Body::Raw(raw) => raw.message(),
+        }
     }
 
     /// The stable message id.
     pub fn id(&self) -> &MessageId {
-        self.0.message.id()
+        self.message().id()
     }
 
     /// The message key.
     pub fn key(&self) -> Option<&str> {
-        self.0.message.key()
+        match &self.0.body {
+            Body::Decoded(m) => m.key(),
+            // In place when it is text; otherwise as decoding makes it (lossy).
+            Body::Raw(raw) => match raw.key().map(std::str::from_utf8) {
+                None => None,
+                Some(Ok(key)) => Some(key),
+                Some(Err(_)) => raw.message().key(),
+            },
+        }
     }
 
     /// The payload bytes.
     pub fn payload(&self) -> &[u8] {
-        self.0.message.payload()
+        match &self.0.body {
+            Body::Decoded(m) => m.payload(),
+            Body::Raw(raw) => raw.payload(),
+        }
     }
 
     /// The headers.
     pub fn headers(&self) -> &Headers {
-        self.0.message.headers()
+        self.message().headers()
     }
 
     /// The 1-based delivery attempt (1 = first delivery).
     pub fn attempt(&self) -> u32 {
-        self.0.attempt
+        *self
+            .0
+            .attempt
+            .get_or_init(|| headers::attempt(self.headers()))
     }
 
     /// Where the message was consumed from.
@@ -452,5 +504,84 @@ pub trait Receiver: Send + Sync {
     /// Stop receiving; unsettled deliveries go back to the broker.
     async fn close(&self) -> Result<(), BrokerError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A raw message that counts its decodes.
+    struct Counted {
+        payload: &'static [u8],
+        key: Option<&'static [u8]>,
+        decodes: Arc<AtomicU32>,
+        decoded: OnceLock<Message>,
+    }
+
+    impl RawMessage for Counted {
+        fn payload(&self) -> &[u8] {
+            self.payload
+        }
+        fn key(&self) -> Option<&[u8]> {
+            self.key
+        }
+        fn message(&self) -> &Message {
+            self.decoded.get_or_init(|| {
+                self.decodes.fetch_add(1, Ordering::SeqCst);
+                let key = self.key.map(|k| String::from_utf8_lossy(k).into_owned());
+                let mut m = Message::with_id_and_payload("id-1", self.payload)
+                    .with_header(headers::ATTEMPT, "3");
+                if let Some(k) = key {
+                    m = m.with_key(k);
+                }
+                m
+            })
+        }
+    }
+
+    fn raw(key: Option<&'static [u8]>) -> (Delivery, Arc<AtomicU32>) {
+        let decodes = Arc::new(AtomicU32::new(0));
+        let message = Counted {
+            payload: b"body",
+            key,
+            decodes: decodes.clone(),
+            decoded: OnceLock::new(),
+        };
+        let d = Delivery::raw(Box::new(message), Origin::default(), DeliveryToken::tag(7));
+        (d, decodes)
+    }
+
+    #[test]
+    fn a_raw_delivery_decodes_once_and_only_when_more_than_payload_or_key_is_read() {
+        let (d, decodes) = raw(Some(b"customer-7"));
+        assert_eq!(d.payload(), b"body");
+        assert_eq!(d.key(), Some("customer-7"));
+        assert_eq!(d.token().tag, 7);
+        assert_eq!(
+            decodes.load(Ordering::SeqCst),
+            0,
+            "payload and key read in place"
+        );
+        assert_eq!(d.id().as_str(), "id-1");
+        assert_eq!(
+            d.attempt(),
+            3,
+            "the attempt comes from the reliq-attempt header"
+        );
+        assert_eq!(d.message().payload().as_ref(), b"body");
+        assert_eq!(d.clone().headers().get(headers::ATTEMPT), Some("3"));
+        assert_eq!(decodes.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_raw_key_that_is_not_text_reads_as_decoding_makes_it() {
+        let (d, decodes) = raw(Some(b"k\xff"));
+        assert_eq!(d.key(), Some("k\u{fffd}"));
+        assert_eq!(decodes.load(Ordering::SeqCst), 1);
+        let (d, _) = raw(None);
+        assert_eq!(d.key(), None);
     }
 }

@@ -956,7 +956,10 @@ where
         trace_id = tracing::field::Empty,
         parent_span_id = tracing::field::Empty,
     );
-    if let Some(tp) = delivery.traceparent().and_then(TraceParent::parse) {
+    // Only for a span that records it: reading a header may decode the message.
+    if !span.is_disabled()
+        && let Some(tp) = delivery.traceparent().and_then(TraceParent::parse)
+    {
         span.record("trace_id", tp.trace_id);
         span.record("parent_span_id", tp.parent_id);
     }

@@ -56,7 +56,7 @@ pub mod telemetry;
 
 pub use batch::{Batch, BatchError};
 pub use broker::{
-    Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, Receiver,
+    Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, RawMessage, Receiver,
     RetryRequest, Subscription,
 };
 pub use classify::{BoxError, Classifier, DecodeError, ErrorClass, Permanent, Poison, Transient};

@@ -14,15 +14,18 @@
 
 use std::ffi::{CStr, CString};
 use std::ptr::NonNull;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use rdkafka::bindings as rd;
 use rdkafka::message::{BorrowedMessage, Headers as _, Message};
+use reliq_core::RawMessage;
 
 /// A record taken from a [`FetchQueue`]; owned, returned to librdkafka on drop.
 ///
 /// It refers to its consumer's internals: it must be dropped before that consumer is
-/// (see `Polled` in the receiver for how the poll threads guarantee it).
+/// destroyed (librdkafka's rule; see `ConsumerHandle` in the receiver for how records
+/// keep their consumer alive).
 pub(crate) struct Fetched(NonNull<rd::rd_kafka_message_t>);
 
 // SAFETY: a librdkafka message may be used and destroyed from any thread, one at a
@@ -53,6 +56,56 @@ impl Fetched {
         // SAFETY: returns a static or message-owned NUL-terminated string.
         let text = unsafe { CStr::from_ptr(rd::rd_kafka_message_errstr(self.0.as_ptr())) };
         Some(text.to_string_lossy().into_owned())
+    }
+}
+
+/// What a [`LazyRecord`] decodes with, and keeps alive: the record's consumer.
+pub(crate) trait RecordOwner: Send + Sync + 'static {
+    /// The record as a message (id, key, payload copy, headers).
+    fn decode(&self, record: &Fetched) -> reliq_core::Message;
+}
+
+/// A delivery's message, decoded only when something reads more than its payload or key
+/// ([`RawMessage`]): librdkafka parses a record's headers — the message id's among them —
+/// only when asked, and that parse (a zeroed buffer, a list and a header allocated per
+/// record) was most of a record's cost in the runtime. A handler that reads only the
+/// payload never pays it.
+///
+/// Holds its consumer (`owner`) until it is dropped, so the record never outlives it.
+pub(crate) struct LazyRecord<O: RecordOwner> {
+    // Declared first: the record goes back to librdkafka before its consumer can go.
+    record: Fetched,
+    decoded: OnceLock<reliq_core::Message>,
+    owner: Arc<O>,
+}
+
+// SAFETY: shared access reads the record's payload and key, which librdkafka never
+// writes after handing the record out; the one write behind `&self` — the header parse
+// cached in the record — happens only inside `decoded.get_or_init`, which runs one
+// initializer at a time (others wait for it), and `record` is private to this module.
+unsafe impl<O: RecordOwner> Sync for LazyRecord<O> {}
+
+impl<O: RecordOwner> LazyRecord<O> {
+    pub(crate) fn new(record: Fetched, owner: Arc<O>) -> Self {
+        Self {
+            record,
+            decoded: OnceLock::new(),
+            owner,
+        }
+    }
+}
+
+impl<O: RecordOwner> RawMessage for LazyRecord<O> {
+    fn payload(&self) -> &[u8] {
+        KafkaRecord::payload(&self.record).unwrap_or_default()
+    }
+
+    fn key(&self) -> Option<&[u8]> {
+        KafkaRecord::key(&self.record)
+    }
+
+    fn message(&self) -> &reliq_core::Message {
+        self.decoded.get_or_init(|| self.owner.decode(&self.record))
     }
 }
 

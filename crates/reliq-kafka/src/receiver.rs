@@ -22,7 +22,7 @@ use reliq_core::{
 use tokio::sync::mpsc;
 
 use crate::config::RetryMode;
-use crate::fetch::{FetchQueue, Fetched, KafkaRecord};
+use crate::fetch::{FetchQueue, Fetched, KafkaRecord, LazyRecord, RecordOwner};
 use crate::tracker::OffsetTracker;
 use crate::{DUE_AT_HEADER, Inner, KafkaError, SOURCE_OFFSET_HEADER, SOURCE_PARTITION_HEADER};
 
@@ -48,6 +48,8 @@ pub(crate) const POLL_BATCH: usize = 256;
 /// queue. Routing again is idempotent and cheap (a lookup and a forward per partition);
 /// it bounds that stall to this long.
 const ROUTE_EVERY: Duration = Duration::from_millis(100);
+/// How long a closing poll thread waits for its consumer's close events per poll.
+const CLOSE_POLL: Duration = Duration::from_millis(100);
 /// Most events (rebalances, errors, commit results) a poll pass serves before it takes
 /// records; the rest wait for the next pass.
 const EVENTS_PER_PASS: usize = 16;
@@ -120,18 +122,16 @@ impl TokenInfo {
 }
 
 /// A record as librdkafka handed it out, not decoded yet. The poll thread — the serial
-/// stage of the receive path — only tracks its offset; the receive loop decodes it
-/// (headers, id, payload copy) on the runtime's threads.
+/// stage of the receive path — only tracks its offset; the receive loop makes it a
+/// delivery whose message is decoded when first read ([`LazyRecord`]), on whichever
+/// thread reads it.
 ///
-/// The message refers to its consumer's internals ([`Fetched`]). What keeps that sound:
-/// a `Polled` lives only in its poll thread (the pass, the chunk being built) and in
-/// [`Shared::inbound`], where the receive loop decodes or drops it while holding the
-/// inbound lock — and before a poll thread drops its consumer it removes every `Polled`
-/// of that consumer from the inbound, holding that lock ([`Shared::purge_polled`]). No
-/// `Polled` reaches the runtime or the user.
+/// The message refers to its consumer's internals ([`Fetched`]); `owner` keeps that
+/// consumer alive as long as the record (see [`ConsumerHandle`]).
 struct Polled {
     message: Fetched,
     info: TokenInfo,
+    owner: Arc<ConsumerHandle>,
 }
 
 /// What the poll threads hand to the receive loop.
@@ -281,14 +281,17 @@ struct Pass {
     /// record.
     fast: Vec<(i32, u64)>,
     pending: Vec<Polled>,
+    /// The poll thread's consumer, for the records it hands out.
+    owner: Arc<ConsumerHandle>,
 }
 
 impl Pass {
-    fn new() -> Self {
+    fn new(owner: Arc<ConsumerHandle>) -> Self {
         Self {
             seen: u64::MAX,
             fast: Vec::new(),
             pending: Vec::with_capacity(POLL_BATCH),
+            owner,
         }
     }
 
@@ -403,6 +406,53 @@ impl Ctx {
 struct ClientConsumer {
     fetch: Arc<FetchQueue>,
     consumer: BaseConsumer<Ctx>,
+}
+
+/// A poll thread's consumer, shared with every record it hands out.
+///
+/// librdkafka destroys a consumer only after all of its messages, and a delivery holds
+/// its record until it is dropped (its message is decoded on demand, [`LazyRecord`]) —
+/// possibly after the receiver is gone, if a handler keeps it. So the poll thread
+/// *closes* its consumer when it stops (final commit, group leave: nothing waits for the
+/// deliveries), and the handle *destroys* it with the last reference, the poll thread's
+/// or a record's.
+struct ConsumerHandle {
+    /// `None` only while dropping.
+    client: Option<ClientConsumer>,
+    /// The consumer's topic (for the fallback id of a record without one).
+    topic: String,
+}
+
+impl ConsumerHandle {
+    fn get(&self) -> &ClientConsumer {
+        self.client
+            .as_ref()
+            .expect("a consumer handle holds its consumer until it is dropped")
+    }
+}
+
+impl RecordOwner for ConsumerHandle {
+    fn decode(&self, record: &Fetched) -> Message {
+        decode(record, &self.topic).message
+    }
+}
+
+impl Drop for ConsumerHandle {
+    fn drop(&mut self) {
+        let Some(client) = self.client.take() else {
+            return;
+        };
+        // The last record went on a runtime thread: destroying a consumer joins
+        // librdkafka's threads, which must not block a runtime worker.
+        if tokio::runtime::Handle::try_current().is_ok() {
+            let spawned = std::thread::Builder::new()
+                .name("reliq-kafka-destroy".into())
+                .spawn(move || drop(client));
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "no thread to destroy a kafka consumer on; it is leaked");
+            }
+        }
+    }
 }
 
 impl ClientConsumer {
@@ -573,7 +623,11 @@ impl KafkaReceiver {
             consumers.push(consumer);
         }
         let mut threads = Vec::new();
-        for (i, consumer) in consumers.into_iter().enumerate() {
+        for (i, client) in consumers.into_iter().enumerate() {
+            let consumer = Arc::new(ConsumerHandle {
+                client: Some(client),
+                topic: shared.clients[i].topic.clone(),
+            });
             let s = shared.clone();
             let name = format!("reliq-kafka-{i}");
             let t = std::thread::Builder::new()
@@ -645,10 +699,10 @@ impl Shared {
         Ok(())
     }
 
-    fn poll_loop(self: Arc<Self>, client: usize, owned: ClientConsumer) {
+    fn poll_loop(self: Arc<Self>, client: usize, owned: Arc<ConsumerHandle>) {
         // Borrowed, not moved out: the argument drops after every local, on a panic too,
         // and its fields in order (the fetch queue, then the consumer it refers to).
-        let (fetch, consumer) = (&*owned.fetch, &owned.consumer);
+        let (fetch, consumer) = (&*owned.get().fetch, &owned.get().consumer);
         // Dropped before `owned` (locals go before arguments), on a panic too.
         let purge = PurgeOnExit {
             shared: &self,
@@ -661,7 +715,7 @@ impl Shared {
         // What this pass handed out; sent to the runtime as one chunk at the end of the
         // pass (before the next poll may block).
         let mut out = Vec::with_capacity(POLL_BATCH);
-        let mut pass = Pass::new();
+        let mut pass = Pass::new(owned.clone());
         let mut fetched = Vec::with_capacity(POLL_BATCH);
         let mut next_route = Instant::now() + ROUTE_EVERY;
         while !self.is_stopped() {
@@ -728,8 +782,18 @@ impl Shared {
             }
         }
         drop((out, pass, fetched, purge));
-        // The fetch queue goes first (it refers to the consumer); dropping the consumer
-        // leaves the group (its revoke runs in `revoke`).
+        // Leave the group now (its revoke runs in `revoke`), as rdkafka's drop would:
+        // deliveries still out may hold the handle, and with it the consumer, for longer.
+        match consumer.close_queue() {
+            Ok(()) => {
+                while !consumer.closed() {
+                    // Serves the revoke; a record still arriving is dropped (uncommitted).
+                    drop(consumer.poll(CLOSE_POLL));
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "closing a kafka consumer failed"),
+        }
+        // The last reference destroys the consumer (its fetch queue first).
         drop(owned);
     }
 
@@ -911,7 +975,14 @@ impl Shared {
                 generation,
             };
             match m.into_fetched() {
-                Ok(message) => return pass.pending.push(Polled { message, info }),
+                Ok(message) => {
+                    let owner = pass.owner.clone();
+                    return pass.pending.push(Polled {
+                        message,
+                        info,
+                        owner,
+                    });
+                }
                 Err(back) => m = back,
             }
         }
@@ -996,11 +1067,21 @@ impl Shared {
         (delivery, decoded.due)
     }
 
-    /// A record as the runtime gets it.
+    /// A record as the runtime gets it: a fast-path record (source or DLQ, see
+    /// [`Shared::on_record`]) with its message decoded on demand.
     fn decode_record(&self, record: Record) -> Delivery {
         match record {
             Record::Ready(d) => *d,
-            Record::Polled(p) => self.delivery(&p.message, p.info).0,
+            Record::Polled(p) => {
+                let origin = Origin {
+                    destination: self.clients[p.info.client].origin.clone(),
+                    partition: Some(p.info.partition),
+                    offset: Some(p.info.offset),
+                    ..Origin::default()
+                };
+                let message = LazyRecord::new(p.message, p.owner);
+                Delivery::raw(Box::new(message), origin, p.info.token())
+            }
         }
     }
 
@@ -1483,8 +1564,8 @@ impl Receiver for KafkaReceiver {
                     }
                 }
             }
-            // Decode outside the state lock (the poll threads and settlements take it),
-            // inside the inbound lock (see `Polled`).
+            // Outside the state lock (the poll threads and settlements take it): the
+            // records become deliveries, their messages decoded when first read.
             let kept_any = !kept.is_empty();
             into.extend(kept.drain(..).map(|r| shared.decode_record(r)));
             if kept_any {

@@ -176,6 +176,10 @@ async fn reliq_consume(
             builder
                 .batch_size(BATCH_SIZE)
                 .start_batch(move |batch: Batch| {
+                    // Each payload, like the raw consumers.
+                    batch.iter().for_each(|d| {
+                        std::hint::black_box(d.payload());
+                    });
                     count(batch.len());
                     async { Ok(()) }
                 })
@@ -184,6 +188,7 @@ async fn reliq_consume(
         Handling::Each | Handling::FailOnce => {
             builder
                 .start(move |d: Delivery| {
+                    std::hint::black_box(d.payload());
                     let result = if handling == Handling::FailOnce && d.attempt() == 1 {
                         Err(Transient::msg("fails once").into())
                     } else {
