@@ -908,3 +908,86 @@ async fn a_slow_delivery_does_not_hold_back_the_acks_of_its_group() {
     assert_eq!(h.stats().received, 10, "nothing redelivered");
     h.shutdown().await;
 }
+
+/// Every delivery's span carries its message id, attempt and the W3C trace context of its
+/// `traceparent` header, for a subscriber that records spans (the id and the headers are
+/// read only then: reading them may decode the message).
+#[tokio::test]
+async fn a_delivery_span_records_id_attempt_and_trace_context() {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+
+    type Fields = Arc<Mutex<HashMap<String, String>>>;
+    struct Recording(Fields);
+    impl tracing::field::Visit for Recording {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            let text = format!("{value:?}");
+            let text = text.trim_matches('"').to_owned();
+            self.0.lock().unwrap().insert(field.name().to_owned(), text);
+        }
+    }
+    struct MessageSpans(Fields);
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for MessageSpans {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            _: &tracing::span::Id,
+            _: Context<'_, S>,
+        ) {
+            if attrs.metadata().name() == "reliq.message" {
+                attrs.record(&mut Recording(self.0.clone()));
+            }
+        }
+        fn on_record(
+            &self,
+            _: &tracing::span::Id,
+            values: &tracing::span::Record<'_>,
+            _: Context<'_, S>,
+        ) {
+            values.record(&mut Recording(self.0.clone()));
+        }
+    }
+
+    let fields: Fields = Arc::default();
+    let _guard = tracing::subscriber::set_default(
+        tracing_subscriber::registry().with(MessageSpans(fields.clone())),
+    );
+    use reliq_core::Broker;
+    let broker = MemoryBroker::new();
+    let done = Arc::new(AtomicU32::new(0));
+    let d2 = done.clone();
+    let h = Consumer::builder(Arc::new(broker.clone()), "c")
+        .subscribe("t", None::<String>)
+        .start(move |_: Delivery| {
+            d2.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<(), BoxError>(()) }
+        })
+        .await
+        .unwrap();
+    let m = Message::new("x").with_header(
+        reliq_core::headers::TRACEPARENT,
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    );
+    let id = m.id().to_string();
+    broker.publish(&Destination::new("t"), m).await.unwrap();
+    wait_for("handled", || done.load(Ordering::SeqCst) == 1).await;
+    h.shutdown().await;
+    let fields = fields.lock().unwrap().clone();
+    assert_eq!(fields.get("message_id"), Some(&id), "{fields:?}");
+    assert_eq!(
+        fields.get("attempt").map(String::as_str),
+        Some("1"),
+        "{fields:?}"
+    );
+    assert_eq!(
+        fields.get("trace_id").map(String::as_str),
+        Some("4bf92f3577b34da6a3ce929d0e0e4736"),
+        "{fields:?}"
+    );
+    assert_eq!(
+        fields.get("parent_span_id").map(String::as_str),
+        Some("00f067aa0ba902b7"),
+        "{fields:?}"
+    );
+}

@@ -941,6 +941,18 @@ where
     }
 }
 
+/// A delivery's id as a span field, read only when the field is formatted: a span is
+/// built for every delivery, and reading the id may decode the message
+/// ([`crate::RawMessage`]); with `tracing`'s `log` feature and no subscriber, a disabled
+/// span still evaluates its fields.
+struct IdField<'a>(&'a Delivery);
+
+impl std::fmt::Display for IdField<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self.0.id(), f)
+    }
+}
+
 /// Handle one delivery and settle it — except a success, which is returned for the caller
 /// to acknowledge ([`ack_handled`]), so that a group acknowledges its successes together.
 async fn handle_one<F, Fut>(shared: Arc<Shared<F>>, delivery: Delivery) -> Option<Delivery>
@@ -951,17 +963,18 @@ where
     let span = tracing::info_span!(
         "reliq.message",
         consumer = %shared.name,
-        message_id = %delivery.id(),
-        attempt = delivery.attempt(),
+        message_id = %IdField(&delivery),
+        attempt = tracing::field::Empty,
         trace_id = tracing::field::Empty,
         parent_span_id = tracing::field::Empty,
     );
-    // Only for a span that records it: reading a header may decode the message.
-    if !span.is_disabled()
-        && let Some(tp) = delivery.traceparent().and_then(TraceParent::parse)
-    {
-        span.record("trace_id", tp.trace_id);
-        span.record("parent_span_id", tp.parent_id);
+    // Only for a span that records them: reading the headers may decode the message.
+    if !span.is_disabled() {
+        span.record("attempt", delivery.attempt());
+        if let Some(tp) = delivery.traceparent().and_then(TraceParent::parse) {
+            span.record("trace_id", tp.trace_id);
+            span.record("parent_span_id", tp.parent_id);
+        }
     }
     let s = shared;
     let d = delivery;
@@ -1055,7 +1068,7 @@ async fn process_batch<F, Fut>(
         "reliq.batch",
         consumer = %shared.name,
         size = deliveries.len(),
-        first_id = %deliveries[0].id(),
+        first_id = %IdField(&deliveries[0]),
     );
     async {
         // As for one message: a crash stops everything at once and settles nothing.
