@@ -361,7 +361,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Purges a poll thread's undecoded records when the thread leaves (see [`Polled`]);
+/// Purges a poll thread's undecoded records when the thread leaves ([`Shared::purge_polled`]);
 /// a panicking poll thread also stops the receiver, which has lost a consumer.
 struct PurgeOnExit<'a> {
     shared: &'a Shared,
@@ -811,10 +811,11 @@ impl Shared {
         }
     }
 
-    /// Drop every undecoded record of `client`'s consumer still in the inbound: the
-    /// consumer is about to go (see [`Polled`]). Runs after `stop`: a receive waiting for
-    /// a chunk holds the inbound lock, so an empty chunk wakes it and it returns on
-    /// seeing `stop`, releasing the lock.
+    /// Drop every undecoded record of `client`'s consumer still in the inbound: nobody
+    /// will take them (they are uncommitted: the partition's next owner reads them
+    /// again), and each holds the consumer, which goes with the last of them. Runs after
+    /// `stop`: a receive waiting for a chunk holds the inbound lock, so an empty chunk
+    /// wakes it and it returns on seeing `stop`, releasing the lock.
     fn purge_polled(&self, client: usize) {
         let _ = self.tx.send(Vec::new());
         let mut inbound = self.inbound.blocking_lock();
@@ -1069,7 +1070,7 @@ impl Shared {
 
     /// A record as the runtime gets it: a fast-path record (source or DLQ, see
     /// [`Shared::on_record`]) with its message decoded on demand.
-    fn decode_record(&self, record: Record) -> Delivery {
+    fn delivery_of(&self, record: Record) -> Delivery {
         match record {
             Record::Ready(d) => *d,
             Record::Polled(p) => {
@@ -1182,7 +1183,7 @@ impl Shared {
         if blocking && (part.out || !part.waiting.is_empty()) {
             // One record per partition at a time: this one waits for the one out.
             // (Blocking mode takes the slow path: this is decoded already.)
-            part.waiting.push_back((offset, self.decode_record(record)));
+            part.waiting.push_back((offset, self.delivery_of(record)));
             s.queued += 1;
             return None;
         }
@@ -1567,7 +1568,7 @@ impl Receiver for KafkaReceiver {
             // Outside the state lock (the poll threads and settlements take it): the
             // records become deliveries, their messages decoded when first read.
             let kept_any = !kept.is_empty();
-            into.extend(kept.drain(..).map(|r| shared.decode_record(r)));
+            into.extend(kept.drain(..).map(|r| shared.delivery_of(r)));
             if kept_any {
                 return Ok(());
             }
