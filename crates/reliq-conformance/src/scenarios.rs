@@ -125,9 +125,13 @@ pub async fn group_members_split_without_double_handling(b: &dyn Backend) -> any
     let ctx = Ctx::new(b, "members").await?;
     let rec = Recorder::new();
     let per_member = [Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0))];
+    // Each member's calls (attempt, time), to tell what a double handling was.
+    let member_calls = [Recorder::new(), Recorder::new()];
+    let started = tokio::time::Instant::now();
     let mut handles = Vec::new();
-    for counter in &per_member {
+    for (counter, calls) in per_member.iter().zip(&member_calls) {
         let counter = counter.clone();
+        let calls = calls.clone();
         let rec = rec.clone();
         let broker = b.connect().await?;
         handles.push(
@@ -135,6 +139,7 @@ pub async fn group_members_split_without_double_handling(b: &dyn Backend) -> any
                 .max_in_flight(4)
                 .start(move |d: Delivery| {
                     let (r, c) = (rec.clone(), counter.clone());
+                    calls.call(&d);
                     async move {
                         c.fetch_add(1, AtomicOrdering::Relaxed);
                         // Slow enough that one member cannot take everything.
@@ -151,10 +156,25 @@ pub async fn group_members_split_without_double_handling(b: &dyn Backend) -> any
     for h in handles {
         h.shutdown().await;
     }
-    ensure!(
-        rec.effects().values().all(|n| *n == 1),
-        "a message was handled twice"
-    );
+    let twice: Vec<String> = rec
+        .effects()
+        .into_iter()
+        .filter(|(_, n)| *n > 1)
+        .map(|(id, _)| {
+            let calls: Vec<String> = member_calls
+                .iter()
+                .enumerate()
+                .flat_map(|(member, calls)| {
+                    calls.calls_for(&id).into_iter().map(move |c| {
+                        let at = c.at.saturating_duration_since(started);
+                        format!("member {member} attempt {} at {at:?}", c.attempt)
+                    })
+                })
+                .collect();
+            format!("{id}: {}", calls.join(", "))
+        })
+        .collect();
+    ensure!(twice.is_empty(), "a message was handled twice: {twice:?}");
     let counts: Vec<u32> = per_member
         .iter()
         .map(|c| c.load(AtomicOrdering::Relaxed))
