@@ -1050,17 +1050,11 @@ impl Shared {
         let client = &self.clients[info.client];
         let decoded = decode(m, &client.topic);
         let origin = match client.role {
-            Role::Source | Role::DeadLetters => Origin {
-                destination: client.origin.clone(),
-                partition: Some(info.partition),
-                offset: Some(info.offset),
-                ..Origin::default()
-            },
+            Role::Source | Role::DeadLetters => self.origin(info),
             Role::Relay(_) => Origin {
-                destination: client.origin.clone(),
                 partition: decoded.source_partition,
                 offset: decoded.source_offset,
-                ..Origin::default()
+                ..self.origin(info)
             },
         };
         let attempt = headers::attempt(decoded.message.headers());
@@ -1074,15 +1068,21 @@ impl Shared {
         match record {
             Record::Ready(d) => *d,
             Record::Polled(p) => {
-                let origin = Origin {
-                    destination: self.clients[p.info.client].origin.clone(),
-                    partition: Some(p.info.partition),
-                    offset: Some(p.info.offset),
-                    ..Origin::default()
-                };
                 let message = LazyRecord::new(p.message, p.owner);
-                Delivery::raw(Box::new(message), origin, p.info.token())
+                Delivery::raw(Box::new(message), self.origin(p.info), p.info.token())
             }
+        }
+    }
+
+    /// Where a record of `info.client` came from: its topic (a relay's reports its
+    /// source topic), partition and offset (a relay overrides these from the record's
+    /// headers).
+    fn origin(&self, info: TokenInfo) -> Origin {
+        Origin {
+            destination: self.clients[info.client].origin.clone(),
+            partition: Some(info.partition),
+            offset: Some(info.offset),
+            ..Origin::default()
         }
     }
 
