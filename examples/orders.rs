@@ -144,14 +144,10 @@ async fn run_orders(args: &Args, db: &Db, topic: &str) -> anyhow::Result<()> {
     relay.shutdown().await;
     let report = consumer.shutdown().await;
 
-    let dead: HashSet<MessageId> = orders::dead_letters(
-        &broker,
-        &orders::subscription(topic),
-        Duration::from_millis(500),
-    )
-    .await?
-    .into_keys()
-    .collect();
+    let dead: HashSet<MessageId> = orders::dead_letters(&broker, &orders::subscription(topic))
+        .await?
+        .into_keys()
+        .collect();
     let rows = db.reservations().await?;
     let reserved: HashSet<MessageId> = published
         .iter()

@@ -463,12 +463,8 @@ impl Db {
 pub async fn dead_letters(
     broker: &Arc<dyn Broker>,
     sub: &Subscription,
-    idle: Duration,
 ) -> anyhow::Result<HashMap<MessageId, usize>> {
-    let listing = Replay::new(broker.clone(), sub.clone())
-        .idle_timeout(idle)
-        .dry_run()
-        .await?;
+    let listing = Replay::new(broker.clone(), sub.clone()).dry_run().await?;
     let mut copies = HashMap::new();
     for entry in listing.matched {
         tracing::info!(id = %entry.id, reason = %entry.record.reason, error = ?entry.record.error, "parked");

@@ -662,8 +662,7 @@ async fn check(
         "stock differs from the orders"
     );
     // The DLQ holds exactly the injected poison and unknown SKUs.
-    let dlq =
-        orders::dead_letters(broker, &orders::subscription(topic), Duration::from_secs(2)).await?;
+    let dlq = orders::dead_letters(broker, &orders::subscription(topic)).await?;
     let dead: HashSet<MessageId> = dlq.keys().cloned().collect();
     let missing: Vec<_> = expected.dead.difference(&dead).collect();
     let unexpected: Vec<_> = dead.difference(&expected.dead).collect();

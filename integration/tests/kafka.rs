@@ -352,7 +352,7 @@ mod kafka {
             !broker.topic_exists(&sub.retry_name(tiers[0])).await?,
             "blocking mode created a retry topic"
         );
-        let dlq = broker.dead_letters(&sub).await?;
+        let dlq = broker.dead_letter_receiver(&sub).await?;
         let parked = tokio::time::timeout(Duration::from_secs(30), dlq.receive()).await??;
         ensure!(parked.payload() == b"poison");
         let record = DeadLetter::read(parked.headers())?;

@@ -88,7 +88,7 @@ async fn advisory_relays_are_idempotent() -> anyhow::Result<()> {
     // A pending pull lets the server notice the limit and send the advisory.
     let none = tokio::time::timeout(Duration::from_secs(4), rx.receive()).await;
     ensure!(none.is_err(), "delivered past max_deliver");
-    let dlq = first.dead_letters(&sub).await?;
+    let dlq = first.dead_letter_receiver(&sub).await?;
     let dead = tokio::time::timeout(Duration::from_secs(10), dlq.receive())
         .await
         .context("no dead letter")??;
@@ -147,7 +147,7 @@ async fn foreign_terminations_are_parked_and_reliq_ones_not_doubled() -> anyhow:
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
 
-    let dlq = broker.dead_letters(&sub).await?;
+    let dlq = broker.dead_letter_receiver(&sub).await?;
     let dead = tokio::time::timeout(Duration::from_secs(10), dlq.receive())
         .await
         .context("the terminated message never reached the DLQ")??;

@@ -207,7 +207,7 @@ async fn parking_queue_unavailable_loses_nothing() -> anyhow::Result<()> {
     broker.declare_dead_letter_queue(&s).await?;
     rx.dead_letter(&again, dead(&again)).await?;
     rx.close().await?;
-    let dlq = broker.dead_letters(&s).await?;
+    let dlq = broker.dead_letter_receiver(&s).await?;
     let parked = receive(dlq.as_ref()).await?;
     let record = DeadLetter::read(parked.headers())?;
     ensure!(parked.id() == &id && record.reason == DeadLetterReason::Permanent);
@@ -256,7 +256,16 @@ impl Broker for StallAfterRetryCopy {
             copies: self.copies.clone(),
         }))
     }
-    async fn dead_letters(&self, s: &Subscription) -> Result<Box<dyn Receiver>, BrokerError> {
+    async fn dead_letter_receiver(
+        &self,
+        s: &Subscription,
+    ) -> Result<Box<dyn Receiver>, BrokerError> {
+        self.inner.dead_letter_receiver(s).await
+    }
+    async fn dead_letters(
+        &self,
+        s: &Subscription,
+    ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
         self.inner.dead_letters(s).await
     }
 }
@@ -278,8 +287,8 @@ impl Receiver for StallingReceiver {
         self.copies.fetch_add(1, Ordering::SeqCst);
         // … and the process dies before the ack: its channel closes, as on a kill.
         self.inner.close().await?;
-        Err(BrokerError::Connection(
-            "simulated kill between the confirmed retry copy and the ack".into(),
+        Err(BrokerError::connection(
+            "simulated kill between the confirmed retry copy and the ack",
         ))
     }
     async fn dead_letter(&self, d: &Delivery, m: Message) -> Result<(), BrokerError> {
@@ -382,7 +391,7 @@ async fn broker_dead_letter_is_read_as_max_deliveries_and_plan_matches_version()
         ensure!(d.id() == &id, "delivery {n}");
         rx.release(&d, Duration::ZERO).await?;
     }
-    let dlq = broker.dead_letters(&s).await?;
+    let dlq = broker.dead_letter_receiver(&s).await?;
     let parked = receive(dlq.as_ref()).await?;
     let record = DeadLetter::read(parked.headers())?;
     ensure!(parked.id() == &id && parked.headers().get("tenant") == Some("acme"));

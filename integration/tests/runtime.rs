@@ -32,19 +32,22 @@ async fn dead_letters(
     broker: &MemoryBroker,
     consumer: &str,
     topic: &str,
-) -> Vec<(Delivery, DeadLetter)> {
+) -> Vec<(reliq_core::Message, DeadLetter)> {
     use reliq_core::Broker;
     let dlq = broker
         .dead_letters(&Subscription::new(consumer, topic))
         .await
         .unwrap();
-    let mut out = Vec::new();
-    while let Ok(Ok(d)) = tokio::time::timeout(secs(1), dlq.receive()).await {
-        let r = DeadLetter::read(d.headers()).unwrap();
-        dlq.ack(&d).await.unwrap();
-        out.push((d, r));
-    }
-    out
+    let entries = reliq_conformance::browse_all(dlq.as_ref()).await.unwrap();
+    let ids: Vec<_> = entries.iter().map(|e| e.id().clone()).collect();
+    assert_eq!(dlq.remove(&ids).await.unwrap().len(), ids.len());
+    entries
+        .into_iter()
+        .map(|e| {
+            let r = e.record().unwrap();
+            (e.message, r)
+        })
+        .collect()
 }
 
 #[tokio::test(start_paused = true)]
@@ -336,7 +339,6 @@ async fn replay_filters_by_class_reason_time_and_limit() {
 
     let nothing = Replay::new(shared.clone(), sub.clone())
         .filter(ReplayFilter::default().since(later))
-        .idle_timeout(secs(1))
         .dry_run()
         .await
         .unwrap();
@@ -352,7 +354,6 @@ async fn replay_filters_by_class_reason_time_and_limit() {
                 .classes([ErrorClass::Permanent])
                 .until(later),
         )
-        .idle_timeout(secs(1))
         .dry_run()
         .await
         .unwrap();
@@ -374,7 +375,6 @@ async fn replay_filters_by_class_reason_time_and_limit() {
                 .reasons([DeadLetterReason::Poison])
                 .limit(1),
         )
-        .idle_timeout(secs(1))
         .execute()
         .await
         .unwrap();
@@ -503,7 +503,16 @@ async fn a_backend_returning_more_than_asked_loses_nothing() {
             s.prefetch += 3;
             Ok(Box::new(GreedyReceiver(self.0.subscribe(&s).await?)))
         }
-        async fn dead_letters(&self, s: &Subscription) -> Result<Box<dyn Receiver>, BrokerError> {
+        async fn dead_letter_receiver(
+            &self,
+            s: &Subscription,
+        ) -> Result<Box<dyn Receiver>, BrokerError> {
+            self.0.dead_letter_receiver(s).await
+        }
+        async fn dead_letters(
+            &self,
+            s: &Subscription,
+        ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
             self.0.dead_letters(s).await
         }
     }

@@ -22,7 +22,7 @@ async fn one_dead_letter(
     broker: &Arc<dyn Broker>,
     sub: &Subscription,
 ) -> anyhow::Result<(Delivery, DeadLetter)> {
-    let dlq = broker.dead_letters(sub).await?;
+    let dlq = broker.dead_letter_receiver(sub).await?;
     let parked = tokio::time::timeout(Duration::from_secs(30), dlq.receive())
         .await
         .context("nothing dead-lettered within 30 s")??;

@@ -21,7 +21,7 @@ mod scenarios;
 pub mod support;
 
 pub use scenarios::*;
-pub use support::{Backend, Ctx};
+pub use support::{Backend, Ctx, browse_all};
 
 /// Stamp out one test per scenario for a backend.
 ///

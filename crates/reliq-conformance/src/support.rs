@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{Context as _, bail};
+use anyhow::{Context as _, bail, ensure};
 use async_trait::async_trait;
 use reliq_core::{
-    Broker, Consumer, ConsumerBuilder, DeadLetter, Delivery, Destination, Message, MessageId,
-    RetryPolicy, Subscription,
+    Broker, Consumer, ConsumerBuilder, Cursor, DeadLetter, DeadLetterEntry, DeadLetters, Delivery,
+    Destination, Message, MessageId, RetryPolicy, Subscription,
 };
 use tokio::time::Instant;
 
@@ -150,40 +150,52 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// Read `expected` dead letters of `consumer` (waiting up to `within`), acknowledge
-    /// (remove) them, and return them with their decoded records. Fails if fewer arrive
-    /// or if more are there.
+    /// Wait up to `within` for `expected` dead letters of `consumer`, check that no more
+    /// arrive within the quiet period, remove them, and return them with their decoded
+    /// records. Fails if fewer arrive or if more are there.
     pub async fn take_dead_letters(
         &self,
         consumer: &str,
         expected: usize,
         within: Duration,
-    ) -> anyhow::Result<Vec<(Delivery, DeadLetter)>> {
+    ) -> anyhow::Result<Vec<(Message, DeadLetter)>> {
         let sub = self.subscription(consumer);
         let dlq = self.broker.dead_letters(&sub).await?;
         let deadline = Instant::now() + within;
-        let mut out = Vec::new();
-        while out.len() < expected {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let d = match tokio::time::timeout(left, dlq.receive()).await {
-                Ok(d) => d?,
-                Err(_) => bail!(
-                    "expected {expected} dead letters for `{consumer}` within {within:?}, got {}",
-                    out.len()
-                ),
-            };
-            let record =
-                DeadLetter::read(d.headers()).context("decoding the dead-letter record")?;
-            dlq.ack(&d).await?;
-            out.push((d, record));
+        loop {
+            let held = dlq.count().await.context("counting dead letters")?.count as usize;
+            if held >= expected {
+                break;
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "expected {expected} dead letters for `{consumer}` within {within:?}, got {held}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        if let Ok(extra) = tokio::time::timeout(self.backend.quiet_period(), dlq.receive()).await {
-            let extra = extra?;
-            let id = extra.id().clone();
-            dlq.release(&extra, Duration::ZERO).await?;
-            bail!("more dead letters than the {expected} expected (e.g. {id})");
+        tokio::time::sleep(self.backend.quiet_period()).await;
+        let entries = browse_all(dlq.as_ref()).await?;
+        if entries.len() > expected {
+            bail!(
+                "{} dead letters for `{consumer}`, more than the {expected} expected (e.g. {})",
+                entries.len(),
+                entries[expected].id()
+            );
         }
-        dlq.close().await?;
+        let mut out = Vec::with_capacity(entries.len());
+        for entry in &entries {
+            let record = entry.record().context("decoding the dead-letter record")?;
+            out.push((entry.message.clone(), record));
+        }
+        let ids: Vec<MessageId> = entries.iter().map(|e| e.id().clone()).collect();
+        let removed = dlq.remove(&ids).await.context("removing dead letters")?;
+        ensure!(
+            removed.len() == ids.len(),
+            "removed {} of {} dead letters",
+            removed.len(),
+            ids.len()
+        );
         Ok(out)
     }
 
@@ -328,5 +340,23 @@ pub async fn wait_until(
             bail!("timed out after {within:?} waiting for: {what}");
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Every entry of a dead-letter queue, browsed a page at a time.
+pub async fn browse_all(dlq: &dyn DeadLetters) -> anyhow::Result<Vec<DeadLetterEntry>> {
+    let mut cursor = Cursor::start();
+    let mut all = Vec::new();
+    loop {
+        let page = dlq
+            .browse(&cursor, 100)
+            .await
+            .context("browsing dead letters")?;
+        let empty = page.entries.is_empty();
+        all.extend(page.entries);
+        if page.at_end || empty {
+            return Ok(all);
+        }
+        cursor = page.next;
     }
 }

@@ -21,28 +21,53 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::classify::{BoxError, DecodeError};
+use crate::dead_letters::DeadLetters;
 use crate::envelope::Envelope;
 use crate::headers::{self, Origin};
 use crate::message::{Headers, Message, MessageId};
 
-/// Errors a backend reports.
+/// Errors a backend reports. Each keeps the client error that caused it, where there was
+/// one, as its [`source`](std::error::Error::source); the built-in [`Classifier`] reads
+/// the variant (a timeout or a lost connection is transient, an unroutable destination or
+/// a bad configuration permanent), so a handler that returns one — its own publish failed
+/// — gets the retry budget the failure deserves.
+///
+/// [`Classifier`]: crate::Classifier
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BrokerError {
     /// The destination does not exist / nothing is bound to receive the message.
     #[error("destination `{0}` is unroutable (does not exist or nothing is bound to it)")]
     Unroutable(String),
     /// The broker refused the message (negative confirm, rejected publish, quota).
-    #[error("broker rejected the message: {0}")]
-    Rejected(String),
+    #[error("broker rejected the message: {reason}")]
+    Rejected {
+        /// What the broker said.
+        reason: String,
+        /// The client's error, if there was one.
+        #[source]
+        source: Option<BoxError>,
+    },
     /// No confirmation arrived in time.
     #[error("timed out after {0:?} waiting for the broker")]
     Timeout(Duration),
     /// The connection or channel is gone.
-    #[error("connection lost: {0}")]
-    Connection(String),
+    #[error("connection lost: {context}")]
+    Connection {
+        /// What was being done, and what went wrong.
+        context: String,
+        /// The client's error, if there was one.
+        #[source]
+        source: Option<BoxError>,
+    },
     /// The receiver was closed.
     #[error("receiver closed")]
     Closed,
+    /// A delivery was settled on a receiver that did not hand it out (another consumer's,
+    /// or one from before a reconnect). Nothing was settled; the delivery stays with the
+    /// receiver that owns it.
+    #[error("the delivery was handed out by another receiver; settle it on its own")]
+    ForeignDelivery,
     /// The backend cannot do this.
     #[error("not supported by the {backend} backend: {what}")]
     Unsupported {
@@ -62,6 +87,50 @@ pub enum BrokerError {
     /// Any other client error.
     #[error(transparent)]
     Other(BoxError),
+}
+
+impl BrokerError {
+    /// [`BrokerError::Connection`] without a client error behind it.
+    pub fn connection(context: impl Into<String>) -> Self {
+        Self::Connection {
+            context: context.into(),
+            source: None,
+        }
+    }
+
+    /// [`BrokerError::Rejected`] without a client error behind it.
+    pub fn rejected(reason: impl Into<String>) -> Self {
+        Self::Rejected {
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// Keep `cause` as the source of a [`BrokerError::Connection`] or
+    /// [`BrokerError::Rejected`] (other variants are returned unchanged).
+    pub fn caused_by(mut self, cause: impl Into<BoxError>) -> Self {
+        if let Self::Connection { source, .. } | Self::Rejected { source, .. } = &mut self {
+            *source = Some(cause.into());
+        }
+        self
+    }
+
+    /// The class the built-in classifier gives this error (`None`: ask its source).
+    pub(crate) fn class(&self) -> Option<crate::ErrorClass> {
+        use crate::ErrorClass::{Permanent, Transient};
+        match self {
+            // Nothing was delivered: another try may reach a broker that is back.
+            Self::Timeout(_) | Self::Connection { .. } | Self::Closed | Self::Rejected { .. } => {
+                Some(Transient)
+            }
+            // No retry changes a missing route, a setting or a backend's abilities.
+            Self::Unroutable(_)
+            | Self::Config { .. }
+            | Self::Unsupported { .. }
+            | Self::ForeignDelivery => Some(Permanent),
+            Self::Other(_) => None,
+        }
+    }
 }
 
 /// Where a producer sends a message: a topic / exchange / stream / queue, plus an
@@ -191,23 +260,80 @@ pub struct Capabilities {
     pub deduplicates_publishes: bool,
 }
 
-/// Opaque, backend-specific settlement handle carried by a [`Delivery`].
+/// Which receiver handed a delivery out: unique in the process. A backend's receiver
+/// takes one ([`ReceiverId::next`]), stamps it on every [`DeliveryToken`] it makes and
+/// checks it ([`DeliveryToken::check`]) before settling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReceiverId(u64);
+
+impl ReceiverId {
+    /// A fresh id.
+    pub fn next() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Self(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+/// Opaque, backend-specific settlement handle carried by a [`Delivery`]: which receiver
+/// made it, a number (delivery tag, offset, slot), a second number (partition, channel
+/// generation) and anything else the backend needs (ack subject, receipt handle).
 pub struct DeliveryToken {
-    /// A number the backend uses to find the delivery (delivery tag, offset, slot).
-    pub tag: u64,
-    /// A second number (partition, channel generation), if the backend needs one.
-    pub lane: i64,
-    /// Anything else (ack subject, receipt handle).
-    pub extra: Option<Box<dyn Any + Send + Sync>>,
+    receiver: ReceiverId,
+    tag: u64,
+    lane: i64,
+    extra: Option<Box<dyn Any + Send + Sync>>,
 }
 
 impl DeliveryToken {
-    /// A token with just a tag.
-    pub fn tag(tag: u64) -> Self {
+    /// A token of `receiver` with a tag.
+    pub fn new(receiver: ReceiverId, tag: u64) -> Self {
         Self {
+            receiver,
             tag,
             lane: 0,
             extra: None,
+        }
+    }
+
+    /// With a second number (partition, channel generation).
+    pub fn with_lane(mut self, lane: i64) -> Self {
+        self.lane = lane;
+        self
+    }
+
+    /// With backend data (ack subject, receipt handle), read back with
+    /// [`DeliveryToken::extra`].
+    pub fn with_extra<T: Any + Send + Sync>(mut self, extra: T) -> Self {
+        self.extra = Some(Box::new(extra));
+        self
+    }
+
+    /// The receiver that made it.
+    pub fn receiver(&self) -> ReceiverId {
+        self.receiver
+    }
+
+    /// The tag.
+    pub fn tag(&self) -> u64 {
+        self.tag
+    }
+
+    /// The second number.
+    pub fn lane(&self) -> i64 {
+        self.lane
+    }
+
+    /// The backend data, if it is a `T`.
+    pub fn extra<T: Any>(&self) -> Option<&T> {
+        self.extra.as_ref()?.downcast_ref::<T>()
+    }
+
+    /// This token, if `receiver` made it; [`BrokerError::ForeignDelivery`] otherwise.
+    pub fn check(&self, receiver: ReceiverId) -> Result<&Self, BrokerError> {
+        if self.receiver == receiver {
+            Ok(self)
+        } else {
+            Err(BrokerError::ForeignDelivery)
         }
     }
 }
@@ -215,6 +341,7 @@ impl DeliveryToken {
 impl fmt::Debug for DeliveryToken {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeliveryToken")
+            .field("receiver", &self.receiver)
             .field("tag", &self.tag)
             .field("lane", &self.lane)
             .finish_non_exhaustive()
@@ -430,12 +557,26 @@ pub trait Broker: Send + Sync + 'static {
         subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError>;
 
-    /// Read this consumer's dead-letter queue (for replay and operator tools). Settling a
-    /// delivery from it with `ack` removes it from the DLQ; `release` leaves it there.
+    /// This consumer's dead-letter queue, read without consuming it (see
+    /// [`DeadLetters`]): for the replay engine and the operator tools.
     async fn dead_letters(
         &self,
         subscription: &Subscription,
-    ) -> Result<Box<dyn Receiver>, BrokerError>;
+    ) -> Result<Box<dyn DeadLetters>, BrokerError>;
+
+    /// Transitional: this consumer's dead-letter queue as a destructive receiver (`ack`
+    /// removes), behind [`crate::dead_letters::ReceiverScan`] for backends that do not
+    /// browse natively yet. Goes away once every backend does.
+    async fn dead_letter_receiver(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Receiver>, BrokerError> {
+        let _ = subscription;
+        Err(BrokerError::Unsupported {
+            backend: self.kind(),
+            what: "dead_letter_receiver",
+        })
+    }
 
     /// Deliver `message` to this consumer only (not to every consumer of its source),
     /// confirmed. Used by replay. Backends without a per-consumer input return
@@ -550,7 +691,11 @@ mod tests {
             decodes: decodes.clone(),
             decoded: OnceLock::new(),
         };
-        let d = Delivery::raw(Box::new(message), Origin::default(), DeliveryToken::tag(7));
+        let d = Delivery::raw(
+            Box::new(message),
+            Origin::default(),
+            DeliveryToken::new(ReceiverId::next(), 7),
+        );
         (d, decodes)
     }
 
@@ -559,7 +704,7 @@ mod tests {
         let (d, decodes) = raw(Some(b"customer-7"));
         assert_eq!(d.payload(), b"body");
         assert_eq!(d.key(), Some("customer-7"));
-        assert_eq!(d.token().tag, 7);
+        assert_eq!(d.token().tag(), 7);
         assert_eq!(
             decodes.load(Ordering::SeqCst),
             0,

@@ -149,6 +149,7 @@ marker!(
 /// A payload could not be decoded (bad JSON, invalid UTF-8, unknown schema version,
 /// missing id). Always classified as [`ErrorClass::Poison`].
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DecodeError {
     /// The payload is not valid JSON for the expected type.
     #[error("payload is not valid JSON for the expected type: {0}")]
@@ -226,6 +227,13 @@ impl Classifier {
         }
         if let Some(class) = self.rules.iter().find_map(|(_, rule)| rule(e)) {
             return Some(class);
+        }
+        if let Some(broker) = e.downcast_ref::<crate::BrokerError>() {
+            return match broker {
+                // Transparent: its `source()` skips the wrapped error itself.
+                crate::BrokerError::Other(inner) => Some(self.classify(inner.as_ref())),
+                known => known.class(),
+            };
         }
         builtin(e)
     }
@@ -324,6 +332,37 @@ mod tests {
             classify(Box::new(DecodeError::from(utf8))),
             ErrorClass::Poison
         );
+    }
+
+    #[test]
+    fn reliq_broker_errors_are_classified_by_variant() {
+        use crate::BrokerError;
+        let timeout = BrokerError::Timeout(std::time::Duration::from_secs(5));
+        assert_eq!(classify(Box::new(timeout)), ErrorClass::Transient);
+        let lost = BrokerError::connection("publishing").caused_by(Misleading);
+        assert_eq!(classify(Box::new(lost)), ErrorClass::Transient);
+        let nowhere = BrokerError::Unroutable("orders".into());
+        assert_eq!(classify(Box::new(nowhere)), ErrorClass::Permanent);
+        let config = BrokerError::Config {
+            field: "url".into(),
+            reason: "no host".into(),
+        };
+        assert_eq!(classify(Box::new(config)), ErrorClass::Permanent);
+        // A handler's own error that wraps a broker error, two links down.
+        let io = std::io::Error::other(BrokerError::Timeout(std::time::Duration::ZERO));
+        assert_eq!(classify(Box::new(Outer(io))), ErrorClass::Transient);
+        // `Other` is transparent: the wrapped error decides.
+        let other = BrokerError::Other(Box::new(Misleading));
+        assert_eq!(classify(Box::new(other)), ErrorClass::Unknown);
+        let other = BrokerError::Other(Box::new(Permanent::msg("bad")));
+        assert_eq!(classify(Box::new(other)), ErrorClass::Permanent);
+    }
+
+    #[test]
+    fn broker_errors_keep_their_cause() {
+        use std::error::Error as _;
+        let e = crate::BrokerError::rejected("nack").caused_by(Misleading);
+        assert!(e.source().is_some_and(|s| s.is::<Misleading>()));
     }
 
     #[test]

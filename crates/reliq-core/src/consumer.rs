@@ -51,6 +51,7 @@ pub enum Ordering {
 
 /// Errors of the consumer builder and runtime.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConsumerError {
     /// A setting is invalid; names it.
     #[error("invalid consumer setting `{field}`: {reason}")]
@@ -1445,6 +1446,12 @@ impl<H> Shared<H> {
     async fn settle_failed(&self, d: &Delivery, op: SettleOp, e: &BrokerError) {
         Stats::bump(&self.stats.settle_failures);
         self.metrics.settle_failures[op as usize].increment(1);
+        if let BrokerError::ForeignDelivery = e {
+            // Not a broker failure: nothing to back off from, and releasing on this
+            // receiver would be refused the same way. The owner's lease returns it.
+            tracing::error!(operation = op.as_str(), id = %d.id(), "a delivery of another receiver reached this consumer; left to its owner");
+            return;
+        }
         let wait = self.backoff.failed();
         tracing::error!(operation = op.as_str(), error = %e, release_delay = ?wait,
             "settlement failed; the source message is released, not acknowledged");

@@ -133,6 +133,7 @@ pub fn attempt(headers: &Headers) -> u32 {
 
 /// A header was missing or unreadable.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum HeaderError {
     /// A required header is absent.
     #[error("header `{0}` is missing")]

@@ -44,6 +44,7 @@ pub mod batch;
 pub mod broker;
 pub mod classify;
 pub mod consumer;
+pub mod dead_letters;
 pub mod envelope;
 pub mod faults;
 pub mod headers;
@@ -57,13 +58,14 @@ pub mod telemetry;
 pub use batch::{Batch, BatchError};
 pub use broker::{
     Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, RawMessage, Receiver,
-    RetryRequest, Subscription,
+    ReceiverId, RetryRequest, Subscription,
 };
 pub use classify::{BoxError, Classifier, DecodeError, ErrorClass, Permanent, Poison, Transient};
 pub use consumer::{
     Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, Ordering, ShutdownReport, Stats,
     StatsSnapshot,
 };
+pub use dead_letters::{Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters};
 pub use envelope::{Aggregate, Envelope};
 pub use headers::{DeadLetter, DeadLetterReason, HeaderError, Origin};
 pub use inbox::{Claim, Duplicate, Inbox, InboxError, MemoryInbox};

@@ -184,6 +184,7 @@ pub struct RelayConfigError {
 
 /// Why one relay round did not publish everything it claimed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RelayError {
     /// The store failed (claim, mark or release).
     #[error(transparent)]
@@ -689,7 +690,10 @@ mod tests {
                 what: "subscribe",
             })
         }
-        async fn dead_letters(&self, _: &Subscription) -> Result<Box<dyn Receiver>, BrokerError> {
+        async fn dead_letters(
+            &self,
+            _: &Subscription,
+        ) -> Result<Box<dyn crate::DeadLetters>, BrokerError> {
             Err(BrokerError::Unsupported {
                 backend: "test",
                 what: "dead_letters",

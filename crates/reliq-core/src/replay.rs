@@ -3,9 +3,10 @@
 //!
 //! Dry-run first ([`Replay::dry_run`] lists what would move), then [`Replay::execute`].
 //! Each replayed copy keeps its message id, loses the failure headers (so it gets a fresh
-//! retry budget), and carries `reliq-replay-count` / `reliq-replayed-at`. The DLQ copy is
-//! acknowledged only after the replayed copy was confirmed; messages that do not match
-//! the filter are left in the DLQ. Every replayed id is logged on the `reliq::audit`
+//! retry budget), and carries `reliq-replay-count` / `reliq-replayed-at`. The DLQ is
+//! browsed without consuming it ([`crate::DeadLetters`]); an entry is removed only after
+//! its replayed copy was confirmed; entries that do not match the filter are never
+//! touched. Every replayed id is logged on the `reliq::audit`
 //! tracing target.
 //!
 //! ```no_run
@@ -23,14 +24,15 @@
 use std::collections::HashSet;
 use std::num::NonZeroU32;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use governor::{Quota, RateLimiter};
 
-use crate::broker::{Broker, BrokerError, Delivery, Destination, Subscription};
+use crate::broker::{Broker, BrokerError, Destination, Subscription};
 use crate::classify::ErrorClass;
+use crate::dead_letters::{Cursor, DeadLetters};
 use crate::headers::{self, DeadLetter, DeadLetterReason};
-use crate::message::MessageId;
+use crate::message::{Message, MessageId};
 use crate::telemetry::{self, Clock};
 
 /// Which dead letters to replay. Empty filter = all.
@@ -132,7 +134,6 @@ pub struct Replay {
     subscription: Subscription,
     filter: ReplayFilter,
     per_second: Option<NonZeroU32>,
-    idle: Duration,
     target: ReplayTarget,
     scan_max: u32,
 }
@@ -145,7 +146,6 @@ impl Replay {
             subscription,
             filter: ReplayFilter::default(),
             per_second: None,
-            idle: Duration::from_secs(2),
             target: ReplayTarget::Consumer,
             scan_max: 10_000,
         }
@@ -163,20 +163,14 @@ impl Replay {
         self
     }
 
-    /// The scan ends when the DLQ yields nothing for this long (default 2 s).
-    pub fn idle_timeout(mut self, idle: Duration) -> Self {
-        self.idle = idle;
-        self
-    }
-
     /// Where replayed messages go.
     pub fn target(mut self, target: ReplayTarget) -> Self {
         self.target = target;
         self
     }
 
-    /// Most dead letters one run reads (default 10,000); unmatched ones are held until
-    /// the scan ends, so this bounds the memory a run uses.
+    /// Most dead letters one run reads (default 10,000). The DLQ is browsed a page at a
+    /// time, so a run holds one page in memory whatever this is.
     pub fn scan_max(mut self, n: u32) -> Self {
         self.scan_max = n.max(1);
         self
@@ -193,9 +187,8 @@ impl Replay {
     }
 
     async fn run(self, dry_run: bool) -> Result<ReplayReport, BrokerError> {
-        let mut sub = self.subscription.clone();
-        sub.prefetch = self.scan_max;
-        let dlq = self.broker.dead_letters(&sub).await?;
+        let sub = &self.subscription;
+        let dlq = self.broker.dead_letters(sub).await?;
         let limiter = self
             .per_second
             .map(|n| RateLimiter::direct(Quota::per_second(n)));
@@ -203,83 +196,111 @@ impl Replay {
         let replayed_total =
             metrics::counter!(telemetry::REPLAYED, "consumer" => sub.consumer.clone());
         let mut report = ReplayReport::default();
-        let mut held: Vec<Delivery> = Vec::new();
         let limit = self.filter.limit.unwrap_or(usize::MAX);
-        while report.scanned < self.scan_max as usize && report.matched.len() < limit {
-            let d = match tokio::time::timeout(self.idle, dlq.receive()).await {
-                Err(_) | Ok(Err(BrokerError::Closed)) => break,
-                Ok(Err(e)) => {
-                    release_all(dlq.as_ref(), held).await;
-                    return Err(e);
+        let scan_max = self.scan_max as usize;
+        let mut cursor = Cursor::start();
+        'pages: while report.scanned < scan_max && report.matched.len() < limit {
+            let page = dlq
+                .browse(&cursor, PAGE.min(scan_max - report.scanned))
+                .await?;
+            // Replayed copies confirmed on this page; their DLQ entries are removed after
+            // the page (a crash in between leaves a replayed entry in the DLQ: a later
+            // replay sends it again, and the consumer's inbox absorbs it).
+            let mut confirmed = Vec::new();
+            for entry in &page.entries {
+                if report.matched.len() >= limit {
+                    break;
                 }
-                Ok(Ok(d)) => d,
-            };
-            report.scanned += 1;
-            let record = match DeadLetter::read(d.headers()) {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::warn!(message_id = %d.id(), error = %e, "dead letter without a readable record; left in place");
-                    report.unreadable += 1;
-                    held.push(d);
+                report.scanned += 1;
+                let record = match entry.record() {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::warn!(message_id = %entry.id(), error = %e, "dead letter without a readable record; left in place");
+                        report.unreadable += 1;
+                        continue;
+                    }
+                };
+                if !self.filter.matches(entry.id(), &record) {
                     continue;
                 }
-            };
-            if !self.filter.matches(d.id(), &record) {
-                held.push(d);
-                continue;
-            }
-            report.matched.push(ReplayEntry {
-                id: d.id().clone(),
-                record: record.clone(),
-            });
-            if dry_run {
-                held.push(d);
-                continue;
-            }
-            if let Some(l) = &limiter {
-                l.until_ready().await;
-            }
-            match self.republish(&sub, &d, &record, &clock).await {
-                Ok(()) => match dlq.ack(&d).await {
-                    Ok(()) => {
-                        tracing::info!(target: "reliq::audit", consumer = %sub.consumer, message_id = %d.id(),
-                            reason = %record.reason, "dead letter replayed");
-                        replayed_total.increment(1);
-                        report.replayed.push(d.id().clone());
-                    }
+                report.matched.push(ReplayEntry {
+                    id: entry.id().clone(),
+                    record: record.clone(),
+                });
+                if dry_run {
+                    continue;
+                }
+                if let Some(l) = &limiter {
+                    l.until_ready().await;
+                }
+                match self.republish(sub, &entry.message, &record, &clock).await {
+                    Ok(()) => confirmed.push(entry.id().clone()),
                     Err(e) => {
-                        // Replayed but still in the DLQ: a later replay would duplicate it
-                        // (the inbox absorbs that). Report it.
-                        tracing::warn!(target: "reliq::audit", message_id = %d.id(), error = %e,
-                            "replayed, but removing the DLQ copy failed");
-                        report.replayed.push(d.id().clone());
-                        report
-                            .failed
-                            .push((d.id().clone(), format!("dlq ack: {e}")));
+                        tracing::warn!(target: "reliq::audit", message_id = %entry.id(), error = %e, "replay publish failed; left in the DLQ");
+                        report.failed.push((entry.id().clone(), e.to_string()));
                     }
-                },
-                Err(e) => {
-                    tracing::warn!(target: "reliq::audit", message_id = %d.id(), error = %e, "replay publish failed; left in the DLQ");
-                    report.failed.push((d.id().clone(), e.to_string()));
-                    held.push(d);
                 }
             }
+            self.remove_replayed(dlq.as_ref(), confirmed, &mut report, &replayed_total)
+                .await;
+            if page.at_end || page.entries.is_empty() {
+                break 'pages;
+            }
+            cursor = page.next;
         }
-        release_all(dlq.as_ref(), held).await;
-        dlq.close().await?;
         tracing::info!(target: "reliq::audit", consumer = %sub.consumer, dry_run, scanned = report.scanned,
             matched = report.matched.len(), replayed = report.replayed.len(), failed = report.failed.len(), "replay finished");
         Ok(report)
     }
 
+    /// Remove the DLQ entries whose replayed copies were confirmed, and report them.
+    async fn remove_replayed(
+        &self,
+        dlq: &dyn DeadLetters,
+        confirmed: Vec<MessageId>,
+        report: &mut ReplayReport,
+        replayed_total: &metrics::Counter,
+    ) {
+        if confirmed.is_empty() {
+            return;
+        }
+        let consumer = &self.subscription.consumer;
+        let error = match dlq.remove(&confirmed).await {
+            Ok(removed) if removed.len() == confirmed.len() => None,
+            Ok(removed) => {
+                // Gone already (another replay or a purge removed them): still replayed.
+                tracing::warn!(target: "reliq::audit", consumer = %consumer,
+                    missing = confirmed.len() - removed.len(), "replayed dead letters were no longer in the DLQ");
+                None
+            }
+            Err(e) => Some(e),
+        };
+        for id in confirmed {
+            replayed_total.increment(1);
+            match &error {
+                None => {
+                    tracing::info!(target: "reliq::audit", consumer = %consumer, message_id = %id, "dead letter replayed")
+                }
+                Some(e) => {
+                    // Replayed but still in the DLQ: a later replay would duplicate it
+                    // (the inbox absorbs that). Report it.
+                    tracing::warn!(target: "reliq::audit", message_id = %id, error = %e,
+                        "replayed, but removing the DLQ copy failed");
+                    report.failed.push((id.clone(), format!("dlq remove: {e}")));
+                }
+            }
+            report.replayed.push(id);
+        }
+    }
+
     async fn republish(
         &self,
         sub: &Subscription,
-        d: &Delivery,
+        message: &Message,
         record: &DeadLetter,
         clock: &Clock,
     ) -> Result<(), BrokerError> {
-        let mut copy = d.message().clone();
+        let mut copy = message.clone();
         let h = copy.headers_mut();
         let count: u32 = h
             .get(headers::REPLAY_COUNT)
@@ -302,10 +323,5 @@ impl Replay {
     }
 }
 
-async fn release_all(dlq: &dyn crate::broker::Receiver, held: Vec<Delivery>) {
-    for d in held {
-        if let Err(e) = dlq.release(&d, Duration::ZERO).await {
-            tracing::warn!(message_id = %d.id(), error = %e, "releasing a dead letter failed; the broker returns it after its lease");
-        }
-    }
-}
+/// Entries read per browse.
+const PAGE: usize = 256;

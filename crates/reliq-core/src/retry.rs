@@ -67,6 +67,7 @@ pub enum FinalRoute {
 
 /// Invalid policy settings, caught when the policy is built.
 #[derive(Debug, thiserror::Error, PartialEq)]
+#[non_exhaustive]
 pub enum PolicyError {
     /// A delay is longer than [`MAX_DELAY`].
     #[error("retry.{field}: {delay:?} is longer than the 12 h maximum delay")]

@@ -111,6 +111,7 @@ pub const SOURCE_OFFSET_HEADER: &str = "reliq-kafka-source-offset";
 
 /// Errors of the Kafka backend (converted to [`BrokerError`] at the seam).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum KafkaError {
     /// A setting or the URL is invalid; names it.
     #[error("invalid Kafka setting `{field}`: {reason}")]
@@ -155,13 +156,13 @@ pub(crate) fn client_error(e: RdError, what: &str) -> BrokerError {
             BrokerError::Timeout(Duration::ZERO)
         }
         Some(RDKafkaErrorCode::QueueFull) => {
-            BrokerError::Rejected("producer buffer full (queue.buffering.max.messages)".into())
+            BrokerError::rejected("producer buffer full (queue.buffering.max.messages)")
         }
         Some(
             RDKafkaErrorCode::AllBrokersDown
             | RDKafkaErrorCode::BrokerTransportFailure
             | RDKafkaErrorCode::Resolve,
-        ) => BrokerError::Connection(e.to_string()),
+        ) => BrokerError::connection(e.to_string()),
         _ => BrokerError::Other(Box::new(KafkaError::Client(e))),
     }
 }
@@ -419,6 +420,16 @@ impl Broker for KafkaBroker {
     }
 
     async fn dead_letters(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
+        Ok(Box::new(reliq_core::dead_letters::ReceiverScan::new(
+            std::sync::Arc::new(self.clone()),
+            subscription.clone(),
+        )))
+    }
+
+    async fn dead_letter_receiver(
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError> {

@@ -16,7 +16,7 @@ use rdkafka::producer::Producer as _;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 use reliq_core::{
-    BrokerError, Clock, Delivery, DeliveryToken, Headers, Message, MessageId, Receiver,
+    BrokerError, Clock, Delivery, DeliveryToken, Headers, Message, MessageId, Receiver, ReceiverId,
     RetryRequest, Subscription,
 };
 use tokio::sync::mpsc;
@@ -97,25 +97,23 @@ const GENERATION_MASK: u64 = (1 << 22) - 1;
 const MAX_CLIENTS: usize = 256;
 
 impl TokenInfo {
-    fn token(self) -> DeliveryToken {
+    fn token(self, owner: ReceiverId) -> DeliveryToken {
         let lane = TOKEN_MARKER
             | (self.generation & GENERATION_MASK) << 40
             | (self.client as u64 & 0xff) << 32
             | u64::from(self.partition as u32);
-        DeliveryToken {
-            tag: self.offset as u64,
-            lane: lane as i64,
-            extra: None,
-        }
+        DeliveryToken::new(owner, self.offset as u64).with_lane(lane as i64)
     }
 
+    /// The record a delivery's token names (its receiver is checked at the seam,
+    /// [`Shared::check`]).
     fn of(d: &Delivery) -> Option<Self> {
         let t = d.token();
-        let lane = t.lane as u64;
-        (lane & TOKEN_MARKER != 0 && t.extra.is_none()).then_some(Self {
+        let lane = t.lane() as u64;
+        (lane & TOKEN_MARKER != 0).then_some(Self {
             client: ((lane >> 32) & 0xff) as usize,
             partition: lane as u32 as i32,
-            offset: t.tag as i64,
+            offset: t.tag() as i64,
             generation: (lane >> 40) & GENERATION_MASK,
         })
     }
@@ -322,6 +320,8 @@ impl Pass {
 }
 
 struct Shared {
+    /// Stamped on every delivery's token; settling checks it.
+    owner: ReceiverId,
     inner: Arc<Inner>,
     sub: Subscription,
     clients: Vec<Client>,
@@ -583,6 +583,7 @@ impl KafkaReceiver {
     ) -> Result<Self, BrokerError> {
         let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
+            owner: ReceiverId::next(),
             inner,
             sub: sub.clone(),
             clients,
@@ -1058,7 +1059,7 @@ impl Shared {
             },
         };
         let attempt = headers::attempt(decoded.message.headers());
-        let delivery = Delivery::new(decoded.message, attempt, origin, info.token());
+        let delivery = Delivery::new(decoded.message, attempt, origin, info.token(self.owner));
         (delivery, decoded.due)
     }
 
@@ -1069,7 +1070,11 @@ impl Shared {
             Record::Ready(d) => *d,
             Record::Polled(p) => {
                 let message = LazyRecord::new(p.message, p.owner);
-                Delivery::raw(Box::new(message), self.origin(p.info), p.info.token())
+                Delivery::raw(
+                    Box::new(message),
+                    self.origin(p.info),
+                    p.info.token(self.owner),
+                )
             }
         }
     }
@@ -1397,7 +1402,7 @@ impl Shared {
             retry.message,
             attempt,
             delivery.origin().clone(),
-            info.token(),
+            info.token(self.owner),
         );
         let mut s = lock(&self.state);
         if let Some(part) = s.parts.get_mut(&(info.client, info.partition))
@@ -1576,6 +1581,7 @@ impl Receiver for KafkaReceiver {
     }
 
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
+        delivery.token().check(self.shared.owner)?;
         self.shared.finish(delivery);
         Ok(())
     }
@@ -1583,15 +1589,20 @@ impl Receiver for KafkaReceiver {
     /// One lock for the batch; the offsets are committed with the poll thread's next
     /// service, like single acks.
     async fn ack_batch(&self, deliveries: &[Delivery]) -> Vec<(usize, BrokerError)> {
+        let mut failed = Vec::new();
         let mut s = lock(&self.shared.state);
-        for d in deliveries {
-            self.shared.finish_locked(&mut s, d);
+        for (i, d) in deliveries.iter().enumerate() {
+            match d.token().check(self.shared.owner) {
+                Ok(_) => self.shared.finish_locked(&mut s, d),
+                Err(e) => failed.push((i, e)),
+            }
         }
-        Vec::new()
+        failed
     }
 
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
         let shared = &self.shared;
+        delivery.token().check(shared.owner)?;
         if shared.clients.iter().any(|c| c.role == Role::DeadLetters) {
             return Err(BrokerError::Unsupported {
                 backend: "kafka",
@@ -1625,6 +1636,7 @@ impl Receiver for KafkaReceiver {
 
     async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {
         let shared = &self.shared;
+        delivery.token().check(shared.owner)?;
         if shared.clients.iter().any(|c| c.role == Role::DeadLetters) {
             return Err(BrokerError::Unsupported {
                 backend: "kafka",
@@ -1638,8 +1650,9 @@ impl Receiver for KafkaReceiver {
     }
 
     async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
+        delivery.token().check(self.shared.owner)?;
         let Some(info) = TokenInfo::of(delivery) else {
-            return Err(BrokerError::Rejected("not a Kafka delivery".into()));
+            return Err(BrokerError::ForeignDelivery);
         };
         {
             let mut s = lock(&self.shared.state);
@@ -1736,19 +1749,26 @@ mod tests {
             offset: 9_000_000_000,
             generation: GENERATION_MASK,
         };
-        let d = Delivery::new(Message::new("x"), 1, Origin::default(), info.token());
+        let owner = ReceiverId::next();
+        let d = Delivery::new(Message::new("x"), 1, Origin::default(), info.token(owner));
         assert_eq!(TokenInfo::of(&d), Some(info));
+        assert_eq!(d.token().receiver(), owner);
         let wrapped = TokenInfo {
             generation: GENERATION_MASK + 5,
             ..info
         };
-        let d = Delivery::new(Message::new("x"), 1, Origin::default(), wrapped.token());
+        let d = Delivery::new(
+            Message::new("x"),
+            1,
+            Origin::default(),
+            wrapped.token(owner),
+        );
         assert_eq!(TokenInfo::of(&d).map(|i| i.generation), Some(4));
         let foreign = Delivery::new(
             Message::new("x"),
             1,
             Origin::default(),
-            DeliveryToken::tag(7),
+            DeliveryToken::new(owner, 7),
         );
         assert_eq!(TokenInfo::of(&foreign), None, "not a Kafka delivery");
     }

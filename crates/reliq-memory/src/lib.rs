@@ -40,8 +40,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 use reliq_core::{
-    Broker, BrokerError, Capabilities, Clock, Delivery, DeliveryToken, Destination, Message,
-    Receiver, RetryRequest, Subscription,
+    Broker, BrokerError, Capabilities, Clock, Cursor, DeadLetterCount, DeadLetterEntry,
+    DeadLetterPage, DeadLetters, Delivery, DeliveryToken, Destination, Message, MessageId,
+    Receiver, ReceiverId, RetryRequest, Subscription,
 };
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -123,6 +124,7 @@ impl MemoryBroker {
         MemoryReceiver {
             queue,
             id: self.inner.next_receiver.fetch_add(1, Ordering::Relaxed),
+            owner: ReceiverId::next(),
             prefetch: sub.prefetch.max(1),
             lease: sub.lease,
             consumer: sub.consumer.clone(),
@@ -194,13 +196,13 @@ impl Broker for MemoryBroker {
     async fn dead_letters(
         &self,
         subscription: &Subscription,
-    ) -> Result<Box<dyn Receiver>, BrokerError> {
+    ) -> Result<Box<dyn DeadLetters>, BrokerError> {
         let group = self.group(subscription);
         let dlq = group.dlq.clone().ok_or(BrokerError::Unsupported {
             backend: "memory",
             what: "dead letters of a dead-letter queue",
         })?;
-        Ok(Box::new(self.receiver(dlq, subscription)))
+        Ok(Box::new(MemoryDeadLetters { dlq }))
     }
 
     async fn send_to_consumer(
@@ -262,6 +264,8 @@ struct Entry {
     message: Message,
     route: Option<String>,
     deliveries: u32,
+    /// Position in its queue, set when pushed (a dead-letter browse cursor).
+    seq: u64,
 }
 
 impl Entry {
@@ -270,6 +274,7 @@ impl Entry {
             message,
             route,
             deliveries: 0,
+            seq: 0,
         }
     }
 }
@@ -364,15 +369,20 @@ impl Queue {
         }
     }
 
-    fn push(&self, entry: Entry) {
-        self.lock().ready.push_back(entry);
+    fn push(&self, mut entry: Entry) {
+        {
+            let mut s = self.lock();
+            s.next_seq += 1;
+            entry.seq = s.next_seq;
+            s.ready.push_back(entry);
+        }
         self.notify.notify_waiters();
     }
 
     /// Put a dead letter on this (dead-letter) queue, if it is available.
     fn push_dead(&self, message: Message) -> Result<(), BrokerError> {
         if !self.available.load(Ordering::SeqCst) {
-            return Err(BrokerError::Rejected(format!(
+            return Err(BrokerError::rejected(format!(
                 "dead-letter queue `{}` is unavailable",
                 self.name
             )));
@@ -405,9 +415,89 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A consumer's dead-letter queue, read in place: entries stay in the queue in the order
+/// they arrived; the cursor is the position of the last entry read.
+struct MemoryDeadLetters {
+    dlq: Arc<Queue>,
+}
+
+impl MemoryDeadLetters {
+    fn entry(e: &Entry) -> DeadLetterEntry {
+        DeadLetterEntry {
+            message: e.message.clone(),
+            position: format!("position {}", e.seq),
+        }
+    }
+}
+
+#[async_trait]
+impl DeadLetters for MemoryDeadLetters {
+    async fn browse(&self, from: &Cursor, max: usize) -> Result<DeadLetterPage, BrokerError> {
+        let after: u64 = match from.as_str() {
+            None => 0,
+            Some(text) => text.parse().map_err(|_| BrokerError::Config {
+                field: "cursor".into(),
+                reason: format!("`{text}` is not a memory dead-letter cursor (a position)"),
+            })?,
+        };
+        let s = self.dlq.lock();
+        let mut entries = Vec::new();
+        let mut last = after;
+        let mut at_end = true;
+        for e in s.ready.iter().filter(|e| e.seq > after) {
+            if entries.len() == max {
+                at_end = false;
+                break;
+            }
+            entries.push(Self::entry(e));
+            last = e.seq;
+        }
+        Ok(DeadLetterPage {
+            entries,
+            next: Cursor::from(last.to_string()),
+            at_end,
+        })
+    }
+
+    async fn get(&self, id: &MessageId) -> Result<Option<DeadLetterEntry>, BrokerError> {
+        let s = self.dlq.lock();
+        Ok(s.ready
+            .iter()
+            .find(|e| e.message.id() == id)
+            .map(Self::entry))
+    }
+
+    async fn remove(&self, ids: &[MessageId]) -> Result<Vec<MessageId>, BrokerError> {
+        let mut wanted = reliq_core::dead_letters::IdCounts::new(ids);
+        let mut s = self.dlq.lock();
+        let mut removed = Vec::new();
+        s.ready.retain(|e| {
+            let take = wanted.take(e.message.id());
+            if take {
+                removed.push(e.message.id().clone());
+            }
+            !take
+        });
+        Ok(removed)
+    }
+
+    async fn count(&self) -> Result<DeadLetterCount, BrokerError> {
+        let s = self.dlq.lock();
+        let mut count = DeadLetterCount {
+            count: s.ready.len() as u64,
+            oldest_dead_lettered_at: None,
+        };
+        for e in &s.ready {
+            count.note(e.message.headers());
+        }
+        Ok(count)
+    }
+}
+
 struct MemoryReceiver {
     queue: Arc<Queue>,
     id: u64,
+    owner: ReceiverId,
     prefetch: u32,
     lease: Duration,
     consumer: String,
@@ -415,9 +505,14 @@ struct MemoryReceiver {
 }
 
 impl MemoryReceiver {
+    /// The queue's tag of `d`, if this receiver handed it out.
+    fn tag(&self, d: &Delivery) -> Result<u64, BrokerError> {
+        Ok(d.token().check(self.owner)?.tag())
+    }
+
     fn take(&self, s: &mut QueueState, tag: u64) -> Result<Unacked, BrokerError> {
         let u = s.unacked.remove(&tag).ok_or_else(|| {
-            BrokerError::Rejected(format!(
+            BrokerError::rejected(format!(
                 "delivery {tag} on `{}` is unknown or already settled (lease expired?)",
                 self.queue.name
             ))
@@ -466,6 +561,7 @@ impl MemoryReceiver {
                     message: u.delivery.message().clone(),
                     route: u.route,
                     deliveries: u.deliveries,
+                    seq: 0,
                 });
             }
         }
@@ -525,7 +621,7 @@ impl MemoryReceiver {
                     route: entry.route.clone(),
                     ..Origin::default()
                 },
-                DeliveryToken::tag(tag),
+                DeliveryToken::new(self.owner, tag),
             );
             let lease_until = now + self.lease;
             if s.next_lease_due.is_none_or(|due| lease_until < due) {
@@ -590,7 +686,7 @@ impl Receiver for MemoryReceiver {
     }
 
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
-        self.take(&mut self.queue.lock(), delivery.token().tag)?;
+        self.take(&mut self.queue.lock(), self.tag(delivery)?)?;
         self.queue.notify.notify_waiters();
         Ok(())
     }
@@ -600,7 +696,10 @@ impl Receiver for MemoryReceiver {
         let failed: Vec<(usize, BrokerError)> = {
             let mut s = self.queue.lock();
             (deliveries.iter().enumerate())
-                .filter_map(|(i, d)| self.take(&mut s, d.token().tag).err().map(|e| (i, e)))
+                .filter_map(|(i, d)| {
+                    let taken = self.tag(d).and_then(|tag| self.take(&mut s, tag));
+                    taken.err().map(|e| (i, e))
+                })
                 .collect()
         };
         self.queue.notify.notify_waiters();
@@ -609,14 +708,14 @@ impl Receiver for MemoryReceiver {
 
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
         if !self.queue.retry_available.load(Ordering::SeqCst) {
-            return Err(BrokerError::Rejected(format!(
+            return Err(BrokerError::rejected(format!(
                 "retry route of `{}` is unavailable",
                 self.queue.name
             )));
         }
         {
             let mut s = self.queue.lock();
-            let u = self.take(&mut s, delivery.token().tag)?;
+            let u = self.take(&mut s, self.tag(delivery)?)?;
             let seq = s.next_seq;
             s.next_seq += 1;
             s.delayed.push(Reverse(Delayed {
@@ -636,15 +735,15 @@ impl Receiver for MemoryReceiver {
         })?;
         {
             let s = self.queue.lock();
-            if !s.unacked.contains_key(&delivery.token().tag) {
-                return Err(BrokerError::Rejected(
-                    "delivery is unknown or already settled".into(),
+            if !s.unacked.contains_key(&self.tag(delivery)?) {
+                return Err(BrokerError::rejected(
+                    "delivery is unknown or already settled",
                 ));
             }
         }
         // Confirmed copy first, then settle the source.
         dlq.push_dead(dead)?;
-        self.take(&mut self.queue.lock(), delivery.token().tag)?;
+        self.take(&mut self.queue.lock(), self.tag(delivery)?)?;
         self.queue.notify.notify_waiters();
         Ok(())
     }
@@ -652,11 +751,12 @@ impl Receiver for MemoryReceiver {
     async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
         {
             let mut s = self.queue.lock();
-            let u = self.take(&mut s, delivery.token().tag)?;
+            let u = self.take(&mut s, self.tag(delivery)?)?;
             let entry = Entry {
                 message: u.delivery.message().clone(),
                 route: u.route,
                 deliveries: u.deliveries,
+                seq: 0,
             };
             if delay.is_zero() {
                 s.ready.push_front(entry);
@@ -693,6 +793,7 @@ impl Drop for MemoryReceiver {
                     message: u.delivery.message().clone(),
                     route: u.route,
                     deliveries: u.deliveries,
+                    seq: 0,
                 });
             }
         }

@@ -40,7 +40,7 @@ use futures::{FutureExt, StreamExt};
 use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 use reliq_core::{
     Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, Headers, Message,
-    MessageId, Receiver, RetryRequest, Subscription,
+    MessageId, Receiver, ReceiverId, RetryRequest, Subscription,
 };
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -188,7 +188,7 @@ fn other(e: impl std::error::Error + Send + Sync + 'static) -> BrokerError {
 }
 
 fn connection(e: impl std::fmt::Display) -> BrokerError {
-    BrokerError::Connection(e.to_string())
+    BrokerError::connection(e.to_string())
 }
 
 impl NatsBroker {
@@ -238,7 +238,7 @@ impl NatsBroker {
         let client = connect
             .connect(address.as_str())
             .await
-            .map_err(|e| BrokerError::Connection(format!("NATS at {}: {e}", redact(&address))))?;
+            .map_err(|e| BrokerError::connection(format!("NATS at {}: {e}", redact(&address))))?;
         let js = jetstream::new(client.clone());
         Ok(Self {
             inner: Arc::new(Inner {
@@ -332,7 +332,7 @@ impl NatsBroker {
                 }
                 jetstream::context::PublishErrorKind::TimedOut => BrokerError::Timeout(timeout),
                 jetstream::context::PublishErrorKind::BrokenPipe => connection(e),
-                _ => BrokerError::Rejected(e.to_string()),
+                _ => BrokerError::rejected(e.to_string()),
             }),
         }
     }
@@ -425,6 +425,7 @@ impl NatsBroker {
         sub: &Subscription,
     ) -> NatsReceiver {
         NatsReceiver {
+            owner: ReceiverId::next(),
             broker: self.clone(),
             sub: sub.clone(),
             consumer,
@@ -555,6 +556,16 @@ impl Broker for NatsBroker {
     async fn dead_letters(
         &self,
         subscription: &Subscription,
+    ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
+        Ok(Box::new(reliq_core::dead_letters::ReceiverScan::new(
+            std::sync::Arc::new(self.clone()),
+            subscription.clone(),
+        )))
+    }
+
+    async fn dead_letter_receiver(
+        &self,
+        subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError> {
         self.declare_dead_letters(subscription).await?;
         let stream = self
@@ -564,6 +575,7 @@ impl Broker for NatsBroker {
             .await
             .map_err(other)?;
         Ok(Box::new(DeadLetterReader {
+            owner: ReceiverId::next(),
             stream,
             next: AtomicU64::new(1),
             cursor: tokio::sync::Mutex::new(()),
@@ -587,6 +599,8 @@ struct NatsToken {
 /// exceed the prefetch bound. Delayed retries (naked with a delay) wait on the server and
 /// do not count against it.
 struct NatsReceiver {
+    /// Stamped on every delivery's token; settling checks it.
+    owner: ReceiverId,
     broker: NatsBroker,
     sub: Subscription,
     consumer: jetstream::consumer::Consumer<pull::Config>,
@@ -599,10 +613,9 @@ struct NatsReceiver {
 impl NatsReceiver {
     fn token<'d>(&self, d: &'d Delivery) -> Result<&'d NatsToken, BrokerError> {
         d.token()
-            .extra
-            .as_ref()
-            .and_then(|e| e.downcast_ref::<NatsToken>())
-            .ok_or_else(|| BrokerError::Rejected("not a NATS delivery".into()))
+            .check(self.owner)?
+            .extra::<NatsToken>()
+            .ok_or(BrokerError::ForeignDelivery)
     }
 
     async fn settle(&self, d: &Delivery, kind: AckKind) -> Result<(), BrokerError> {
@@ -661,7 +674,7 @@ impl NatsReceiver {
     fn convert(&self, msg: jetstream::Message) -> Result<Delivery, BrokerError> {
         let info = msg
             .info()
-            .map_err(|e| BrokerError::Rejected(e.to_string()))?;
+            .map_err(|e| BrokerError::rejected(e.to_string()))?;
         let attempt = u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX);
         let seq = info.stream_sequence;
         let stream = info.stream.to_owned();
@@ -694,16 +707,12 @@ impl NatsReceiver {
             sequence: Some(seq),
             ..Origin::default()
         };
-        let token = DeliveryToken {
-            tag: seq,
-            lane: 0,
-            extra: Some(Box::new(NatsToken {
-                acker,
-                reply,
-                settled,
-                stream_sequence: seq,
-            })),
-        };
+        let token = DeliveryToken::new(self.owner, seq).with_extra(NatsToken {
+            acker,
+            reply,
+            settled,
+            stream_sequence: seq,
+        });
         Ok(Delivery::with_published_at(
             reliq_message,
             attempt,
@@ -787,8 +796,8 @@ impl Receiver for NatsReceiver {
         if let Some(faults) = &self.broker.inner.options.faults
             && faults.retry_broken(&self.sub.consumer)
         {
-            return Err(BrokerError::Connection(
-                "retry route broken (fault injection)".into(),
+            return Err(BrokerError::connection(
+                "retry route broken (fault injection)",
             ));
         }
         self.settle(delivery, AckKind::Nak(Some(retry.delay))).await
@@ -837,6 +846,7 @@ impl Drop for NatsReceiver {
 /// letter from the stream; `release` leaves it where it is (the cursor moves on), so a
 /// dry run or a filtered replay never disturbs what it does not take.
 struct DeadLetterReader {
+    owner: ReceiverId,
     stream: jetstream::stream::Stream,
     next: AtomicU64,
     cursor: tokio::sync::Mutex<()>,
@@ -880,7 +890,7 @@ impl Receiver for DeadLetterReader {
                 message,
                 attempt,
                 origin,
-                DeliveryToken::tag(seq),
+                DeliveryToken::new(self.owner, seq),
                 raw.time.into(),
             ));
         }
@@ -888,7 +898,7 @@ impl Receiver for DeadLetterReader {
 
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
         self.stream
-            .delete_message(delivery.token().tag)
+            .delete_message(delivery.token().check(self.owner)?.tag())
             .await
             .map_err(other)?;
         Ok(())

@@ -94,6 +94,7 @@ pub const MIGRATIONS_TABLE: &str = "_reliq_migrations";
 
 /// Errors of the PostgreSQL stores.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A query failed.
     #[error("postgres: {0}")]

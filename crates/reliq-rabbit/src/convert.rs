@@ -29,7 +29,7 @@ pub(crate) fn properties(message: &Message) -> Result<BasicProperties, BrokerErr
     let mut table = FieldTable::default();
     let mut put = |name: &str, value: &str| -> Result<(), BrokerError> {
         let key = ShortString::try_new(name).map_err(|_| {
-            BrokerError::Rejected(format!(
+            BrokerError::rejected(format!(
                 "header name `{}…` is longer than 255 bytes",
                 name.chars().take(40).collect::<String>()
             ))

@@ -115,7 +115,7 @@ use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use reliq_core::headers::{self, Origin};
 use reliq_core::{
     Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, Message, Receiver,
-    RetryRequest, Subscription,
+    ReceiverId, RetryRequest, Subscription,
 };
 use tokio::sync::Mutex;
 
@@ -243,6 +243,7 @@ impl Default for RabbitOptions {
 
 /// Errors of this crate (converted into [`BrokerError`] at the seam).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RabbitError {
     /// Declaring an exchange or queue failed.
     #[error("declaring `{object}` failed: {source}")]
@@ -310,7 +311,7 @@ impl From<RabbitError> for BrokerError {
                     | lapin::ErrorKind::MissingHeartbeatError
             )
         {
-            BrokerError::Connection(e.to_string())
+            BrokerError::connection(e.to_string())
         } else {
             BrokerError::Other(Box::new(e))
         }
@@ -383,7 +384,7 @@ impl Inner {
                 Err(e) => {
                     failures += 1;
                     if failures >= self.opts.reconnect.max_failures.max(1) {
-                        return Err(BrokerError::Connection(format!(
+                        return Err(BrokerError::connection(format!(
                             "could not connect to RabbitMQ after {failures} attempts: {e}"
                         )));
                     }
@@ -534,11 +535,11 @@ impl Inner {
                 "{what} (basic.return {} {})",
                 returned.reply_code, returned.reply_text
             ))),
-            Confirmation::Nack(_) => Err(BrokerError::Rejected(format!(
+            Confirmation::Nack(_) => Err(BrokerError::rejected(format!(
                 "RabbitMQ nacked the publish to {what} (queue full with overflow=reject-publish, or an internal error)"
             ))),
-            Confirmation::NotRequested => Err(BrokerError::Rejected(
-                "publisher confirms are not enabled on the channel".into(),
+            Confirmation::NotRequested => Err(BrokerError::rejected(
+                "publisher confirms are not enabled on the channel",
             )),
         }
     }
@@ -644,7 +645,7 @@ impl RabbitBroker {
         let conn = inner
             .connect_once()
             .await
-            .map_err(|e| BrokerError::Connection(format!("connecting to RabbitMQ failed: {e}")))?;
+            .map_err(|e| BrokerError::connection(format!("connecting to RabbitMQ failed: {e}")))?;
         *inner.conn.lock().await = Some(Arc::new(conn));
         Ok(Self { inner })
     }
@@ -727,6 +728,7 @@ impl RabbitBroker {
             names,
             live: Mutex::new(None),
             settle: Arc::new(StdMutex::new(None)),
+            owner: ReceiverId::next(),
             generation: AtomicU64::new(0),
             closed: AtomicBool::new(false),
         };
@@ -780,6 +782,16 @@ impl Broker for RabbitBroker {
     async fn dead_letters(
         &self,
         subscription: &Subscription,
+    ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
+        Ok(Box::new(reliq_core::dead_letters::ReceiverScan::new(
+            std::sync::Arc::new(self.clone()),
+            subscription.clone(),
+        )))
+    }
+
+    async fn dead_letter_receiver(
+        &self,
+        subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError> {
         self.receiver(subscription, Role::Parking).await
     }
@@ -813,6 +825,8 @@ type SettleChannel = Arc<StdMutex<Option<(Channel, u64)>>>;
 
 /// A receiver: one channel, `basic.qos(prefetch)`, `basic.consume` with manual ack.
 struct RabbitReceiver {
+    /// Stamped on every delivery's token; settling checks it.
+    owner: ReceiverId,
     inner: Arc<Inner>,
     sub: Subscription,
     role: Role,
@@ -927,32 +941,30 @@ impl RabbitReceiver {
             message,
             attempt,
             origin,
-            DeliveryToken {
-                tag: d.delivery_tag,
-                lane: i64::try_from(generation).unwrap_or(i64::MAX),
-                extra: None,
-            },
+            DeliveryToken::new(self.owner, d.delivery_tag)
+                .with_lane(i64::try_from(generation).unwrap_or(i64::MAX)),
         )
     }
 
     /// The channel `delivery` came on, if it is still open.
     fn channel_of(&self, delivery: &Delivery) -> Result<Channel, BrokerError> {
+        let token = delivery.token().check(self.owner)?;
         let guard = self.settle.lock().unwrap_or_else(|p| p.into_inner());
         match guard.as_ref() {
             Some((ch, generation))
-                if i64::try_from(*generation).ok() == Some(delivery.token().lane)
+                if i64::try_from(*generation).ok() == Some(token.lane())
                     && ch.status().connected() =>
             {
                 Ok(ch.clone())
             }
-            _ => Err(BrokerError::Connection(
-                "the channel this delivery came on is closed; RabbitMQ delivers it again".into(),
+            _ => Err(BrokerError::connection(
+                "the channel this delivery came on is closed; RabbitMQ delivers it again",
             )),
         }
     }
 
     async fn ack_on(&self, ch: &Channel, delivery: &Delivery) -> Result<(), BrokerError> {
-        ch.basic_ack(delivery.token().tag, BasicAckOptions::default())
+        ch.basic_ack(delivery.token().tag(), BasicAckOptions::default())
             .await
             .map_err(|e| RabbitError::client("basic.ack", e))
     }
@@ -990,7 +1002,7 @@ impl Receiver for RabbitReceiver {
                     Err(e) => {
                         failures += 1;
                         if failures >= self.inner.opts.reconnect.max_failures.max(1) {
-                            return Err(BrokerError::Connection(format!(
+                            return Err(BrokerError::connection(format!(
                                 "gave up resuming the consumer of `{}` after {failures} attempts: {e}",
                                 self.queue()
                             )));
@@ -1072,7 +1084,7 @@ impl Receiver for RabbitReceiver {
 
     async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
         let ch = self.channel_of(delivery)?;
-        let tag = delivery.token().tag;
+        let tag = delivery.token().tag();
         let nack = BasicNackOptions {
             requeue: true,
             ..BasicNackOptions::default()

@@ -150,19 +150,19 @@ impl Management {
             if e.is_timeout() {
                 BrokerError::Timeout(REQUEST_TIMEOUT)
             } else {
-                BrokerError::Connection(format!("management API: {e}"))
+                BrokerError::connection(format!("management API: {e}"))
             }
         })?;
         let status = resp.status();
         let text = resp
             .text()
             .await
-            .map_err(|e| BrokerError::Connection(format!("management API: {e}")))?;
+            .map_err(|e| BrokerError::connection(format!("management API: {e}")))?;
         Ok((status, text))
     }
 
     fn refused(method: &str, path: &str, status: StatusCode, body: &str) -> BrokerError {
-        BrokerError::Rejected(format!(
+        BrokerError::rejected(format!(
             "management API {method} {path}: HTTP {status}: {}",
             body.chars().take(200).collect::<String>()
         ))
@@ -252,7 +252,7 @@ impl Management {
         v.get("rabbitmq_version")
             .and_then(|v| v.as_str())
             .map(str::to_owned)
-            .ok_or_else(|| BrokerError::Rejected("no rabbitmq_version in /api/overview".into()))
+            .ok_or_else(|| BrokerError::rejected("no rabbitmq_version in /api/overview"))
     }
 
     /// One queue's counters and settings (`/api/queues/<vhost>/<name>`), as JSON; its

@@ -99,6 +99,7 @@ pub const MIGRATIONS_TABLE: &str = "_reliq_migrations";
 
 /// Errors of the SQLite stores.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A query failed.
     #[error("sqlite: {0}")]

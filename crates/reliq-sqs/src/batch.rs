@@ -54,10 +54,10 @@ impl<E: Send + 'static> Batcher<E> {
                 size,
                 done,
             })
-            .map_err(|_| BrokerError::Connection("the SQS batcher stopped".into()))?;
+            .map_err(|_| BrokerError::connection("the SQS batcher stopped"))?;
         result
             .await
-            .map_err(|_| BrokerError::Connection("the SQS batcher dropped a request".into()))?
+            .map_err(|_| BrokerError::connection("the SQS batcher dropped a request"))?
     }
 }
 
@@ -162,9 +162,9 @@ fn per_entry(
 fn clone_kind(e: &BrokerError, text: String) -> BrokerError {
     match e {
         BrokerError::Unroutable(_) => BrokerError::Unroutable(text),
-        BrokerError::Connection(_) => BrokerError::Connection(text),
+        BrokerError::Connection { .. } => BrokerError::connection(text),
         BrokerError::Timeout(d) => BrokerError::Timeout(*d),
-        _ => BrokerError::Rejected(text),
+        _ => BrokerError::rejected(text),
     }
 }
 
@@ -215,7 +215,7 @@ pub(crate) fn sends(client: aws_sdk_sqs::Client, window: Duration) -> Batcher<En
 /// Every entry of a batch that could not even be built fails with the same error.
 fn all_rejected(n: usize, err: &impl std::fmt::Display) -> Vec<Result<(), BrokerError>> {
     (0..n)
-        .map(|_| Err(BrokerError::Rejected(err.to_string())))
+        .map(|_| Err(BrokerError::rejected(err.to_string())))
         .collect()
 }
 
@@ -310,12 +310,12 @@ mod tests {
         let results = per_entry(
             2,
             "DeleteMessageBatch",
-            Err(BrokerError::Connection("reset".into())),
+            Err(BrokerError::connection("reset")),
         );
         assert!(
             results
                 .iter()
-                .all(|r| matches!(r, Err(BrokerError::Connection(t)) if t.contains("reset")))
+                .all(|r| matches!(r, Err(BrokerError::Connection { context, .. }) if context.contains("reset")))
         );
         Ok(())
     }

@@ -66,6 +66,7 @@ pub const MAX_VISIBILITY: Duration = Duration::from_secs(12 * 60 * 60);
 
 /// Errors of the SQS backend (carried inside [`BrokerError`]).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum SqsError {
     /// SQS answered with an error.
     #[error("SQS {operation} failed: {code}: {message}")]
@@ -188,7 +189,7 @@ where
             }))
         }
         SdkError::DispatchFailure(_) | SdkError::TimeoutError(_) | SdkError::ResponseError(_) => {
-            BrokerError::Connection(format!("SQS {operation}: {}", DisplayErrorContext(&e)))
+            BrokerError::connection(format!("SQS {operation}: {}", DisplayErrorContext(&e)))
         }
         _ => BrokerError::Other(Box::new(e)),
     }
@@ -810,6 +811,16 @@ impl Broker for SqsBroker {
     }
 
     async fn dead_letters(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
+        Ok(Box::new(reliq_core::dead_letters::ReceiverScan::new(
+            std::sync::Arc::new(self.clone()),
+            subscription.clone(),
+        )))
+    }
+
+    async fn dead_letter_receiver(
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError> {

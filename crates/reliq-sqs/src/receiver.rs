@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use aws_sdk_sqs::types::MessageSystemAttributeName;
 use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 use reliq_core::{
-    BrokerError, Delivery, DeliveryToken, Message, Receiver, RetryRequest, Subscription,
+    BrokerError, Delivery, DeliveryToken, Message, Receiver, ReceiverId, RetryRequest, Subscription,
 };
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -67,15 +67,16 @@ impl Drop for SqsToken {
     }
 }
 
+/// The SQS part of a delivery's token (its receiver is checked at the seam).
 fn token(d: &Delivery) -> Result<&SqsToken, BrokerError> {
     d.token()
-        .extra
-        .as_ref()
-        .and_then(|e| e.downcast_ref::<SqsToken>())
-        .ok_or_else(|| BrokerError::Rejected("not an SQS delivery".into()))
+        .extra::<SqsToken>()
+        .ok_or(BrokerError::ForeignDelivery)
 }
 
 struct Shared {
+    /// Stamped on every delivery's token; settling checks it.
+    owner: ReceiverId,
     broker: SqsBroker,
     sub: Subscription,
     declared: Declared,
@@ -123,17 +124,13 @@ impl Shared {
             route: decoded.route,
             ..Origin::default()
         };
-        let token = DeliveryToken {
-            tag: 0,
-            lane: 0,
-            extra: Some(Box::new(SqsToken {
-                receipt,
-                group,
-                lease,
-                done: AtomicBool::new(false),
-                counter: self.counter.clone(),
-            })),
-        };
+        let token = DeliveryToken::new(self.owner, 0).with_extra(SqsToken {
+            receipt,
+            group,
+            lease,
+            done: AtomicBool::new(false),
+            counter: self.counter.clone(),
+        });
         Some(match sent {
             Some(sent) => {
                 Delivery::with_published_at(decoded.message, attempt, origin, token, sent)
@@ -406,6 +403,7 @@ pub(crate) struct SqsReceiver {
 impl SqsReceiver {
     pub(crate) fn start(broker: SqsBroker, sub: Subscription, declared: Declared) -> Self {
         let shared = Arc::new(Shared {
+            owner: ReceiverId::next(),
             broker,
             sub,
             declared,
@@ -486,6 +484,7 @@ impl Receiver for SqsReceiver {
     }
 
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
+        delivery.token().check(self.shared.owner)?;
         let t = token(delivery)?;
         let _guard = t.stop_extending().await;
         let result = self
@@ -504,10 +503,11 @@ impl Receiver for SqsReceiver {
     }
 
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
+        delivery.token().check(self.shared.owner)?;
         let t = token(delivery)?;
         if self.retry_broken() {
-            return Err(BrokerError::Connection(
-                "retry route broken (fault injection)".into(),
+            return Err(BrokerError::connection(
+                "retry route broken (fault injection)",
             ));
         }
         let _guard = t.stop_extending().await;
@@ -520,6 +520,7 @@ impl Receiver for SqsReceiver {
     }
 
     async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {
+        delivery.token().check(self.shared.owner)?;
         let t = token(delivery)?;
         let encoded = codec::encode(&dead, delivery.origin().route.as_deref())?;
         // The copy is confirmed before the source is deleted.
@@ -546,6 +547,7 @@ impl Receiver for SqsReceiver {
     }
 
     async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
+        delivery.token().check(self.shared.owner)?;
         let t = token(delivery)?;
         let _guard = t.stop_extending().await;
         let result = self
@@ -577,6 +579,7 @@ impl Drop for SqsReceiver {
 /// as `max-deliveries` with `attempts` = the delivery limit (the redrive policy moves a
 /// message once it was received `maxReceiveCount` times).
 pub(crate) struct DeadLetterReader {
+    owner: ReceiverId,
     broker: SqsBroker,
     sub: Subscription,
     url: String,
@@ -587,6 +590,7 @@ pub(crate) struct DeadLetterReader {
 impl DeadLetterReader {
     pub(crate) fn new(broker: SqsBroker, sub: Subscription, url: String) -> Self {
         Self {
+            owner: ReceiverId::next(),
             broker,
             sub,
             url,
@@ -634,24 +638,19 @@ impl DeadLetterReader {
             .into(),
             ..Origin::default()
         };
-        let token = DeliveryToken {
-            tag: 0,
-            lane: 0,
-            extra: Some(Box::new(receipt)),
-        };
+        let token = DeliveryToken::new(self.owner, 0).with_extra(receipt);
         Some(match sent {
             Some(sent) => Delivery::with_published_at(message, attempt, origin, token, sent),
             None => Delivery::new(message, attempt, origin, token),
         })
     }
 
-    fn receipt(d: &Delivery) -> Result<&str, BrokerError> {
+    fn receipt<'d>(&self, d: &'d Delivery) -> Result<&'d str, BrokerError> {
         d.token()
-            .extra
-            .as_ref()
-            .and_then(|e| e.downcast_ref::<String>())
+            .check(self.owner)?
+            .extra::<String>()
             .map(String::as_str)
-            .ok_or_else(|| BrokerError::Rejected("not an SQS dead letter".into()))
+            .ok_or(BrokerError::ForeignDelivery)
     }
 }
 
@@ -692,7 +691,7 @@ impl Receiver for DeadLetterReader {
             .client
             .delete_message()
             .queue_url(&self.url)
-            .receipt_handle(Self::receipt(delivery)?)
+            .receipt_handle(self.receipt(delivery)?)
             .send()
             .await
             .map_err(|e| sdk_error("DeleteMessage", e))?;
@@ -717,7 +716,7 @@ impl Receiver for DeadLetterReader {
         change_visibility(
             &self.broker,
             &self.url,
-            Self::receipt(delivery)?,
+            self.receipt(delivery)?,
             whole_seconds(delay),
         )
         .await

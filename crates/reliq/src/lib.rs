@@ -71,6 +71,7 @@ pub use reliq_sqs as sqs;
 
 /// `connect` could not hand back a broker.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConnectError {
     /// The URL has no `scheme://`.
     #[error(
