@@ -3,6 +3,9 @@
 //! validation that names the bad setting, the metrics contract, a backend breaking the
 //! `receive_batch` contract, batch handlers, and the acks of deliveries handled together.
 
+// Test code: a failed unwrap is a failed test, in helpers as in #[test] functions.
+#![allow(clippy::unwrap_used)]
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
