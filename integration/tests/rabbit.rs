@@ -408,7 +408,7 @@ async fn broker_dead_letter_is_read_as_max_deliveries_and_plan_matches_version()
 
     let version = broker.server_version().await.context("management API")?;
     let plan = broker.plan(&s).await;
-    let apply_to = if reliq_rabbit::topology::knows_quorum_apply_to(&version) {
+    let apply_to = if reliq_rabbit::knows_quorum_apply_to(&version) {
         "--apply-to quorum_queues"
     } else {
         "--apply-to queues"
@@ -574,7 +574,7 @@ async fn policies_carry_the_settings_and_change_without_recreating_the_queue() -
     let policy = api
         .get(&format!("/api/policies/%2F/reliq-{}", names.queue))
         .await?;
-    let apply_to = if reliq_rabbit::topology::knows_quorum_apply_to(&version) {
+    let apply_to = if reliq_rabbit::knows_quorum_apply_to(&version) {
         "quorum_queues"
     } else {
         "queues"
