@@ -12,10 +12,11 @@ use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription};
 use tokio::sync::Mutex;
 
+use crate::dead_letters::RabbitDeadLetters;
 use crate::error::reply_code;
 use crate::management::Management;
 use crate::names::{Names, short};
-use crate::receiver::{RabbitReceiver, Role};
+use crate::receiver::RabbitReceiver;
 use crate::{QueueSettings, QueueType, RabbitError, RabbitOptions, codec, topology};
 
 /// Where a publish goes, for error messages (formatted only when one is needed).
@@ -380,10 +381,11 @@ impl RabbitBroker {
         Ok(())
     }
 
-    /// Declare only `sub`'s parking queue (e.g. to restore a deleted one).
+    /// Declare only `sub`'s dead-letter objects: the stream, its removal ledger and the
+    /// landing queue (e.g. to restore a deleted stream).
     pub async fn declare_dead_letter_queue(&self, sub: &Subscription) -> Result<(), BrokerError> {
         let ch = self.inner.channel().await?;
-        topology::declare_parking(&ch, sub, &self.inner.opts, &self.inner.store).await?;
+        topology::declare_dead_letters(&ch, sub, &self.inner.opts, &self.inner.store).await?;
         let _ = ch.close(200, "ok".into()).await;
         Ok(())
     }
@@ -413,16 +415,6 @@ impl RabbitBroker {
     pub async fn plan(&self, sub: &Subscription) -> String {
         let version = self.server_version().await;
         topology::plan(sub, &self.inner.opts, version.as_deref())
-    }
-
-    async fn receiver(
-        &self,
-        sub: &Subscription,
-        role: Role,
-    ) -> Result<Box<dyn Receiver>, BrokerError> {
-        Ok(Box::new(
-            RabbitReceiver::start(self.inner.clone(), sub, role).await?,
-        ))
     }
 }
 
@@ -464,24 +456,18 @@ impl Broker for RabbitBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError> {
-        self.receiver(subscription, Role::Consumer).await
+        Ok(Box::new(
+            RabbitReceiver::start(self.inner.clone(), subscription).await?,
+        ))
     }
 
     async fn dead_letters(
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
-        Ok(Box::new(reliq_core::dead_letters::ReceiverScan::new(
-            std::sync::Arc::new(self.clone()),
-            subscription.clone(),
-        )))
-    }
-
-    async fn dead_letter_receiver(
-        &self,
-        subscription: &Subscription,
-    ) -> Result<Box<dyn Receiver>, BrokerError> {
-        self.receiver(subscription, Role::Parking).await
+        Ok(Box::new(
+            RabbitDeadLetters::open(self.inner.clone(), subscription).await?,
+        ))
     }
 
     async fn send_to_consumer(

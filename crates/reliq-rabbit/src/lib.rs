@@ -31,17 +31,51 @@
 //!
 //! | seam | RabbitMQ |
 //! |---|---|
-//! | topology | per consumer, from the [`Subscription`]: topic exchange `source` (durable); quorum queue `<source>.<consumer>` bound with the filter (or `#`); one TTL queue per retry tier ([`Subscription::retry_name`]) dead-lettering through the default exchange to *this consumer's queue only*; parking queue [`Subscription::dead_letter_name`]. See [`plan`]. |
+//! | topology | per consumer, from the [`Subscription`]: topic exchange `source` (durable); quorum queue `<source>.<consumer>` bound with the filter (or `#`); one TTL queue per retry tier ([`Subscription::retry_name`]) dead-lettering through the default exchange to *this consumer's queue only*; the dead-letter stream `<source>.<consumer>.dlq.stream` (the DLQ), its removal ledger `….dlq.removed` (a stream) and the landing queue [`Subscription::dead_letter_name`] (`….dlq`, the consumer queue's dead-letter target). See [`plan`] and [`Names`]. |
 //! | `publish` | publisher confirms + `mandatory`, persistent; `basic.return` → [`BrokerError::Unroutable`], nack → [`BrokerError::Rejected`], no confirm in time → [`BrokerError::Timeout`]; a missing exchange (channel close 404) → `Unroutable`, and the channel is reopened |
 //! | `receive` | one channel per receiver, `basic.qos(prefetch)`, `basic.consume` with manual ack |
 //! | `ack` | `basic.ack` |
 //! | `retry` | publish the copy (confirmed, mandatory) to the tier's TTL queue via the default exchange, *then* `basic.ack` |
-//! | `dead_letter` | publish the copy (confirmed, mandatory) to the parking queue, *then* `basic.ack` |
+//! | `dead_letter` | publish the copy (confirmed, mandatory) to the dead-letter stream, *then* `basic.ack` |
 //! | `release` | `basic.nack(requeue=true)`, after the requested delay (the delivery stays unacked meanwhile) |
 //! | drop / `close` | the channel is closed: RabbitMQ requeues every unacked delivery |
 //! | attempt | the `reliq-attempt` header (never `x-death`) |
-//! | delivery limit | quorum `x-delivery-limit` = [`Subscription::delivery_limit`]; the broker dead-letters (at-least-once) to the parking queue; [`Broker::dead_letters`] turns its `x-death` into a reliq [`DeadLetter`](reliq_core::DeadLetter) record with reason `max-deliveries` |
+//! | delivery limit | quorum `x-delivery-limit` = [`Subscription::delivery_limit`]; the broker dead-letters (at-least-once) to the landing queue; the running consumer (a relay beside its receiver) and every dead-letter reader call move each landed message into the stream with a reliq [`DeadLetter`](reliq_core::DeadLetter) record made from its `x-death` (reason `max-deliveries`, the move's time, queue, exchange and routing key) — confirmed, *then* acked on the landing queue |
+//! | `dead_letters` ([`RabbitDeadLetters`]) | **browse**: a stream consumer (`x-stream-offset` = the cursor, manual ack, prefetch 512) on its own channel; an ack on a stream removes nothing, so a browse changes no depth, order or delivery count; the cursor is the next stream offset; the end is the last chunk's first offset (probed with `x-stream-offset=last`) plus the rest of that chunk. **remove**: the `(offset, id)` pairs of the oldest entries with those ids are appended to the removal ledger, confirmed before it returns; browse, get and count skip what the ledger names. **count**: a read of the stream less the ledger, with the oldest `reliq-dead-lettered-at`. **get**: a read from the start. Each call first moves what sits in the landing queue into the stream. |
 //! | `send_to_consumer` (replay) | publish to the default exchange with routing key = the consumer's queue |
+//!
+//! ### The dead-letter stream
+//!
+//! - **Why a stream and a landing queue.** A stream is RabbitMQ's only queue type that
+//!   can be read without consuming. Checked on 3.10.8: a stream takes confirmed,
+//!   mandatory publishes through the default exchange, and a quorum queue's at-least-once
+//!   dead-lettering (`overflow=reject-publish`) can target a stream — but the stream then
+//!   keeps only flat headers: the `x-death` table (with the move's time and routing key)
+//!   is dropped, only `x-first-death-queue/-reason/-exchange` survive. So the consumer
+//!   queue dead-letters into a quorum landing queue, which keeps `x-death` whole, and
+//!   reliq moves from there (at-least-once: a crash between the confirmed copy and the
+//!   ack leaves a second entry with the same id in the stream, never a loss). Streams
+//!   also cannot expire (`x-expires` is refused) and cannot delete one message.
+//! - **Removal** is a ledger: a stream cannot drop one entry, so `remove` records the
+//!   entry's offset and id in `….dlq.removed`, confirmed; every reader skips it from then
+//!   on, also a new reader in another process. Removed entries stay on disk until the
+//!   stream's retention drops them. Two processes removing the same id at the same moment
+//!   may both pick the same entry (each reader serialises its own removals).
+//! - **Retention**: none by default — a DLQ must not lose what it holds. An operator who
+//!   wants the disk back sets `x-max-age` / `x-max-length-bytes` on the dead-letter stream
+//!   with a policy (e.g. `rabbitmqctl set_policy reliq-dlq-retention '\.dlq\.stream$'
+//!   '{"max-age":"30D"}' --apply-to queues`, `streams` on 3.12+); retention drops whole
+//!   segments, oldest first, removed or not. Keep the ledger without retention (it holds a
+//!   few bytes per removal): a ledger record dropped before its entry would bring the
+//!   entry back.
+//! - **Cost**: each call reads the landing queue, the new part of the ledger and the
+//!   stream from its cursor; `count`, `get` and `remove` read the stream from the start.
+//! - **Existing deployments** (reliq before the stream): their quorum parking queue
+//!   `<source>.<consumer>.dlq` keeps its name, type and arguments and becomes the landing
+//!   queue, so no queue is redeclared with other arguments (a queue redeclared with
+//!   another `x-queue-type` fails with PRECONDITION_FAILED, which reliq reports as
+//!   [`BrokerError::Config`] naming the queue). The dead letters it holds are moved into
+//!   the new stream by the first consumer or reader that starts; nothing to do by hand.
 //!
 //! Message mapping: id → AMQP `message_id` (the `reliq-id` header for ids over 255
 //! bytes); key → the
@@ -100,6 +134,7 @@
 
 mod broker;
 mod codec;
+mod dead_letters;
 mod error;
 mod management;
 mod names;
@@ -109,6 +144,7 @@ mod topology;
 
 pub use broker::RabbitBroker;
 pub use codec::{Death, KEY_HEADER, deaths};
+pub use dead_letters::RabbitDeadLetters;
 pub use error::RabbitError;
 pub use management::{Management, Policy, encode_segment};
 pub use names::{Names, queue_name};

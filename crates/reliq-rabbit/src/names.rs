@@ -16,8 +16,20 @@ pub struct Names {
     pub queue: String,
     /// The retry (TTL) queues, one per tier: `(delay, name)`.
     pub retry: Vec<(Duration, String)>,
-    /// The parking queue (DLQ): `<source>.<consumer>.dlq`.
+    /// The dead-letter stream (the DLQ): `<source>.<consumer>.dlq.stream`. reliq publishes
+    /// its dead letters here (confirmed) and moves the broker's own from
+    /// [`Names::landing`]; readers browse it by offset without consuming it.
     pub parking: String,
+    /// The landing queue: `<source>.<consumer>.dlq` ([`Subscription::dead_letter_name`]),
+    /// a queue of the consumer's queue type that the consumer queue dead-letters to
+    /// (delivery limit, at-least-once). reliq moves what lands here into
+    /// [`Names::parking`]; it is normally empty. It has the name of the parking queue of
+    /// earlier reliq releases, so an existing deployment keeps that queue and its
+    /// arguments, and what it holds is moved into the stream.
+    pub landing: String,
+    /// The removal ledger: `<source>.<consumer>.dlq.removed`, a stream of the offsets of
+    /// [`Names::parking`] that were removed (a stream cannot delete one message).
+    pub removed: String,
 }
 
 impl Names {
@@ -32,7 +44,9 @@ impl Names {
                 .iter()
                 .map(|d| (*d, sub.retry_name(*d)))
                 .collect(),
-            parking: sub.dead_letter_name(),
+            parking: format!("{}.stream", sub.dead_letter_name()),
+            landing: sub.dead_letter_name(),
+            removed: format!("{}.removed", sub.dead_letter_name()),
         }
     }
 }

@@ -20,14 +20,6 @@ use crate::broker::{Inner, Target};
 use crate::names::{Names, short};
 use crate::{RabbitError, codec, topology};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Role {
-    /// Reads the consumer's queue.
-    Consumer,
-    /// Reads the consumer's parking queue.
-    Parking,
-}
-
 struct Live {
     consumer: lapin::Consumer,
     generation: u64,
@@ -41,8 +33,9 @@ pub(crate) struct RabbitReceiver {
     owner: ReceiverId,
     inner: Arc<Inner>,
     sub: Subscription,
-    role: Role,
     names: Names,
+    /// Stops the landing-queue relay when dropped.
+    relay: StdMutex<Option<crate::dead_letters::RelayStop>>,
     live: Mutex<Option<Live>>,
     /// The channel deliveries are settled on, with its generation (bumped on reopen).
     settle: SettleChannel,
@@ -51,16 +44,13 @@ pub(crate) struct RabbitReceiver {
 }
 
 impl RabbitReceiver {
-    /// A receiver of `sub`'s `role` queue, consuming.
-    pub(crate) async fn start(
-        inner: Arc<Inner>,
-        sub: &Subscription,
-        role: Role,
-    ) -> Result<Self, BrokerError> {
+    /// A receiver of `sub`'s queue, consuming, with the relay that moves what the broker
+    /// dead-letters into the landing queue on to the dead-letter stream.
+    pub(crate) async fn start(inner: Arc<Inner>, sub: &Subscription) -> Result<Self, BrokerError> {
         let rx = Self {
+            relay: StdMutex::new(None),
             inner,
             sub: sub.clone(),
-            role,
             names: Names::of(sub),
             live: Mutex::new(None),
             settle: Arc::new(StdMutex::new(None)),
@@ -70,29 +60,21 @@ impl RabbitReceiver {
         };
         let live = rx.open().await?;
         *rx.live.lock().await = Some(live);
+        *rx.relay.lock().unwrap_or_else(|p| p.into_inner()) = Some(
+            crate::dead_letters::spawn_relay(rx.inner.clone(), sub.clone()),
+        );
         Ok(rx)
     }
 
     fn queue(&self) -> &str {
-        match self.role {
-            Role::Consumer => &self.names.queue,
-            Role::Parking => &self.names.parking,
-        }
+        &self.names.queue
     }
 
     /// Open a channel, declare the topology, set the prefetch, start consuming.
     async fn open(&self) -> Result<Live, BrokerError> {
         let ch = self.inner.channel().await?;
-        match self.role {
-            Role::Consumer => {
-                topology::declare_all(&ch, &self.sub, &self.inner.opts, &self.inner.store).await?;
-                self.inner.known_exchange(&self.names.exchange);
-            }
-            Role::Parking => {
-                topology::declare_parking(&ch, &self.sub, &self.inner.opts, &self.inner.store)
-                    .await?
-            }
-        }
+        topology::declare_all(&ch, &self.sub, &self.inner.opts, &self.inner.store).await?;
+        self.inner.known_exchange(&self.names.exchange);
         let prefetch = u16::try_from(self.sub.prefetch.max(1)).unwrap_or(u16::MAX);
         ch.basic_qos(prefetch, BasicQosOptions::default())
             .await
@@ -135,29 +117,17 @@ impl RabbitReceiver {
     }
 
     fn delivery(&self, d: lapin::message::Delivery, generation: u64) -> Delivery {
-        let mut message = codec::message(&d.properties, &d.data);
-        let origin = match self.role {
-            Role::Parking => {
-                message = codec::translate_broker_dead_letter(
-                    message,
-                    &d.properties,
-                    &self.sub.consumer,
-                    &self.sub.source,
-                    &self.names.queue,
-                );
-                Origin {
-                    destination: self.names.parking.as_str().into(),
-                    ..Origin::default()
-                }
-            }
-            Role::Consumer if d.exchange.as_str() == self.names.exchange => Origin {
+        let message = codec::message(&d.properties, &d.data);
+        let origin = if d.exchange.as_str() == self.names.exchange {
+            Origin {
                 destination: self.names.exchange.as_str().into(),
                 route: Some(d.routing_key.as_str().to_owned()).filter(|r| !r.is_empty()),
                 ..Origin::default()
-            },
+            }
+        } else {
             // Came back from a retry queue or a replay (default exchange): the copy
             // carries where it first came from.
-            Role::Consumer => Origin {
+            Origin {
                 destination: message
                     .headers()
                     .get(headers::ORIGINAL_DESTINATION)
@@ -168,7 +138,7 @@ impl RabbitReceiver {
                     .get(headers::ORIGINAL_ROUTE)
                     .map(str::to_owned),
                 ..Origin::default()
-            },
+            }
         };
         let attempt = headers::attempt(message.headers());
         Delivery::new(
@@ -201,16 +171,6 @@ impl RabbitReceiver {
         ch.basic_ack(delivery.token().tag(), BasicAckOptions::default())
             .await
             .map_err(|e| RabbitError::client("basic.ack", e))
-    }
-
-    fn copy_source_only(&self, what: &'static str) -> Result<(), BrokerError> {
-        match self.role {
-            Role::Consumer => Ok(()),
-            Role::Parking => Err(BrokerError::Unsupported {
-                backend: "rabbit",
-                what,
-            }),
-        }
     }
 }
 
@@ -281,7 +241,6 @@ impl Receiver for RabbitReceiver {
     }
 
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
-        self.copy_source_only("retry from a dead-letter queue")?;
         let ch = self.channel_of(delivery)?;
         let (_, queue) = self
             .names
@@ -307,11 +266,15 @@ impl Receiver for RabbitReceiver {
     }
 
     async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {
-        self.copy_source_only("dead-lettering from a dead-letter queue")?;
         let ch = self.channel_of(delivery)?;
         let parking = &self.names.parking;
         self.inner
-            .publish_to("", parking, &dead, Target::Queue("parking queue", parking))
+            .publish_to(
+                "",
+                parking,
+                &dead,
+                Target::Queue("dead-letter stream", parking),
+            )
             .await?;
         self.ack_on(&ch, delivery).await
     }
@@ -344,6 +307,7 @@ impl Receiver for RabbitReceiver {
 
     async fn close(&self) -> Result<(), BrokerError> {
         self.closed.store(true, Ordering::SeqCst);
+        drop(self.relay.lock().unwrap_or_else(|p| p.into_inner()).take());
         let ch = self.settle.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some((ch, _)) = ch
             && ch.status().connected()
