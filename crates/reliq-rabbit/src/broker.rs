@@ -411,7 +411,7 @@ impl RabbitBroker {
     }
 
     /// What [`Broker::subscribe`] declares for `sub` and the equivalent policies (see
-    /// [`plan`]), for the probed server version.
+    /// [`plan`](crate::plan)), for the probed server version.
     pub async fn plan(&self, sub: &Subscription) -> String {
         let version = self.server_version().await;
         topology::plan(sub, &self.inner.opts, version.as_deref())

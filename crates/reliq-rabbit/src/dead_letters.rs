@@ -1,29 +1,5 @@
-//! The dead-letter reader: a stream read by offset, a removal ledger, and the relay that
-//! moves the broker's own dead letters from the landing queue into the stream.
-//!
-//! - **The DLQ is a stream** ([`Names::parking`]). reliq's dead letters are published to
-//!   it with confirms; a stream consumer (`x-stream-offset`, manual ack, a prefetch)
-//!   reads it without removing anything — an ack on a stream only returns credit, so a
-//!   browse changes no depth, no order and no delivery count. The cursor is the offset of
-//!   the next entry to read.
-//! - **The end of a read** is found without a timing guess where it matters: a consumer
-//!   started at `last` first names the first offset of the stream's last chunk; a read
-//!   starts no later than that offset and waits as long as it takes (up to [`STALL`]) for
-//!   every offset up to it, and only past it treats a short quiet spell ([`SETTLE`]) as
-//!   the end — the rest of the last chunk is delivered in the same burst.
-//! - **Removal** appends a record of `(offset, id)` pairs to the removal ledger
-//!   ([`Names::removed`], a stream), confirmed before `remove` returns: a stream cannot
-//!   delete one message. Browse, get and count skip an entry whose offset *and* id are in
-//!   the ledger (so a recreated stream, whose offsets start again at 0, hides nothing).
-//!   The ledger is read whole once per reader and then from where it was left; what a
-//!   reader caches are facts that never change (a confirmed ledger record), never a cursor.
-//! - **The landing queue** ([`Names::landing`]) is where the consumer queue dead-letters
-//!   on its own (delivery limit, at-least-once). Each landed message is given a reliq
-//!   record from its `x-death` (reason `max-deliveries`, time, queue, exchange, routing
-//!   key), published to the stream with a confirm, and only then acked on the landing
-//!   queue: by the consumer while it runs ([`spawn_relay`]) and by every reader call
-//!   before it reads. A crash between the two gives a second copy in the stream, never a
-//!   loss.
+//! The dead-letter reader ([`RabbitDeadLetters`]) and the relay that moves the broker's own
+//! dead letters from the landing queue into the dead-letter stream.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -61,8 +37,32 @@ const READ_PREFETCH: u16 = 512;
 const RELAY_PREFETCH: u16 = 32;
 
 /// A consumer's dead letters on RabbitMQ: the dead-letter stream read by offset, with the
-/// removal ledger applied (see the [module docs](self) and the crate's mapping table).
-/// Made by [`Broker::dead_letters`](reliq_core::Broker::dead_letters).
+/// removal ledger applied. Made by
+/// [`Broker::dead_letters`](reliq_core::Broker::dead_letters).
+///
+/// - **The DLQ is a stream** ([`Names::parking`]). reliq's dead letters are published to
+///   it with confirms; a stream consumer (`x-stream-offset`, manual ack, a prefetch)
+///   reads it without removing anything — an ack on a stream only returns credit, so a
+///   browse changes no depth, no order and no delivery count. The cursor is the offset of
+///   the next entry to read.
+/// - **The end of a read** is found without a timing guess where it matters: a consumer
+///   started at `last` first names the first offset of the stream's last chunk; a read
+///   starts no later than that offset and waits as long as it takes (up to 15 s) for
+///   every offset up to it, and only past it treats a short quiet spell (300 ms) as
+///   the end — the rest of the last chunk is delivered in the same burst.
+/// - **Removal** appends a record of `(offset, id)` pairs to the removal ledger
+///   ([`Names::removed`], a stream), confirmed before `remove` returns: a stream cannot
+///   delete one message. Browse, get and count skip an entry whose offset *and* id are in
+///   the ledger (so a recreated stream, whose offsets start again at 0, hides nothing).
+///   The ledger is read whole once per reader and then from where it was left; what a
+///   reader caches are facts that never change (a confirmed ledger record), never a cursor.
+/// - **The landing queue** ([`Names::landing`]) is where the consumer queue dead-letters
+///   on its own (delivery limit, at-least-once). Each landed message is given a reliq
+///   record from its `x-death` (reason `max-deliveries`, time, queue, exchange, routing
+///   key), published to the stream with a confirm, and only then acked on the landing
+///   queue: by a relay beside each running consumer's receiver and by every reader call
+///   before it reads. A crash between the two gives a second copy in the stream, never a
+///   loss.
 pub struct RabbitDeadLetters {
     inner: Arc<Inner>,
     sub: Subscription,

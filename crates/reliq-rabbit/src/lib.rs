@@ -132,6 +132,9 @@
 //! [lapin]: https://docs.rs/lapin
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+#[cfg(doc)]
+use reliq_core::{Broker, BrokerError, Receiver, Subscription};
+
 mod broker;
 mod codec;
 mod dead_letters;

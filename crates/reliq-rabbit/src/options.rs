@@ -3,6 +3,11 @@
 
 use std::time::Duration;
 
+#[cfg(doc)]
+use crate::{Management, RabbitBroker};
+#[cfg(doc)]
+use reliq_core::BrokerError;
+
 /// The queue type reliq declares.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum QueueType {
