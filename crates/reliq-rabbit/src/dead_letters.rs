@@ -97,7 +97,7 @@ impl Ledger {
 }
 
 /// One ledger record's payload: the `(offset, id)` pairs one `remove` took out.
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(Default, serde::Serialize, serde::Deserialize)]
 struct LedgerRecord {
     removed: Vec<(u64, String)>,
 }
@@ -109,13 +109,36 @@ impl RabbitDeadLetters {
         let ch = inner.channel().await?;
         topology::declare_dead_letters(&ch, sub, &inner.opts, &inner.store).await?;
         let _ = ch.close(200, "ok".into()).await;
-        Ok(Self {
+        let reader = Self {
             inner,
             sub: sub.clone(),
             names: Names::of(sub),
             ledger: Mutex::new(Ledger::default()),
             removing: Mutex::new(()),
-        })
+        };
+        // An empty stream can only be told from a slow one by waiting (`EMPTY_PROBE`):
+        // give an empty ledger one empty record, so every later read of it ends at once.
+        if last_chunk_start(&reader.inner, &reader.names.removed)
+            .await?
+            .is_none()
+        {
+            reader.append_to_ledger(&LedgerRecord::default()).await?;
+        }
+        Ok(reader)
+    }
+
+    /// Append `record` to the ledger, confirmed.
+    async fn append_to_ledger(&self, record: &LedgerRecord) -> Result<(), BrokerError> {
+        let payload = serde_json::to_vec(record).map_err(|e| BrokerError::Other(Box::new(e)))?;
+        let ledger = &self.names.removed;
+        self.inner
+            .publish_to(
+                "",
+                ledger,
+                &Message::new(payload),
+                Target::Queue("removal ledger", ledger),
+            )
+            .await
     }
 
     /// Move what landed in the landing queue into the stream, then (at once) bring the
@@ -239,16 +262,7 @@ impl DeadLetters for RabbitDeadLetters {
                 .map(|(o, id)| (*o, id.as_str().to_owned()))
                 .collect(),
         };
-        let payload = serde_json::to_vec(&record).map_err(|e| BrokerError::Other(Box::new(e)))?;
-        let ledger_queue = &self.names.removed;
-        self.inner
-            .publish_to(
-                "",
-                ledger_queue,
-                &Message::new(payload),
-                Target::Queue("removal ledger", ledger_queue),
-            )
-            .await?;
+        self.append_to_ledger(&record).await?;
         let removed = taken.iter().map(|(_, id)| id.clone()).collect();
         ledger.removed.extend(taken);
         Ok(removed)
