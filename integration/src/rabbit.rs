@@ -1,9 +1,11 @@
 //! The RabbitMQ backend's conformance factory (the broker started by `scripts/brokers`).
 //!
-//! Fault hooks work on the real broker: "DLQ unavailable" deletes the consumer's parking
-//! queue (the confirmed, mandatory publish to it then comes back with `basic.return`) and
-//! "restore" declares it again; "retry route broken" deletes the consumer's TTL retry
-//! queues. Every queue is declared with `x-expires` so a test leaves nothing behind.
+//! Fault hooks work on the real broker: "DLQ unavailable" deletes the consumer's
+//! dead-letter stream (the confirmed, mandatory publish to it then comes back with
+//! `basic.return`) and "restore" declares it again; "retry route broken" deletes the
+//! consumer's TTL retry queues. Every queue is declared with `x-expires` so a test leaves
+//! nothing behind; streams cannot expire, so the first connection of each test process
+//! deletes the test streams whose landing queue has expired ([`sweep_orphan_streams`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -77,6 +79,11 @@ impl RabbitBackend {
         self.admin
             .get_or_try_init(|| async {
                 let broker = Self::broker().await?;
+                if let Some(api) = broker.management()
+                    && let Err(e) = sweep_orphan_streams(api).await
+                {
+                    tracing::warn!(error = %e, "sweeping old test streams failed");
+                }
                 let raw = Connection::connect(
                     &settings::get("RELIQ_RABBIT_URL"),
                     ConnectionProperties::default(),
@@ -144,7 +151,7 @@ impl Backend for RabbitBackend {
             let (admin, _) = self.admin().await?;
             admin.declare_dead_letter_queue(sub).await?;
         } else {
-            self.delete_queue(&sub.dead_letter_name()).await?;
+            self.delete_queue(&Names::of(sub).parking).await?;
         }
         Ok(())
     }
@@ -173,4 +180,38 @@ impl Backend for RabbitBackend {
             .and_then(serde_json::Value::as_u64)
             .and_then(|n| usize::try_from(n).ok())
     }
+}
+
+/// Delete the dead-letter streams (and removal ledgers) of subscriptions whose landing
+/// queue is gone: tests declare queues with `x-expires`, which streams reject, and the
+/// landing queue is declared before its streams, so a stream without one is an orphan
+/// of an expired test. Returns how many were deleted.
+pub async fn sweep_orphan_streams(api: &reliq_rabbit::Management) -> anyhow::Result<usize> {
+    let list = api.get("/api/queues/%2F?columns=name,type").await?;
+    let queues: Vec<(&str, &str)> = list
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|q| Some((q.get("name")?.as_str()?, q.get("type")?.as_str()?)))
+        .collect();
+    let names: std::collections::HashSet<&str> = queues.iter().map(|(n, _)| *n).collect();
+    let mut deleted = 0;
+    for (name, kind) in &queues {
+        let landing = name
+            .strip_suffix(".stream")
+            .or_else(|| name.strip_suffix(".removed"))
+            .filter(|l| l.ends_with(".dlq"));
+        if *kind == "stream"
+            && let Some(landing) = landing
+            && !names.contains(landing)
+        {
+            api.delete(&format!(
+                "/api/queues/%2F/{}",
+                reliq_rabbit::encode_segment(name)
+            ))
+            .await?;
+            deleted += 1;
+        }
+    }
+    Ok(deleted)
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
 use async_trait::async_trait;
+use reliq_conformance::browse_all;
 use reliq_conformance::support::{Recorder, unique, wait_until};
 use reliq_core::headers;
 use reliq_core::{
@@ -166,8 +167,8 @@ async fn retry_route_deleted_returns_and_source_is_not_acked() -> anyhow::Result
     Ok(())
 }
 
-/// The parking queue is gone: dead-lettering fails (nothing is acked), the message is
-/// delivered again; once the parking queue is back the copy lands there with its record.
+/// The dead-letter stream is gone: dead-lettering fails (nothing is acked), the message is
+/// delivered again; once the stream is back the copy lands there with its record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parking_queue_unavailable_loses_nothing() -> anyhow::Result<()> {
     let backend = RabbitBackend::new();
@@ -179,24 +180,9 @@ async fn parking_queue_unavailable_loses_nothing() -> anyhow::Result<()> {
     let id = m.id().clone();
     broker.publish(&Destination::new(topic.clone()), m).await?;
     let d = receive(rx.as_ref()).await?;
-    backend.delete_queue(&s.dead_letter_name()).await?;
-    let dead = |d: &Delivery| {
-        let mut copy = d.message().clone();
-        DeadLetter {
-            reason: DeadLetterReason::Permanent,
-            error_class: Some(reliq_core::ErrorClass::Permanent),
-            error: Some("bad order".into()),
-            attempts: d.attempt(),
-            first_failure_at: None,
-            dead_lettered_at: std::time::SystemTime::now(),
-            consumer: "c".into(),
-            origin: d.origin().clone(),
-        }
-        .write(copy.headers_mut());
-        copy
-    };
+    backend.delete_queue(&Names::of(&s).parking).await?;
     let err = rx
-        .dead_letter(&d, dead(&d))
+        .dead_letter(&d, dead_copy(&d, "c"))
         .await
         .err()
         .context("must fail")?;
@@ -205,21 +191,19 @@ async fn parking_queue_unavailable_loses_nothing() -> anyhow::Result<()> {
     let again = receive(rx.as_ref()).await?;
     ensure!(again.id() == &id, "the source must come back");
     broker.declare_dead_letter_queue(&s).await?;
-    rx.dead_letter(&again, dead(&again)).await?;
+    rx.dead_letter(&again, dead_copy(&again, "c")).await?;
     rx.close().await?;
-    let dlq = broker.dead_letter_receiver(&s).await?;
-    let parked = receive(dlq.as_ref()).await?;
-    let record = DeadLetter::read(parked.headers())?;
-    ensure!(parked.id() == &id && record.reason == DeadLetterReason::Permanent);
+    let dlq = broker.dead_letters(&s).await?;
+    let entries = browse_all(dlq.as_ref()).await?;
+    ensure!(entries.len() == 1, "{} dead letters, not 1", entries.len());
+    let record = entries[0].record()?;
+    ensure!(entries[0].id() == &id && record.reason == DeadLetterReason::Permanent);
     ensure!(*record.origin.destination == *topic);
-    dlq.ack(&parked).await?;
+    ensure!(dlq.remove(std::slice::from_ref(&id)).await? == vec![id.clone()]);
     ensure!(
-        tokio::time::timeout(Duration::from_millis(1500), dlq.receive())
-            .await
-            .is_err(),
-        "exactly one copy in the parking queue"
+        dlq.count().await?.count == 0,
+        "the removed entry is still counted"
     );
-    dlq.close().await?;
     Ok(())
 }
 
@@ -255,12 +239,6 @@ impl Broker for StallAfterRetryCopy {
             sub: s.clone(),
             copies: self.copies.clone(),
         }))
-    }
-    async fn dead_letter_receiver(
-        &self,
-        s: &Subscription,
-    ) -> Result<Box<dyn Receiver>, BrokerError> {
-        self.inner.dead_letter_receiver(s).await
     }
     async fn dead_letters(
         &self,
@@ -391,9 +369,21 @@ async fn broker_dead_letter_is_read_as_max_deliveries_and_plan_matches_version()
         ensure!(d.id() == &id, "delivery {n}");
         rx.release(&d, Duration::ZERO).await?;
     }
-    let dlq = broker.dead_letter_receiver(&s).await?;
-    let parked = receive(dlq.as_ref()).await?;
-    let record = DeadLetter::read(parked.headers())?;
+    // The broker moved it to the landing queue; the consumer's relay (or the reader)
+    // moves it into the dead-letter stream with a reliq record.
+    let dlq = broker.dead_letters(&s).await?;
+    let deadline = tokio::time::Instant::now() + SOON;
+    let parked = loop {
+        if let Some(entry) = dlq.get(&id).await? {
+            break entry;
+        }
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the delivery-limit move never reached the dead-letter stream"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let record = parked.record()?;
     ensure!(parked.id() == &id && parked.headers().get("tenant") == Some("acme"));
     ensure!(
         record.reason == DeadLetterReason::MaxDeliveries,
@@ -402,13 +392,17 @@ async fn broker_dead_letter_is_read_as_max_deliveries_and_plan_matches_version()
     ensure!(record.consumer == "c" && *record.origin.destination == *topic);
     ensure!(record.origin.route.as_deref() == Some("order.created"));
     ensure!(parked.headers().get("x-death").is_none());
-    dlq.ack(&parked).await?;
-    dlq.close().await?;
+    let entries = browse_all(dlq.as_ref()).await?;
+    ensure!(
+        entries.len() == 1,
+        "one move, one entry: {:?}",
+        entries.iter().map(|e| e.id()).collect::<Vec<_>>()
+    );
     rx.close().await?;
 
     let version = broker.server_version().await.context("management API")?;
     let plan = broker.plan(&s).await;
-    let apply_to = if reliq_rabbit::topology::knows_quorum_apply_to(&version) {
+    let apply_to = if reliq_rabbit::knows_quorum_apply_to(&version) {
         "--apply-to quorum_queues"
     } else {
         "--apply-to queues"
@@ -558,7 +552,8 @@ async fn policies_carry_the_settings_and_change_without_recreating_the_queue() -
     );
     let effective = &main["effective_policy_definition"];
     ensure!(effective["delivery-limit"] == 4, "{effective:#}");
-    ensure!(effective["dead-letter-routing-key"] == names.parking.as_str());
+    // The broker's own dead-lettering goes to the landing queue (reliq moves it on).
+    ensure!(effective["dead-letter-routing-key"] == names.landing.as_str());
     ensure!(effective["dead-letter-strategy"] == "at-least-once");
     ensure!(effective["overflow"] == "reject-publish");
 
@@ -574,7 +569,7 @@ async fn policies_carry_the_settings_and_change_without_recreating_the_queue() -
     let policy = api
         .get(&format!("/api/policies/%2F/reliq-{}", names.queue))
         .await?;
-    let apply_to = if reliq_rabbit::topology::knows_quorum_apply_to(&version) {
+    let apply_to = if reliq_rabbit::knows_quorum_apply_to(&version) {
         "quorum_queues"
     } else {
         "queues"
@@ -590,7 +585,7 @@ async fn policies_carry_the_settings_and_change_without_recreating_the_queue() -
     })
     .await?;
     // Policies outlive their queues: remove this test's.
-    for queue in [&names.queue, &names.parking]
+    for queue in [&names.queue, &names.landing]
         .into_iter()
         .chain(names.retry.iter().map(|(_, q)| q))
     {
@@ -685,5 +680,377 @@ async fn policies_without_a_management_api_fail_at_connect() -> anyhow::Result<(
             }
         }
     }
+    Ok(())
+}
+
+/// A dead-letter copy of `d` with a `permanent` record.
+fn dead_copy(d: &Delivery, consumer: &str) -> Message {
+    let mut copy = d.message().clone();
+    DeadLetter {
+        reason: DeadLetterReason::Permanent,
+        error_class: Some(reliq_core::ErrorClass::Permanent),
+        error: Some("rejected by the test".into()),
+        attempts: d.attempt(),
+        first_failure_at: None,
+        dead_lettered_at: std::time::SystemTime::now(),
+        consumer: consumer.into(),
+        origin: d.origin().clone(),
+    }
+    .write(copy.headers_mut());
+    copy
+}
+
+/// Publish `n` messages to `topic` and dead-letter each through a receiver of `s`; their
+/// ids in dead-letter order. The receiver is closed afterwards.
+async fn dead_letter_n(
+    broker: &RabbitBroker,
+    s: &Subscription,
+    n: usize,
+) -> anyhow::Result<Vec<reliq_core::MessageId>> {
+    let rx = broker.subscribe(s).await?;
+    for i in 0..n {
+        broker
+            .publish(
+                &Destination::new(s.source.clone()),
+                Message::new(format!("dead {i}")).with_header("n", i.to_string()),
+            )
+            .await?;
+    }
+    let mut ids = Vec::with_capacity(n);
+    for _ in 0..n {
+        let d = receive(rx.as_ref()).await?;
+        rx.dead_letter(&d, dead_copy(&d, &s.consumer)).await?;
+        ids.push(d.id().clone());
+    }
+    rx.close().await?;
+    Ok(ids)
+}
+
+/// Every entry of a stream read raw (offset, headers as AMQP sees them), until it is quiet
+/// for 1.5 s: what the broker holds, independent of reliq's reader.
+async fn raw_stream(
+    backend: &RabbitBackend,
+    stream: &str,
+) -> anyhow::Result<Vec<(i64, lapin::types::FieldTable)>> {
+    use futures::StreamExt as _;
+    let (_, raw) = backend.admin().await?;
+    let ch = raw.create_channel().await?;
+    ch.basic_qos(100, lapin::options::BasicQosOptions::default())
+        .await?;
+    let mut args = lapin::types::FieldTable::default();
+    args.insert(
+        "x-stream-offset".into(),
+        lapin::types::AMQPValue::LongString("first".into()),
+    );
+    let mut consumer = ch
+        .basic_consume(
+            stream.into(),
+            "".into(),
+            lapin::options::BasicConsumeOptions::default(),
+            args,
+        )
+        .await?;
+    let mut out = Vec::new();
+    while let Ok(Some(d)) = tokio::time::timeout(Duration::from_millis(1500), consumer.next()).await
+    {
+        let d = d?;
+        d.ack(lapin::options::BasicAckOptions::default()).await?;
+        let headers = d.properties.headers().clone().unwrap_or_default();
+        let offset = match headers.inner().get("x-stream-offset") {
+            Some(lapin::types::AMQPValue::LongLongInt(n)) => *n,
+            other => anyhow::bail!("no x-stream-offset: {other:?}"),
+        };
+        out.push((offset, headers));
+    }
+    ch.close(200, "ok".into()).await?;
+    Ok(out)
+}
+
+/// Ready messages in a queue (passive declare: exact for classic and quorum queues).
+async fn depth(backend: &RabbitBackend, queue: &str) -> anyhow::Result<u32> {
+    let (_, raw) = backend.admin().await?;
+    let ch = raw.create_channel().await?;
+    let q = ch
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await?;
+    ch.close(200, "ok".into()).await?;
+    Ok(q.message_count())
+}
+
+/// Browsing the dead-letter stream changes nothing: two full browses (pages of 7) give
+/// the same entries in the same order, each entry once; the broker's copies keep their
+/// offsets and carry no delivery count; the source queue, the landing queue and the
+/// count are unchanged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn browsing_dead_letters_changes_nothing_and_pages_cover_each_entry_once()
+-> anyhow::Result<()> {
+    let backend = RabbitBackend::new();
+    let broker = RabbitBackend::broker().await?;
+    let topic = unique("dlq-browse");
+    let s = sub("c", &topic);
+    let ids = dead_letter_n(&broker, &s, 25).await?;
+    // Five messages wait in the source queue, untouched by any browse.
+    for i in 0..5 {
+        broker
+            .publish(
+                &Destination::new(topic.clone()),
+                Message::new(format!("waiting {i}")),
+            )
+            .await?;
+    }
+    let names = Names::of(&s);
+    let dlq = broker.dead_letters(&s).await?;
+    let raw_before = raw_stream(&backend, &names.parking).await?;
+    let source_before = depth(&backend, &names.queue).await?;
+    let count_before = dlq.count().await?;
+
+    let browse_paged = || async {
+        let mut cursor = reliq_core::Cursor::start();
+        let mut all = Vec::new();
+        let mut pages = 0;
+        loop {
+            let page = dlq.browse(&cursor, 7).await?;
+            pages += 1;
+            all.extend(page.entries);
+            if page.at_end {
+                return Ok::<_, anyhow::Error>((all, pages));
+            }
+            cursor = page.next;
+        }
+    };
+    let (first, pages) = browse_paged().await?;
+    let (second, _) = browse_paged().await?;
+    let seen: Vec<_> = first.iter().map(|e| e.id().clone()).collect();
+    ensure!(
+        seen == ids,
+        "every entry once, in dead-letter order: {seen:?}"
+    );
+    ensure!(pages == 4, "25 entries in pages of 7: {pages} pages");
+    ensure!(first == second, "a second browse differs from the first");
+    ensure!(
+        first.iter().all(|e| e
+            .record()
+            .is_ok_and(|r| r.reason == DeadLetterReason::Permanent)),
+        "every entry carries its record"
+    );
+
+    let raw_after = raw_stream(&backend, &names.parking).await?;
+    let offsets = |raw: &[(i64, lapin::types::FieldTable)]| -> Vec<i64> {
+        raw.iter().map(|(o, _)| *o).collect()
+    };
+    ensure!(
+        raw_before.len() == 25,
+        "{} entries in the stream",
+        raw_before.len()
+    );
+    ensure!(offsets(&raw_before) == offsets(&raw_after), "offsets moved");
+    ensure!(
+        raw_before == raw_after,
+        "the broker's copies changed while browsing"
+    );
+    ensure!(
+        raw_after
+            .iter()
+            .all(|(_, h)| !h.inner().contains_key("x-delivery-count")),
+        "a stream entry carries a delivery count"
+    );
+    ensure!(depth(&backend, &names.queue).await? == source_before);
+    ensure!(source_before == 5, "source depth {source_before}");
+    ensure!(depth(&backend, &names.landing).await? == 0);
+    let count_after = dlq.count().await?;
+    ensure!(
+        count_before == count_after && count_after.count == 25,
+        "{count_after:?}"
+    );
+    let oldest = first[0].record()?.dead_lettered_at;
+    ensure!(
+        count_after.oldest_dead_lettered_at == Some(oldest),
+        "oldest {:?}, first entry {oldest:?}",
+        count_after.oldest_dead_lettered_at
+    );
+    // A page at the end, read again later, picks up what was dead-lettered since.
+    let end = dlq.browse(&reliq_core::Cursor::start(), 100).await?;
+    ensure!(end.at_end && end.entries.len() == 25);
+    let later = dead_letter_n(&broker, &s, 1).await?;
+    let tail = dlq.browse(&end.next, 100).await?;
+    let tail_ids: Vec<_> = tail.entries.iter().map(|e| e.id().clone()).collect();
+    ensure!(tail_ids == later && tail.at_end, "{tail_ids:?}");
+    Ok(())
+}
+
+/// A removal is a confirmed ledger record: a new reader on a new connection never sees
+/// the removed entries again, the others keep their order, the count and the oldest
+/// time follow, and ids that are not there (or no longer) are skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removed_dead_letters_never_reappear_for_a_new_reader() -> anyhow::Result<()> {
+    let broker = RabbitBackend::broker().await?;
+    let topic = unique("dlq-remove");
+    let s = sub("c", &topic);
+    let ids = dead_letter_n(&broker, &s, 6).await?;
+    let a = broker.dead_letters(&s).await?;
+    // A cursor taken before the removal still reads on correctly afterwards.
+    let page = a.browse(&reliq_core::Cursor::start(), 2).await?;
+    ensure!(page.entries.len() == 2 && !page.at_end);
+    let gone = vec![ids[0].clone(), ids[3].clone()];
+    let unknown = reliq_core::MessageId::from("not-in-the-dlq");
+    let removed = a
+        .remove(&[gone[0].clone(), unknown.clone(), gone[1].clone()])
+        .await?;
+    ensure!(removed == gone, "{removed:?}");
+    ensure!(a.remove(&gone).await?.is_empty(), "removed twice");
+
+    let b = RabbitBackend::broker().await?.dead_letters(&s).await?;
+    let left: Vec<_> = browse_all(b.as_ref())
+        .await?
+        .iter()
+        .map(|e| e.id().clone())
+        .collect();
+    let expected = vec![
+        ids[1].clone(),
+        ids[2].clone(),
+        ids[4].clone(),
+        ids[5].clone(),
+    ];
+    ensure!(left == expected, "{left:?}");
+    let rest = b.browse(&page.next, 100).await?;
+    let rest_ids: Vec<_> = rest.entries.iter().map(|e| e.id().clone()).collect();
+    ensure!(rest_ids == expected[1..], "{rest_ids:?}");
+    ensure!(b.get(&gone[0]).await?.is_none() && b.get(&ids[2]).await?.is_some());
+    let count = b.count().await?;
+    let oldest = b
+        .get(&ids[1])
+        .await?
+        .context("entry 1")?
+        .record()?
+        .dead_lettered_at;
+    ensure!(count.count == 4, "{count:?}");
+    ensure!(count.oldest_dead_lettered_at == Some(oldest), "{count:?}");
+    // Remove the rest: empty, for both readers.
+    ensure!(b.remove(&expected).await? == expected);
+    ensure!(a.count().await?.count == 0);
+    ensure!(browse_all(a.as_ref()).await?.is_empty());
+    Ok(())
+}
+
+/// What sits in the landing queue — an existing deployment's quorum parking queue of the
+/// same name, or delivery-limit moves made while no consumer ran — is moved into the
+/// stream by the reader: a reliq dead letter as it was, a broker move (`x-death`) as a
+/// `max-deliveries` record with the move's time, queue and routing key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn landed_dead_letters_are_moved_into_the_stream_by_the_reader() -> anyhow::Result<()> {
+    use lapin::types::{AMQPValue, FieldArray, FieldTable};
+    let backend = RabbitBackend::new();
+    let broker = RabbitBackend::broker().await?;
+    let topic = unique("dlq-landing");
+    let s = sub("c", &topic);
+    let names = broker.declare(&s).await?;
+    let (_, raw) = backend.admin().await?;
+    let ch = raw.create_channel().await?;
+    ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await?;
+    // A reliq dead letter published by an earlier reliq to its quorum parking queue.
+    let legacy = Message::new("legacy").with_header(headers::ATTEMPT, "3");
+    let mut legacy_dead = legacy.clone();
+    let legacy_at = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    DeadLetter {
+        reason: DeadLetterReason::Exhausted,
+        error_class: Some(reliq_core::ErrorClass::Transient),
+        error: Some("timeout".into()),
+        attempts: 3,
+        first_failure_at: None,
+        dead_lettered_at: legacy_at,
+        consumer: "c".into(),
+        origin: headers::Origin {
+            destination: topic.as_str().into(),
+            ..headers::Origin::default()
+        },
+    }
+    .write(legacy_dead.headers_mut());
+    let mut legacy_headers = FieldTable::default();
+    for (k, v) in legacy_dead.headers().iter() {
+        legacy_headers.insert(k.into(), AMQPValue::LongString(v.into()));
+    }
+    // A delivery-limit move as the broker writes it.
+    let mut death = FieldTable::default();
+    death.insert(
+        "reason".into(),
+        AMQPValue::LongString("delivery_limit".into()),
+    );
+    death.insert(
+        "queue".into(),
+        AMQPValue::LongString(names.queue.as_str().into()),
+    );
+    death.insert("count".into(), AMQPValue::LongLongInt(1));
+    death.insert(
+        "exchange".into(),
+        AMQPValue::LongString(topic.as_str().into()),
+    );
+    death.insert(
+        "routing-keys".into(),
+        AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::LongString(
+            "order.created".into(),
+        )])),
+    );
+    death.insert("time".into(), AMQPValue::Timestamp(1_700_000_100));
+    let mut moved_headers = FieldTable::default();
+    moved_headers.insert(
+        "x-death".into(),
+        AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
+    );
+    for (id, headers, payload) in [
+        (legacy.id().as_str(), legacy_headers, "legacy"),
+        ("moved-by-the-broker", moved_headers, "crash loop"),
+    ] {
+        ch.basic_publish(
+            "".into(),
+            names.landing.as_str().into(),
+            lapin::options::BasicPublishOptions::default(),
+            payload.as_bytes(),
+            lapin::BasicProperties::default()
+                .with_message_id(id.into())
+                .with_headers(headers),
+        )
+        .await?
+        .await?;
+    }
+    ch.close(200, "ok".into()).await?;
+    ensure!(depth(&backend, &names.landing).await? == 2);
+
+    let dlq = broker.dead_letters(&s).await?;
+    let entries = browse_all(dlq.as_ref()).await?;
+    ensure!(entries.len() == 2, "{entries:?}");
+    ensure!(
+        depth(&backend, &names.landing).await? == 0,
+        "the landing queue was not drained"
+    );
+    let first = entries[0].record()?;
+    ensure!(entries[0].id() == legacy.id() && first.reason == DeadLetterReason::Exhausted);
+    ensure!(first.dead_lettered_at == legacy_at && first.attempts == 3);
+    let second = entries[1].record()?;
+    ensure!(entries[1].id().as_str() == "moved-by-the-broker");
+    ensure!(
+        second.reason == DeadLetterReason::MaxDeliveries,
+        "{second:?}"
+    );
+    ensure!(
+        second.dead_lettered_at
+            == std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_100)
+    );
+    ensure!(second.origin.route.as_deref() == Some("order.created"));
+    ensure!(*second.origin.destination == *topic && second.consumer == "c");
+    let count = dlq.count().await?;
+    ensure!(
+        count.count == 2 && count.oldest_dead_lettered_at == Some(legacy_at),
+        "{count:?}"
+    );
+    // A second read moves nothing again.
+    ensure!(browse_all(dlq.as_ref()).await?.len() == 2);
     Ok(())
 }

@@ -6,15 +6,24 @@
 //! | object | kind | arguments |
 //! |---|---|---|
 //! | `orders` | topic exchange, durable | — |
+//! | `orders.inventory.dlq` | queue (quorum), the landing queue | — |
+//! | `orders.inventory.dlq.stream` | stream, the DLQ | — |
+//! | `orders.inventory.dlq.removed` | stream, the DLQ's removal ledger | — |
 //! | `orders.inventory` | queue (quorum), bound to `orders` with the filter (or `#`) | `x-delivery-limit` (= delivery limit − 1, see [`rabbit_delivery_limit`]), DLX `""` → `orders.inventory.dlq`, at-least-once, `reject-publish` |
 //! | `orders.inventory.retry.5000ms` | queue (quorum), no consumers | `x-message-ttl=5000`, DLX `""` → `orders.inventory`, at-least-once, `reject-publish` |
 //! | `orders.inventory.retry.30000ms` | same, TTL 30 s | |
-//! | `orders.inventory.dlq` | queue (quorum), the parking queue | — |
 //!
 //! The retry queues dead-letter through the *default* exchange straight into this
 //! consumer's queue, never through the shared source exchange: a retry of one consumer
 //! cannot reach another consumer bound to the same exchange. One queue per delay tier
 //! (all messages of a queue share one TTL), so a short delay never waits behind a long one.
+//!
+//! The consumer queue dead-letters (delivery limit) into the landing queue rather than
+//! straight into the stream: on 3.10 a message dead-lettered into a stream loses its
+//! `x-death` table (the stream keeps only flat headers), so neither the time nor the
+//! routing key of the move could be read back. reliq moves each landed message into the
+//! stream with a reliq record made from its `x-death` (see [`crate::RabbitDeadLetters`]),
+//! confirmed before it acks the landing copy.
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -24,6 +33,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use crate::management::{Management, Policy};
+use crate::names::{Names, short};
 use crate::{QueueType, RabbitError, RabbitOptions};
 
 /// Where the settings of reliq's queues (delivery limit, TTL, dead-lettering, overflow)
@@ -42,53 +52,6 @@ pub(crate) enum SettingsStore {
         apply_to: &'static str,
         priority: i32,
     },
-}
-
-/// Every name one subscription uses.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Names {
-    /// The source topic exchange.
-    pub exchange: String,
-    /// The binding key (the filter, or `#`).
-    pub binding_key: String,
-    /// This consumer's queue: `<source>.<consumer>`.
-    pub queue: String,
-    /// The retry (TTL) queues, one per tier: `(delay, name)`.
-    pub retry: Vec<(Duration, String)>,
-    /// The parking queue (DLQ): `<source>.<consumer>.dlq`.
-    pub parking: String,
-}
-
-impl Names {
-    /// The names for `sub`.
-    pub fn of(sub: &Subscription) -> Self {
-        Self {
-            exchange: sub.source.clone(),
-            binding_key: sub.filter.clone().unwrap_or_else(|| "#".to_owned()),
-            queue: queue_name(sub),
-            retry: sub
-                .retry_tiers
-                .iter()
-                .map(|d| (*d, sub.retry_name(*d)))
-                .collect(),
-            parking: sub.dead_letter_name(),
-        }
-    }
-}
-
-/// The name of `sub`'s consumer queue: `<source>.<consumer>`.
-pub fn queue_name(sub: &Subscription) -> String {
-    format!("{}.{}", sub.source, sub.consumer)
-}
-
-pub(crate) fn short(field: &str, value: &str) -> Result<ShortString, BrokerError> {
-    ShortString::try_new(value).map_err(|_| BrokerError::Config {
-        field: field.to_owned(),
-        reason: format!(
-            "`{}…` is longer than AMQP's 255-byte limit for names",
-            value.chars().take(40).collect::<String>()
-        ),
-    })
 }
 
 fn long(s: &str) -> AMQPValue {
@@ -209,13 +172,30 @@ fn dead_lettering(opts: &RabbitOptions, target: &str) -> Vec<(&'static str, ArgV
     args
 }
 
-fn parking_spec(names: &Names, opts: &RabbitOptions) -> QueueSpec {
+/// A stream: no `x-expires` (streams reject it) and no policy (nothing to set). The
+/// `queue_type` field only serves policy matching, which a stream never needs.
+fn stream_spec(name: &str, role: &'static str, opts: &RabbitOptions) -> QueueSpec {
     QueueSpec {
-        name: names.parking.clone(),
+        name: name.to_owned(),
         queue_type: opts.queue_type,
-        role: "parking queue (DLQ)",
-        args: base_args(opts),
+        role,
+        args: vec![(QUEUE_TYPE, ArgValue::Text("stream".to_owned()))],
     }
+}
+
+/// The landing queue, the dead-letter stream and its removal ledger, in declaration
+/// order (the landing queue first: a stream without its landing queue is an orphan).
+fn dead_letter_specs(names: &Names, opts: &RabbitOptions) -> [QueueSpec; 3] {
+    [
+        QueueSpec {
+            name: names.landing.clone(),
+            queue_type: opts.queue_type,
+            role: "landing queue (the broker's own dead-lettering; reliq moves it to the DLQ)",
+            args: base_args(opts),
+        },
+        stream_spec(&names.parking, "dead-letter stream (the DLQ)", opts),
+        stream_spec(&names.removed, "removal ledger of the DLQ", opts),
+    ]
 }
 
 fn main_spec(sub: &Subscription, names: &Names, opts: &RabbitOptions) -> QueueSpec {
@@ -226,7 +206,7 @@ fn main_spec(sub: &Subscription, names: &Names, opts: &RabbitOptions) -> QueueSp
             ArgValue::Int(rabbit_delivery_limit(sub.delivery_limit)),
         ));
     }
-    args.extend(dead_lettering(opts, &names.parking));
+    args.extend(dead_lettering(opts, &names.landing));
     QueueSpec {
         name: names.queue.clone(),
         queue_type: opts.queue_type,
@@ -401,7 +381,9 @@ pub(crate) async fn declare_all(
 ) -> Result<Names, BrokerError> {
     let names = Names::of(sub);
     declare_exchange(ch, &names.exchange).await?;
-    declare_queue(ch, &parking_spec(&names, opts), store).await?;
+    for spec in dead_letter_specs(&names, opts) {
+        declare_queue(ch, &spec, store).await?;
+    }
     declare_queue(ch, &main_spec(sub, &names, opts), store).await?;
     ch.queue_bind(
         short("queue", &names.queue)?,
@@ -418,14 +400,17 @@ pub(crate) async fn declare_all(
     Ok(names)
 }
 
-/// Declare only the parking queue of `sub`.
-pub(crate) async fn declare_parking(
+/// Declare only `sub`'s dead-letter stream, its ledger and the landing queue.
+pub(crate) async fn declare_dead_letters(
     ch: &Channel,
     sub: &Subscription,
     opts: &RabbitOptions,
     store: &SettingsStore,
 ) -> Result<(), BrokerError> {
-    declare_queue(ch, &parking_spec(&Names::of(sub), opts), store).await
+    for spec in dead_letter_specs(&Names::of(sub), opts) {
+        declare_queue(ch, &spec, store).await?;
+    }
+    Ok(())
 }
 
 /// Declare only the retry queues of `sub`.
@@ -489,7 +474,8 @@ fn regex_escape(name: &str) -> String {
 pub fn plan(sub: &Subscription, opts: &RabbitOptions, server_version: Option<&str>) -> String {
     let names = Names::of(sub);
     let apply_to = apply_to(opts.queue_type, server_version);
-    let mut specs = vec![parking_spec(&names, opts), main_spec(sub, &names, opts)];
+    let mut specs = Vec::from(dead_letter_specs(&names, opts));
+    specs.push(main_spec(sub, &names, opts));
     specs.extend(retry_specs(&names, opts));
     let mut out = String::new();
     let _ = writeln!(
@@ -557,7 +543,9 @@ mod tests {
     fn names_are_per_consumer() {
         let n = Names::of(&sub());
         assert_eq!(n.queue, "orders.inventory");
-        assert_eq!(n.parking, "orders.inventory.dlq");
+        assert_eq!(n.parking, "orders.inventory.dlq.stream");
+        assert_eq!(n.landing, "orders.inventory.dlq");
+        assert_eq!(n.removed, "orders.inventory.dlq.removed");
         assert_eq!(n.binding_key, "order.*");
         assert_eq!(
             n.retry,
@@ -609,6 +597,17 @@ mod tests {
              '{\"dead-letter-exchange\":\"\",\"dead-letter-routing-key\":\"orders.inventory.dlq\",\"dead-letter-strategy\":\"at-least-once\",\"delivery-limit\":7,\"overflow\":\"reject-publish\"}' --priority 10 --apply-to queues"
         ), "{old}");
         assert!(old.contains("\"message-ttl\":30000"));
+        // The DLQ and its ledger are streams with no policy; the landing queue is the
+        // consumer queue's dead-letter target and is declared first.
+        assert!(old.contains(
+            "queue orders.inventory.dlq.stream durable=true (dead-letter stream (the DLQ)) x-queue-type=\"stream\"\n"
+        ), "{old}");
+        assert!(old.contains(
+            "queue orders.inventory.dlq.removed durable=true (removal ledger of the DLQ) x-queue-type=\"stream\"\n"
+        ));
+        let landing = old.find("queue orders.inventory.dlq durable").unwrap();
+        assert!(landing < old.find("queue orders.inventory.dlq.stream").unwrap());
+        assert!(!old.contains("set_policy reliq-orders.inventory.dlq.stream"));
         let new = plan(&sub(), &opts, Some("4.1.0"));
         assert!(new.contains("--apply-to quorum_queues") && !new.contains("--apply-to queues"));
         assert!(knows_quorum_apply_to("3.12.0") && !knows_quorum_apply_to("3.11.28"));

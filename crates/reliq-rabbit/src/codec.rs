@@ -7,7 +7,7 @@
 //! - delivery mode 2 (persistent).
 //!
 //! Reading back, headers the broker owns (`x-death`, `x-first-death-*`,
-//! `x-last-death-*`, `x-delivery-count`) are not user headers and are dropped; numbers and
+//! `x-last-death-*`, `x-delivery-count`, `x-stream-offset`) are not user headers and are dropped; numbers and
 //! booleans set by foreign publishers are kept as text; tables, arrays and byte arrays
 //! are dropped.
 
@@ -64,6 +64,7 @@ pub(crate) fn properties(message: &Message) -> Result<BasicProperties, BrokerErr
 fn is_broker_header(name: &str) -> bool {
     name == "x-death"
         || name == "x-delivery-count"
+        || name == "x-stream-offset"
         || name.starts_with("x-first-death-")
         || name.starts_with("x-last-death-")
 }

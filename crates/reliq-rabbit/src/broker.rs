@@ -1,0 +1,483 @@
+//! The connection: [`RabbitBroker`], its shared publishing channel (confirms +
+//! mandatory) and the [`Broker`] implementation.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex as StdMutex};
+
+use async_trait::async_trait;
+use lapin::Confirmation;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription};
+use tokio::sync::Mutex;
+
+use crate::dead_letters::RabbitDeadLetters;
+use crate::error::reply_code;
+use crate::management::Management;
+use crate::names::{Names, short};
+use crate::receiver::RabbitReceiver;
+use crate::{QueueSettings, QueueType, RabbitError, RabbitOptions, codec, topology};
+
+/// Where a publish goes, for error messages (formatted only when one is needed).
+#[derive(Clone, Copy)]
+pub(crate) enum Target<'a> {
+    /// An exchange and routing key.
+    Exchange(&'a str, &'a str),
+    /// A queue through the default exchange, with its role.
+    Queue(&'static str, &'a str),
+}
+
+impl std::fmt::Display for Target<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Exchange(exchange, route) => write!(f, "exchange `{exchange}` route `{route}`"),
+            Self::Queue(role, queue) => write!(f, "{role} `{queue}`"),
+        }
+    }
+}
+
+pub(crate) struct Inner {
+    pub(crate) url: String,
+    pub(crate) opts: RabbitOptions,
+    pub(crate) management: Option<Management>,
+    pub(crate) store: topology::SettingsStore,
+    pub(crate) conn: Mutex<Option<Arc<Connection>>>,
+    /// The shared publishing channel (read on every publish: a plain lock, held only to
+    /// clone the handle).
+    pub(crate) publisher: StdMutex<Option<Channel>>,
+    /// Serialises reopening the publishing channel.
+    pub(crate) publisher_reopen: Mutex<()>,
+    pub(crate) exchanges: StdMutex<HashSet<String>>,
+}
+
+impl Inner {
+    async fn connect_once(&self) -> Result<Connection, lapin::Error> {
+        Connection::connect(
+            &self.url,
+            ConnectionProperties::default()
+                .with_connection_name(self.opts.connection_name.clone().into()),
+        )
+        .await
+    }
+
+    /// A live connection: the current one, or a new one (bounded backoff with jitter).
+    async fn connection(&self) -> Result<Arc<Connection>, BrokerError> {
+        let mut guard = self.conn.lock().await;
+        if let Some(c) = guard.as_ref() {
+            if c.status().connected() {
+                return Ok(c.clone());
+            }
+            tracing::warn!("RabbitMQ connection lost; reconnecting");
+        }
+        *guard = None;
+        let mut failures = 0u32;
+        loop {
+            match self.connect_once().await {
+                Ok(c) => {
+                    let c = Arc::new(c);
+                    *guard = Some(c.clone());
+                    if failures > 0 {
+                        tracing::info!(failures, "reconnected to RabbitMQ");
+                    }
+                    return Ok(c);
+                }
+                Err(e) => {
+                    failures += 1;
+                    if failures >= self.opts.reconnect.max_failures.max(1) {
+                        return Err(BrokerError::connection(format!(
+                            "could not connect to RabbitMQ after {failures} attempts: {e}"
+                        )));
+                    }
+                    let wait = self.opts.reconnect.delay(failures);
+                    tracing::warn!(error = %e, failures, retry_in = ?wait, "connecting to RabbitMQ failed");
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+    }
+
+    /// A new channel on a live connection.
+    pub(crate) async fn channel(&self) -> Result<Channel, BrokerError> {
+        let conn = self.connection().await?;
+        match conn.create_channel().await {
+            Ok(ch) => Ok(ch),
+            Err(first) => {
+                tracing::warn!(error = %first, "opening a channel failed; retrying on a fresh connection");
+                {
+                    let mut guard = self.conn.lock().await;
+                    if guard.as_ref().is_some_and(|c| Arc::ptr_eq(c, &conn)) {
+                        *guard = None;
+                    }
+                }
+                let conn = self.connection().await?;
+                conn.create_channel()
+                    .await
+                    .map_err(|e| RabbitError::client("opening a channel", e))
+            }
+        }
+    }
+
+    /// The shared publishing channel (confirm mode), reopened when closed.
+    async fn publisher(&self) -> Result<Channel, BrokerError> {
+        if let Some(ch) = self.open_publisher() {
+            return Ok(ch);
+        }
+        let _reopening = self.publisher_reopen.lock().await;
+        if let Some(ch) = self.open_publisher() {
+            return Ok(ch); // reopened by a concurrent publish meanwhile
+        }
+        let ch = self.channel().await?;
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| RabbitError::client("confirm.select", e))?;
+        *self.publisher.lock().unwrap_or_else(|p| p.into_inner()) = Some(ch.clone());
+        Ok(ch)
+    }
+
+    /// The publishing channel, if it is open.
+    fn open_publisher(&self) -> Option<Channel> {
+        self.publisher
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .filter(|ch| ch.status().connected())
+            .cloned()
+    }
+
+    /// Check (once per process) that `exchange` exists, on a throwaway channel: a publish
+    /// to a missing exchange would close the shared publishing channel under every
+    /// concurrent publish.
+    async fn ensure_exchange(&self, exchange: &str) -> Result<(), BrokerError> {
+        if exchange.is_empty()
+            || self
+                .exchanges
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(exchange)
+        {
+            return Ok(());
+        }
+        let name = short("exchange", exchange)?;
+        let ch = self.channel().await?;
+        let result = ch
+            .exchange_declare(
+                name,
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    passive: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        match result {
+            Ok(()) => {
+                let _ = ch.close(200, "ok".into()).await;
+                self.known_exchange(exchange);
+                Ok(())
+            }
+            Err(e) if reply_code(&e) == Some(404) => Err(BrokerError::Unroutable(format!(
+                "exchange `{exchange}` does not exist"
+            ))),
+            Err(e) => Err(RabbitError::client("checking the exchange", e)),
+        }
+    }
+
+    pub(crate) fn known_exchange(&self, exchange: &str) {
+        self.exchanges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(exchange.to_owned());
+    }
+
+    fn forget_exchange(&self, exchange: &str) {
+        self.exchanges
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(exchange);
+    }
+
+    /// Publish `message` to `exchange` with `routing_key`, mandatory and persistent, and
+    /// wait for the confirm. `what` names the destination in errors.
+    pub(crate) async fn publish_to(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: &Message,
+        what: Target<'_>,
+    ) -> Result<(), BrokerError> {
+        self.ensure_exchange(exchange).await?;
+        let props = codec::properties(message)?;
+        let ex = short("exchange", exchange)?;
+        let rk = short("routing key", routing_key)?;
+        let ch = self.publisher().await?;
+        let pending = ch
+            .basic_publish(
+                ex,
+                rk,
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                message.payload(),
+                props,
+            )
+            .await
+            .map_err(|e| self.publish_failed(exchange, what, e))?;
+        let timeout = self.opts.confirm_timeout;
+        let confirmation = tokio::time::timeout(timeout, pending)
+            .await
+            .map_err(|_| BrokerError::Timeout(timeout))?
+            .map_err(|e| self.publish_failed(exchange, what, e))?;
+        match confirmation {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(returned)) => Err(BrokerError::Unroutable(format!(
+                "{what} (basic.return {} {})",
+                returned.reply_code, returned.reply_text
+            ))),
+            Confirmation::Nack(_) => Err(BrokerError::rejected(format!(
+                "RabbitMQ nacked the publish to {what} (queue full with overflow=reject-publish, or an internal error)"
+            ))),
+            Confirmation::NotRequested => Err(BrokerError::rejected(
+                "publisher confirms are not enabled on the channel",
+            )),
+        }
+    }
+
+    fn publish_failed(&self, exchange: &str, what: Target<'_>, e: lapin::Error) -> BrokerError {
+        if reply_code(&e) == Some(404) {
+            // The channel is closed by now; `publisher()` opens a new one next time.
+            self.forget_exchange(exchange);
+            return BrokerError::Unroutable(format!("{what}: {e}"));
+        }
+        RabbitError::client("basic.publish", e)
+    }
+}
+
+/// Resolve [`RabbitOptions::queue_settings`] at connect time; policies need the server
+/// version (for `apply-to`) and the vhost of `url`.
+async fn settings_store(
+    url: &str,
+    options: &RabbitOptions,
+    management: Option<&Management>,
+) -> Result<topology::SettingsStore, BrokerError> {
+    let api = match (options.queue_settings, management) {
+        (QueueSettings::Arguments, _) | (QueueSettings::Auto, None) => {
+            return Ok(topology::SettingsStore::Arguments);
+        }
+        (QueueSettings::Policies, None) => {
+            return Err(BrokerError::Config {
+                field: "management_url".into(),
+                reason: "queue_settings = Policies needs the management API URL".into(),
+            });
+        }
+        (_, Some(api)) => api,
+    };
+    let version = api
+        .server_version()
+        .await
+        .map_err(|e| BrokerError::Config {
+            field: "management_url".into(),
+            reason: format!("the management API is needed to set reliq's policies: {e}"),
+        })?;
+    let vhost = url
+        .parse::<lapin::uri::AMQPUri>()
+        .map_err(|e| BrokerError::Config {
+            field: "url".into(),
+            reason: e,
+        })?
+        .vhost;
+    Ok(topology::SettingsStore::Policies {
+        api: api.clone(),
+        vhost,
+        apply_to: topology::apply_to(options.queue_type, Some(&version)),
+        priority: options.policy_priority,
+    })
+}
+
+/// A RabbitMQ connection implementing [`Broker`]. Cheap to clone (shared).
+#[derive(Clone)]
+pub struct RabbitBroker {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for RabbitBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The URL may hold a password: never print it.
+        f.debug_struct("RabbitBroker")
+            .field("options", &self.inner.opts.queue_type)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitBroker {
+    /// Connect to `amqp://…` or `amqps://…` (TLS via rustls) with default options.
+    pub async fn connect(url: &str) -> Result<Self, BrokerError> {
+        Self::connect_with(url, RabbitOptions::default()).await
+    }
+
+    /// Connect with `options`.
+    pub async fn connect_with(url: &str, options: RabbitOptions) -> Result<Self, BrokerError> {
+        let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+        if !matches!(scheme.as_deref(), Some("amqp" | "amqps")) {
+            return Err(BrokerError::Config {
+                field: "url".into(),
+                reason: "expected amqp://… or amqps://…".into(),
+            });
+        }
+        let management = options
+            .management_url
+            .as_deref()
+            .map(Management::new)
+            .transpose()?;
+        let store = settings_store(url, &options, management.as_ref()).await?;
+        let inner = Arc::new(Inner {
+            url: url.to_owned(),
+            opts: options,
+            management,
+            store,
+            conn: Mutex::new(None),
+            publisher: StdMutex::new(None),
+            publisher_reopen: Mutex::new(()),
+            exchanges: StdMutex::new(HashSet::new()),
+        });
+        // The first connection fails fast: a wrong URL is a configuration error.
+        let conn = inner
+            .connect_once()
+            .await
+            .map_err(|e| BrokerError::connection(format!("connecting to RabbitMQ failed: {e}")))?;
+        *inner.conn.lock().await = Some(Arc::new(conn));
+        Ok(Self { inner })
+    }
+
+    /// The options this broker was created with.
+    pub fn options(&self) -> &RabbitOptions {
+        &self.inner.opts
+    }
+
+    /// The management API client, when [`RabbitOptions::management_url`] is set.
+    pub fn management(&self) -> Option<&Management> {
+        self.inner.management.as_ref()
+    }
+
+    /// Declare `sub`'s whole topology (idempotent); [`Broker::subscribe`] does this too.
+    pub async fn declare(&self, sub: &Subscription) -> Result<Names, BrokerError> {
+        let ch = self.inner.channel().await?;
+        let names = topology::declare_all(&ch, sub, &self.inner.opts, &self.inner.store).await?;
+        self.inner.known_exchange(&names.exchange);
+        let _ = ch.close(200, "ok".into()).await;
+        Ok(names)
+    }
+
+    /// Declare the source exchange `exchange` (durable topic), so publishes to it are
+    /// accepted before a consumer subscribed (they are still unroutable while no queue is
+    /// bound).
+    pub async fn declare_exchange(&self, exchange: &str) -> Result<(), BrokerError> {
+        let ch = self.inner.channel().await?;
+        topology::declare_exchange(&ch, exchange).await?;
+        self.inner.known_exchange(exchange);
+        let _ = ch.close(200, "ok".into()).await;
+        Ok(())
+    }
+
+    /// Declare only `sub`'s dead-letter objects: the stream, its removal ledger and the
+    /// landing queue (e.g. to restore a deleted stream).
+    pub async fn declare_dead_letter_queue(&self, sub: &Subscription) -> Result<(), BrokerError> {
+        let ch = self.inner.channel().await?;
+        topology::declare_dead_letters(&ch, sub, &self.inner.opts, &self.inner.store).await?;
+        let _ = ch.close(200, "ok".into()).await;
+        Ok(())
+    }
+
+    /// Declare only `sub`'s retry (TTL) queues (e.g. to restore deleted ones).
+    pub async fn declare_retry_queues(&self, sub: &Subscription) -> Result<(), BrokerError> {
+        let ch = self.inner.channel().await?;
+        topology::declare_retry(&ch, sub, &self.inner.opts, &self.inner.store).await?;
+        let _ = ch.close(200, "ok".into()).await;
+        Ok(())
+    }
+
+    /// The server version from the management API (`None` without one, or when it is
+    /// unreachable).
+    pub async fn server_version(&self) -> Option<String> {
+        match self.management()?.server_version().await {
+            Ok(v) => Some(v),
+            Err(e) => {
+                tracing::debug!(error = %e, "management API unreachable; server version unknown");
+                None
+            }
+        }
+    }
+
+    /// What [`Broker::subscribe`] declares for `sub` and the equivalent policies (see
+    /// [`plan`](crate::plan)), for the probed server version.
+    pub async fn plan(&self, sub: &Subscription) -> String {
+        let version = self.server_version().await;
+        topology::plan(sub, &self.inner.opts, version.as_deref())
+    }
+}
+
+#[async_trait]
+impl Broker for RabbitBroker {
+    fn kind(&self) -> &'static str {
+        "rabbit"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            rejects_unroutable: true,
+            exact_retry_delay: false,
+            delivery_limit: self.inner.opts.queue_type == QueueType::Quorum,
+            consumer_redelivery: true,
+            // The attempt travels in the `reliq-attempt` header of the retry copy.
+            attempts_count_every_delivery: false,
+            deduplicates_publishes: false,
+        }
+    }
+
+    async fn publish(
+        &self,
+        destination: &Destination,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        let route = destination.route.as_deref().unwrap_or("");
+        self.inner
+            .publish_to(
+                &destination.topic,
+                route,
+                &message,
+                Target::Exchange(&destination.topic, route),
+            )
+            .await
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Receiver>, BrokerError> {
+        Ok(Box::new(
+            RabbitReceiver::start(self.inner.clone(), subscription).await?,
+        ))
+    }
+
+    async fn dead_letters(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
+        Ok(Box::new(
+            RabbitDeadLetters::open(self.inner.clone(), subscription).await?,
+        ))
+    }
+
+    async fn send_to_consumer(
+        &self,
+        subscription: &Subscription,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        let queue = crate::names::queue_name(subscription);
+        self.inner
+            .publish_to("", &queue, &message, Target::Queue("queue", &queue))
+            .await
+    }
+}

@@ -1,0 +1,661 @@
+//! The dead-letter reader ([`RabbitDeadLetters`]) and the relay that moves the broker's own
+//! dead letters from the landing queue into the dead-letter stream.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicQosOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel};
+use reliq_core::dead_letters::IdCounts;
+use reliq_core::{
+    BrokerError, Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, Message,
+    MessageId, Subscription,
+};
+use tokio::sync::{Mutex, watch};
+
+use crate::broker::{Inner, Target};
+use crate::error::reply_code;
+use crate::names::{Names, short};
+use crate::{RabbitError, codec, topology};
+
+/// How long a read waits for an offset it knows the stream holds.
+const STALL: Duration = Duration::from_secs(15);
+/// Past the last chunk's first offset, a quiet spell this long is the end of the stream.
+const SETTLE: Duration = Duration::from_millis(300);
+/// How long the `last` probe waits on a stream that reports no messages (the count of a
+/// stream's `queue.declare-ok` lags behind publishes).
+const EMPTY_PROBE: Duration = Duration::from_millis(500);
+/// Deliveries in flight per stream read (a stream consumer needs a prefetch).
+const READ_PREFETCH: u16 = 512;
+/// Landed messages in flight per relay.
+const RELAY_PREFETCH: u16 = 32;
+
+/// A consumer's dead letters on RabbitMQ: the dead-letter stream read by offset, with the
+/// removal ledger applied. Made by
+/// [`Broker::dead_letters`](reliq_core::Broker::dead_letters).
+///
+/// - **The DLQ is a stream** ([`Names::parking`]). reliq's dead letters are published to
+///   it with confirms; a stream consumer (`x-stream-offset`, manual ack, a prefetch)
+///   reads it without removing anything — an ack on a stream only returns credit, so a
+///   browse changes no depth, no order and no delivery count. The cursor is the offset of
+///   the next entry to read.
+/// - **The end of a read** is found without a timing guess where it matters: a consumer
+///   started at `last` first names the first offset of the stream's last chunk; a read
+///   starts no later than that offset and waits as long as it takes (up to 15 s) for
+///   every offset up to it, and only past it treats a short quiet spell (300 ms) as
+///   the end — the rest of the last chunk is delivered in the same burst.
+/// - **Removal** appends a record of `(offset, id)` pairs to the removal ledger
+///   ([`Names::removed`], a stream), confirmed before `remove` returns: a stream cannot
+///   delete one message. Browse, get and count skip an entry whose offset *and* id are in
+///   the ledger (so a recreated stream, whose offsets start again at 0, hides nothing).
+///   The ledger is read whole once per reader and then from where it was left; what a
+///   reader caches are facts that never change (a confirmed ledger record), never a cursor.
+/// - **The landing queue** ([`Names::landing`]) is where the consumer queue dead-letters
+///   on its own (delivery limit, at-least-once). Each landed message is given a reliq
+///   record from its `x-death` (reason `max-deliveries`, time, queue, exchange, routing
+///   key), published to the stream with a confirm, and only then acked on the landing
+///   queue: by a relay beside each running consumer's receiver and by every reader call
+///   before it reads. A crash between the two gives a second copy in the stream, never a
+///   loss.
+pub struct RabbitDeadLetters {
+    inner: Arc<Inner>,
+    sub: Subscription,
+    names: Names,
+    /// The removals read from the ledger so far, and where the next ledger read starts.
+    ledger: Mutex<Ledger>,
+    /// Serialises this reader's removals, so two of its calls never pick the same entry.
+    removing: Mutex<()>,
+}
+
+impl std::fmt::Debug for RabbitDeadLetters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitDeadLetters")
+            .field("stream", &self.names.parking)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Default)]
+struct Ledger {
+    /// The ledger offset the next read starts at.
+    next: u64,
+    /// Removed entries: (offset in the dead-letter stream, message id).
+    removed: HashSet<(u64, MessageId)>,
+}
+
+impl Ledger {
+    fn hides(&self, offset: u64, id: &MessageId) -> bool {
+        // Probing with a clone is cheap next to the network read of the entry.
+        self.removed.contains(&(offset, id.clone()))
+    }
+}
+
+/// One ledger record's payload: the `(offset, id)` pairs one `remove` took out.
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct LedgerRecord {
+    removed: Vec<(u64, String)>,
+}
+
+impl RabbitDeadLetters {
+    /// A reader of `sub`'s dead letters; declares the stream, the ledger and the landing
+    /// queue (idempotent).
+    pub(crate) async fn open(inner: Arc<Inner>, sub: &Subscription) -> Result<Self, BrokerError> {
+        let ch = inner.channel().await?;
+        topology::declare_dead_letters(&ch, sub, &inner.opts, &inner.store).await?;
+        let _ = ch.close(200, "ok".into()).await;
+        let reader = Self {
+            inner,
+            sub: sub.clone(),
+            names: Names::of(sub),
+            ledger: Mutex::new(Ledger::default()),
+            removing: Mutex::new(()),
+        };
+        // An empty stream can only be told from a slow one by waiting (`EMPTY_PROBE`):
+        // give an empty ledger one empty record, so every later read of it ends at once.
+        if last_chunk_start(&reader.inner, &reader.names.removed)
+            .await?
+            .is_none()
+        {
+            reader.append_to_ledger(&LedgerRecord::default()).await?;
+        }
+        Ok(reader)
+    }
+
+    /// Append `record` to the ledger, confirmed.
+    async fn append_to_ledger(&self, record: &LedgerRecord) -> Result<(), BrokerError> {
+        let payload = serde_json::to_vec(record).map_err(|e| BrokerError::Other(Box::new(e)))?;
+        let ledger = &self.names.removed;
+        self.inner
+            .publish_to(
+                "",
+                ledger,
+                &Message::new(payload),
+                Target::Queue("removal ledger", ledger),
+            )
+            .await
+    }
+
+    /// Move what landed in the landing queue into the stream, then (at once) bring the
+    /// ledger up to date and find the stream's end; the ledger, locked, and the first
+    /// offset of the stream's last chunk (`None`: empty).
+    async fn refresh(
+        &self,
+    ) -> Result<(tokio::sync::MutexGuard<'_, Ledger>, Option<u64>), BrokerError> {
+        drain_landing(&self.inner, &self.sub, &self.names).await?;
+        let (ledger, end) = tokio::join!(
+            self.read_ledger(),
+            last_chunk_start(&self.inner, &self.names.parking)
+        );
+        Ok((ledger?, end?))
+    }
+
+    /// The ledger, read on from where this reader left it.
+    async fn read_ledger(&self) -> Result<tokio::sync::MutexGuard<'_, Ledger>, BrokerError> {
+        let mut ledger = self.ledger.lock().await;
+        let end = last_chunk_start(&self.inner, &self.names.removed).await?;
+        let mut records = Vec::new();
+        let scan = scan(&self.inner, &self.names.removed, ledger.next, end, |_, d| {
+            match serde_json::from_slice::<LedgerRecord>(&d.data) {
+                Ok(r) => records.push(r),
+                Err(e) => {
+                    tracing::warn!(ledger = %self.names.removed, error = %e, "unreadable removal-ledger record skipped");
+                }
+            }
+            true
+        })
+        .await?;
+        for record in records {
+            for (offset, id) in record.removed {
+                ledger.removed.insert((offset, MessageId::from(id)));
+            }
+        }
+        ledger.next = scan.next;
+        Ok(ledger)
+    }
+
+    fn entry(offset: u64, message: Message) -> DeadLetterEntry {
+        DeadLetterEntry {
+            message,
+            position: format!("stream offset {offset}"),
+        }
+    }
+}
+
+fn parse_cursor(cursor: &Cursor) -> Result<u64, BrokerError> {
+    match cursor.as_str() {
+        None => Ok(0),
+        Some(text) => text.parse().map_err(|_| BrokerError::Config {
+            field: "cursor".into(),
+            reason: format!("`{text}` is not a RabbitMQ dead-letter cursor (a stream offset)"),
+        }),
+    }
+}
+
+#[async_trait]
+impl DeadLetters for RabbitDeadLetters {
+    async fn browse(&self, from: &Cursor, max: usize) -> Result<DeadLetterPage, BrokerError> {
+        let start = parse_cursor(from)?;
+        let (ledger, end) = self.refresh().await?;
+        let mut entries = Vec::new();
+        let scan = scan(&self.inner, &self.names.parking, start, end, |offset, d| {
+            let message = codec::message(&d.properties, &d.data);
+            if ledger.hides(offset, message.id()) {
+                return true;
+            }
+            if entries.len() == max {
+                return false; // one more entry: the page is not at the end
+            }
+            entries.push(Self::entry(offset, message));
+            true
+        })
+        .await?;
+        Ok(DeadLetterPage {
+            entries,
+            next: Cursor::from(scan.next.to_string()),
+            at_end: scan.at_end,
+        })
+    }
+
+    async fn get(&self, id: &MessageId) -> Result<Option<DeadLetterEntry>, BrokerError> {
+        let (ledger, end) = self.refresh().await?;
+        let mut found = None;
+        scan(&self.inner, &self.names.parking, 0, end, |offset, d| {
+            let message = codec::message(&d.properties, &d.data);
+            if message.id() != id || ledger.hides(offset, id) {
+                return true;
+            }
+            found = Some(Self::entry(offset, message));
+            false
+        })
+        .await?;
+        Ok(found)
+    }
+
+    async fn remove(&self, ids: &[MessageId]) -> Result<Vec<MessageId>, BrokerError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let _serial = self.removing.lock().await;
+        let (mut ledger, end) = self.refresh().await?;
+        let mut wanted = IdCounts::new(ids);
+        let mut taken: Vec<(u64, MessageId)> = Vec::new();
+        scan(&self.inner, &self.names.parking, 0, end, |offset, d| {
+            let message = codec::message(&d.properties, &d.data);
+            if !ledger.hides(offset, message.id()) && wanted.take(message.id()) {
+                taken.push((offset, message.id().clone()));
+            }
+            !wanted.is_done()
+        })
+        .await?;
+        if taken.is_empty() {
+            return Ok(Vec::new());
+        }
+        let record = LedgerRecord {
+            removed: taken
+                .iter()
+                .map(|(o, id)| (*o, id.as_str().to_owned()))
+                .collect(),
+        };
+        self.append_to_ledger(&record).await?;
+        let removed = taken.iter().map(|(_, id)| id.clone()).collect();
+        ledger.removed.extend(taken);
+        Ok(removed)
+    }
+
+    async fn count(&self) -> Result<DeadLetterCount, BrokerError> {
+        let (ledger, end) = self.refresh().await?;
+        let mut count = DeadLetterCount::default();
+        scan(&self.inner, &self.names.parking, 0, end, |offset, d| {
+            let message = codec::message(&d.properties, &d.data);
+            if !ledger.hides(offset, message.id()) {
+                count.count += 1;
+                count.note(message.headers());
+            }
+            true
+        })
+        .await?;
+        Ok(count)
+    }
+}
+
+/// Where a stream read starts.
+#[derive(Clone, Copy, Debug)]
+enum Start {
+    /// At this offset (or the first one the stream still holds, if later).
+    Offset(u64),
+    /// At the first offset of the last chunk.
+    Last,
+}
+
+/// One stream consumer on its own channel.
+struct StreamRead {
+    ch: Channel,
+    consumer: lapin::Consumer,
+    stream: String,
+}
+
+/// The offset a stream delivery carries in its `x-stream-offset` header.
+fn offset_of(d: &lapin::message::Delivery) -> Option<u64> {
+    match d
+        .properties
+        .headers()
+        .as_ref()?
+        .inner()
+        .get("x-stream-offset")?
+    {
+        AMQPValue::LongLongInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::LongUInt(n) => Some(u64::from(*n)),
+        AMQPValue::LongInt(n) => u64::try_from(*n).ok(),
+        _ => None,
+    }
+}
+
+impl StreamRead {
+    /// Start reading `stream` at `start`; also the message count the broker reports for
+    /// it (it lags behind publishes: a hint, never the truth).
+    async fn open(
+        inner: &Inner,
+        stream: &str,
+        start: Start,
+        prefetch: u16,
+    ) -> Result<(Self, u32), BrokerError> {
+        let ch = inner.channel().await?;
+        let name = short("queue", stream)?;
+        let declared = ch
+            .queue_declare(
+                name.clone(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| missing_or(stream, e))?;
+        ch.basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .map_err(|e| RabbitError::client("basic.qos", e))?;
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-stream-offset".into(),
+            match start {
+                Start::Offset(n) => AMQPValue::LongLongInt(i64::try_from(n).unwrap_or(i64::MAX)),
+                Start::Last => AMQPValue::LongString(LongString::from("last")),
+            },
+        );
+        let consumer = ch
+            .basic_consume(name, "".into(), BasicConsumeOptions::default(), args)
+            .await
+            .map_err(|e| missing_or(stream, e))?;
+        Ok((
+            Self {
+                ch,
+                consumer,
+                stream: stream.to_owned(),
+            },
+            declared.message_count(),
+        ))
+    }
+
+    /// The next entry and its offset, or `None` after `wait` without one. Acked at once:
+    /// on a stream an ack removes nothing, it only returns the credit of the prefetch.
+    async fn next(
+        &mut self,
+        wait: Duration,
+    ) -> Result<Option<(u64, lapin::message::Delivery)>, BrokerError> {
+        loop {
+            let d = match tokio::time::timeout(wait, self.consumer.next()).await {
+                Err(_) => return Ok(None),
+                Ok(Some(Ok(d))) => d,
+                Ok(Some(Err(e))) => return Err(RabbitError::client("reading a stream", e)),
+                Ok(None) => {
+                    return Err(BrokerError::connection(format!(
+                        "the broker cancelled the reader of stream `{}`",
+                        self.stream
+                    )));
+                }
+            };
+            self.ch
+                .basic_ack(d.delivery_tag, BasicAckOptions::default())
+                .await
+                .map_err(|e| RabbitError::client("basic.ack", e))?;
+            match offset_of(&d) {
+                Some(offset) => return Ok(Some((offset, d))),
+                None => {
+                    tracing::warn!(stream = %self.stream, "stream delivery without x-stream-offset skipped")
+                }
+            }
+        }
+    }
+
+    async fn close(self) {
+        let _ = self.ch.close(200, "read done".into()).await;
+    }
+}
+
+/// A missing stream (404) is named; anything else is a client error.
+fn missing_or(stream: &str, e: lapin::Error) -> BrokerError {
+    if reply_code(&e) == Some(404) {
+        BrokerError::Unroutable(format!(
+            "dead-letter stream `{stream}` does not exist (declare it with \
+             RabbitBroker::declare_dead_letter_queue or by subscribing)"
+        ))
+    } else {
+        RabbitError::client("opening a stream reader", e)
+    }
+}
+
+/// How a [`scan`] ended.
+struct Scan {
+    /// The offset to read next: after the last entry visited, or the entry `visit`
+    /// declined.
+    next: u64,
+    /// The scan reached the end of what the stream held when it began.
+    at_end: bool,
+}
+
+/// The first offset of `stream`'s last chunk, `None` when it is empty.
+async fn last_chunk_start(inner: &Inner, stream: &str) -> Result<Option<u64>, BrokerError> {
+    let (mut read, reported) = StreamRead::open(inner, stream, Start::Last, 1).await?;
+    let wait = if reported > 0 { STALL } else { EMPTY_PROBE };
+    let first = read.next(wait).await;
+    read.close().await;
+    match first? {
+        Some((offset, _)) => Ok(Some(offset)),
+        None if reported > 0 => Err(BrokerError::Timeout(STALL)),
+        None => Ok(None),
+    }
+}
+
+/// Read `stream` from offset `from` to the end found by [`last_chunk_start`] (`end`),
+/// handing each entry to `visit` until it returns `false` (that entry is then where the
+/// next read starts).
+async fn scan(
+    inner: &Inner,
+    stream: &str,
+    from: u64,
+    end: Option<u64>,
+    mut visit: impl FnMut(u64, &lapin::message::Delivery) -> bool + Send,
+) -> Result<Scan, BrokerError> {
+    let Some(last_chunk) = end else {
+        return Ok(Scan {
+            next: from,
+            at_end: true,
+        });
+    };
+    // Start no later than the last chunk, so its first offset is always delivered: until
+    // it is, every wait is for an entry known to exist; after it, the rest of that chunk
+    // comes in the same burst, and a quiet spell is the end.
+    let start = from.min(last_chunk);
+    let (mut read, _) =
+        StreamRead::open(inner, stream, Start::Offset(start), READ_PREFETCH).await?;
+    let mut position = from;
+    let mut past_last_chunk = false;
+    let result = loop {
+        let wait = if past_last_chunk { SETTLE } else { STALL };
+        match read.next(wait).await {
+            Err(e) => break Err(e),
+            Ok(None) if !past_last_chunk => {
+                break Err(BrokerError::connection(format!(
+                    "stream `{stream}` delivered nothing for {STALL:?} before offset {last_chunk}"
+                )));
+            }
+            Ok(None) => {
+                break Ok(Scan {
+                    next: position,
+                    at_end: true,
+                });
+            }
+            Ok(Some((offset, d))) => {
+                past_last_chunk |= offset >= last_chunk;
+                // A read starts at the chunk holding its start offset: skip what precedes.
+                if offset < from {
+                    continue;
+                }
+                if !visit(offset, &d) {
+                    break Ok(Scan {
+                        next: offset,
+                        at_end: false,
+                    });
+                }
+                position = offset + 1;
+            }
+        }
+    };
+    read.close().await;
+    result
+}
+
+/// Give a landed message its reliq record (from `x-death`, when it has none) and publish
+/// it to the dead-letter stream, confirmed.
+async fn move_landed(
+    inner: &Inner,
+    sub: &Subscription,
+    names: &Names,
+    properties: &BasicProperties,
+    data: &[u8],
+) -> Result<(), BrokerError> {
+    let message = codec::translate_broker_dead_letter(
+        codec::message(properties, data),
+        properties,
+        &sub.consumer,
+        &sub.source,
+        &names.queue,
+    );
+    inner
+        .publish_to(
+            "",
+            &names.parking,
+            &message,
+            Target::Queue("dead-letter stream", &names.parking),
+        )
+        .await
+}
+
+/// Move everything in the landing queue into the stream (each confirmed, then acked).
+async fn drain_landing(
+    inner: &Inner,
+    sub: &Subscription,
+    names: &Names,
+) -> Result<(), BrokerError> {
+    let ch = inner.channel().await?;
+    let result = drain_on(&ch, inner, sub, names).await;
+    // Closing returns whatever was taken and not acked (a failed move) to the queue.
+    let _ = ch.close(200, "drained".into()).await;
+    result
+}
+
+async fn drain_on(
+    ch: &Channel,
+    inner: &Inner,
+    sub: &Subscription,
+    names: &Names,
+) -> Result<(), BrokerError> {
+    let queue = short("queue", &names.landing)?;
+    let mut moved = 0u64;
+    while let Some(m) = ch
+        .basic_get(queue.clone(), BasicGetOptions::default())
+        .await
+        .map_err(|e| RabbitError::client("basic.get on the landing queue", e))?
+    {
+        move_landed(inner, sub, names, &m.delivery.properties, &m.delivery.data).await?;
+        ch.basic_ack(m.delivery.delivery_tag, BasicAckOptions::default())
+            .await
+            .map_err(|e| RabbitError::client("basic.ack", e))?;
+        moved += 1;
+    }
+    if moved > 0 {
+        tracing::info!(landing = %names.landing, stream = %names.parking, moved, "moved broker dead letters into the dead-letter stream");
+    }
+    Ok(())
+}
+
+/// Stops a [`spawn_relay`] task when dropped (after the move in progress, if any).
+pub(crate) struct RelayStop {
+    _stop: watch::Sender<()>,
+}
+
+/// While the returned handle lives, move what lands in `sub`'s landing queue into its
+/// dead-letter stream as it arrives (confirmed, then acked), reconnecting with the
+/// broker's backoff.
+pub(crate) fn spawn_relay(inner: Arc<Inner>, sub: Subscription) -> RelayStop {
+    let (tx, rx) = watch::channel(());
+    tokio::spawn(relay(inner, sub, rx));
+    RelayStop { _stop: tx }
+}
+
+async fn relay(inner: Arc<Inner>, sub: Subscription, mut stop: watch::Receiver<()>) {
+    let names = Names::of(&sub);
+    let mut failures = 0u32;
+    loop {
+        let ch = match inner.channel().await {
+            Ok(ch) => ch,
+            Err(e) => {
+                failures += 1;
+                if !relay_pause(&inner, &names, failures, &e, &mut stop).await {
+                    return;
+                }
+                continue;
+            }
+        };
+        let result = relay_on(&ch, &inner, &sub, &names, &mut stop, &mut failures).await;
+        // Closing returns an unacked landed message (a failed move) to the queue.
+        let _ = ch.close(200, "relay stopped".into()).await;
+        match result {
+            Ok(()) => return,
+            Err(e) => {
+                failures += 1;
+                if !relay_pause(&inner, &names, failures, &e, &mut stop).await {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Wait out the backoff after a relay failure; `false` when stopped meanwhile.
+async fn relay_pause(
+    inner: &Inner,
+    names: &Names,
+    failures: u32,
+    error: &BrokerError,
+    stop: &mut watch::Receiver<()>,
+) -> bool {
+    let wait = inner.opts.reconnect.delay(failures);
+    tracing::warn!(landing = %names.landing, error = %error, failures, retry_in = ?wait, "moving broker dead letters into the dead-letter stream failed");
+    tokio::select! {
+        _ = tokio::time::sleep(wait) => true,
+        _ = stop.changed() => false,
+    }
+}
+
+/// Consume the landing queue until stopped (`Ok`) or a failure.
+async fn relay_on(
+    ch: &Channel,
+    inner: &Inner,
+    sub: &Subscription,
+    names: &Names,
+    stop: &mut watch::Receiver<()>,
+    failures: &mut u32,
+) -> Result<(), BrokerError> {
+    ch.basic_qos(RELAY_PREFETCH, BasicQosOptions::default())
+        .await
+        .map_err(|e| RabbitError::client("basic.qos", e))?;
+    let mut consumer = ch
+        .basic_consume(
+            short("queue", &names.landing)?,
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| RabbitError::client("basic.consume on the landing queue", e))?;
+    loop {
+        // The stop is only seen between moves: a move in progress finishes (confirm, ack).
+        let next = tokio::select! {
+            _ = stop.changed() => return Ok(()),
+            next = consumer.next() => next,
+        };
+        let d = match next {
+            Some(Ok(d)) => d,
+            Some(Err(e)) => return Err(RabbitError::client("consuming the landing queue", e)),
+            None => {
+                return Err(BrokerError::connection(
+                    "the broker cancelled the landing-queue relay",
+                ));
+            }
+        };
+        move_landed(inner, sub, names, &d.properties, &d.data).await?;
+        ch.basic_ack(d.delivery_tag, BasicAckOptions::default())
+            .await
+            .map_err(|e| RabbitError::client("basic.ack", e))?;
+        tracing::debug!(landing = %names.landing, message_id = ?d.properties.message_id(), "broker dead letter moved into the dead-letter stream");
+        *failures = 0;
+    }
+}
