@@ -7,8 +7,8 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use reliq_conformance::support::unique;
 use reliq_core::{
-    BoxError, Broker, Consumer, DeadLetter, DeadLetterReason, Delivery, Destination, Message,
-    RetryPolicy, Subscription,
+    BoxError, Broker, Consumer, Cursor, DeadLetter, DeadLetterEntry, DeadLetterReason, DeadLetters,
+    Delivery, Destination, Message, RetryPolicy, Subscription,
 };
 use reliq_integration::nats::NatsBackend;
 
@@ -88,22 +88,16 @@ async fn advisory_relays_are_idempotent() -> anyhow::Result<()> {
     // A pending pull lets the server notice the limit and send the advisory.
     let none = tokio::time::timeout(Duration::from_secs(4), rx.receive()).await;
     ensure!(none.is_err(), "delivered past max_deliver");
-    let dlq = first.dead_letter_receiver(&sub).await?;
-    let dead = tokio::time::timeout(Duration::from_secs(10), dlq.receive())
-        .await
-        .context("no dead letter")??;
-    let record = DeadLetter::read(dead.headers())?;
+    let broker: Arc<dyn Broker> = Arc::new(first);
+    let dlq = broker.dead_letters(&sub).await?;
+    let dead = only_dead_letter(dlq.as_ref()).await?;
+    let record = dead.record()?;
     ensure!(dead.id() == &id);
     ensure!(
         record.reason == DeadLetterReason::MaxDeliveries && record.attempts == 2,
         "{record:?}"
     );
     ensure!(record.origin.sequence == Some(1), "{:?}", record.origin);
-    let duplicate = tokio::time::timeout(Duration::from_secs(2), dlq.receive()).await;
-    ensure!(
-        duplicate.is_err(),
-        "the second relay made a duplicate DLQ entry"
-    );
     Ok(())
 }
 
@@ -147,11 +141,10 @@ async fn foreign_terminations_are_parked_and_reliq_ones_not_doubled() -> anyhow:
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
 
-    let dlq = broker.dead_letter_receiver(&sub).await?;
-    let dead = tokio::time::timeout(Duration::from_secs(10), dlq.receive())
-        .await
-        .context("the terminated message never reached the DLQ")??;
-    let record = DeadLetter::read(dead.headers())?;
+    let broker: Arc<dyn Broker> = Arc::new(broker);
+    let dlq = broker.dead_letters(&sub).await?;
+    let dead = only_dead_letter(dlq.as_ref()).await?;
+    let record = dead.record()?;
     ensure!(dead.payload() == b"foreign");
     ensure!(record.reason == DeadLetterReason::Permanent, "{record:?}");
     ensure!(
@@ -160,11 +153,165 @@ async fn foreign_terminations_are_parked_and_reliq_ones_not_doubled() -> anyhow:
             .as_deref()
             .is_some_and(|e| e.contains("terminated outside reliq"))
     );
+    Ok(())
+}
+
+/// Waits (10 s at most) for the DLQ to hold an entry, then checks for 2 s that it stays the
+/// only one (a second relay or a doubled termination would add another); returns it.
+async fn only_dead_letter(dlq: &dyn DeadLetters) -> anyhow::Result<DeadLetterEntry> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while dlq.count().await?.count == 0 {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "nothing reached the DLQ"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let quiet = tokio::time::Instant::now() + Duration::from_secs(2);
+    while tokio::time::Instant::now() < quiet {
+        let count = dlq.count().await?.count;
+        ensure!(count == 1, "{count} DLQ entries for one message");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let page = dlq.browse(&Cursor::start(), 10).await?;
+    ensure!(page.entries.len() == 1 && page.at_end, "{page:?}");
+    page.entries.into_iter().next().context("no entry")
+}
+
+/// A browse cut off by a timeout in the middle of its reads, then retried from the same
+/// cursor, returns every entry once, in order (the old destructive reader moved its
+/// cursor before its read, so a timed-out read skipped an entry); nothing is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn browse_timed_out_mid_read_skips_nothing() -> anyhow::Result<()> {
+    let backend = NatsBackend::new();
+    let nats = backend.connect_nats().await?;
+    let topic = unique("nats-dlq-cancel");
+    let sub = Subscription::new("browsing", topic.clone());
+    nats.declare_dead_letters(&sub).await?;
+    let dlq_subject = reliq_nats::dead_letter_subject(&sub);
+    let mut ids = Vec::new();
+    for i in 0..30 {
+        let message = Message::new(format!("dead {i}"));
+        ids.push(message.id().clone());
+        nats.publish(&Destination::new(dlq_subject.clone()), message)
+            .await?;
+    }
+    let broker: Arc<dyn Broker> = Arc::new(nats);
+    let dlq = broker.dead_letters(&sub).await?;
+    let mut cursor = Cursor::start();
+    let mut seen = Vec::new();
+    let mut cancelled = 0;
+    let mut timeout = Duration::from_micros(100);
+    loop {
+        match tokio::time::timeout(timeout, dlq.browse(&cursor, 4)).await {
+            // Cut off mid-page: the next try reads from the same cursor, a bit longer.
+            Err(_) => {
+                cancelled += 1;
+                timeout += Duration::from_micros(100);
+            }
+            Ok(page) => {
+                let page = page?;
+                seen.extend(page.entries.iter().map(|e| e.id().clone()));
+                if page.at_end {
+                    break;
+                }
+                cursor = page.next;
+                timeout = Duration::from_micros(100);
+            }
+        }
+        ensure!(cancelled < 10_000, "a browse never finished");
+    }
     ensure!(
-        tokio::time::timeout(Duration::from_secs(2), dlq.receive())
-            .await
-            .is_err(),
-        "one termination, one DLQ entry"
+        cancelled > 0,
+        "no browse was cut off: the test proves nothing"
+    );
+    ensure!(
+        seen == ids,
+        "read {} of {}: {seen:?}",
+        seen.len(),
+        ids.len()
+    );
+    let count = dlq.count().await?;
+    ensure!(count.count == 30, "browsing removed entries: {count:?}");
+    Ok(())
+}
+
+/// Browse pages, `get`, `count` (with the oldest dead-lettered-at) and `remove` on the
+/// DLQ stream: removal is by id, oldest copy first, unknown ids skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_browse_get_count_remove() -> anyhow::Result<()> {
+    let backend = NatsBackend::new();
+    let nats = backend.connect_nats().await?;
+    let topic = unique("nats-dlq-ops");
+    let sub = Subscription::new("ops", topic.clone());
+    nats.declare_dead_letters(&sub).await?;
+    let dlq_subject = reliq_nats::dead_letter_subject(&sub);
+    let first_at = std::time::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    let mut ids = Vec::new();
+    for i in 0..5u64 {
+        let mut message = Message::new(format!("dead {i}"));
+        DeadLetter {
+            reason: DeadLetterReason::Permanent,
+            error_class: None,
+            error: Some(format!("failure {i}")),
+            attempts: 1,
+            first_failure_at: None,
+            dead_lettered_at: first_at + Duration::from_secs(i),
+            consumer: sub.consumer.clone(),
+            origin: Default::default(),
+        }
+        .write(message.headers_mut());
+        ids.push(message.id().clone());
+        nats.publish(&Destination::new(dlq_subject.clone()), message)
+            .await?;
+    }
+    let broker: Arc<dyn Broker> = Arc::new(nats);
+    let dlq = broker.dead_letters(&sub).await?;
+    let count = dlq.count().await?;
+    ensure!(count.count == 5, "{count:?}");
+    ensure!(count.oldest_dead_lettered_at == Some(first_at), "{count:?}");
+
+    let page = dlq.browse(&Cursor::start(), 3).await?;
+    let read: Vec<_> = page.entries.iter().map(|e| e.id().clone()).collect();
+    ensure!(read == ids[..3] && !page.at_end, "{page:?}");
+    ensure!(page.entries[0].position == "stream sequence 1");
+    let rest = dlq.browse(&page.next, 3).await?;
+    let read: Vec<_> = rest.entries.iter().map(|e| e.id().clone()).collect();
+    ensure!(read == ids[3..] && rest.at_end, "{rest:?}");
+    // At the end, the cursor reads what arrives later.
+    let later = dlq.browse(&rest.next, 3).await?;
+    ensure!(later.entries.is_empty() && later.at_end && later.next == rest.next);
+
+    let got = dlq.get(&ids[2]).await?.context("get found nothing")?;
+    ensure!(got.payload() == b"dead 2" && got.record()?.error.as_deref() == Some("failure 2"));
+    ensure!(
+        dlq.get(&reliq_core::MessageId::from("unknown"))
+            .await?
+            .is_none()
+    );
+
+    let removed = dlq
+        .remove(&[ids[0].clone(), "unknown".into(), ids[3].clone()])
+        .await?;
+    ensure!(
+        removed == vec![ids[0].clone(), ids[3].clone()],
+        "{removed:?}"
+    );
+    ensure!(
+        dlq.remove(&[ids[0].clone()]).await?.is_empty(),
+        "removed twice"
+    );
+    let count = dlq.count().await?;
+    ensure!(count.count == 3, "{count:?}");
+    ensure!(
+        count.oldest_dead_lettered_at == Some(first_at + Duration::from_secs(1)),
+        "{count:?}"
+    );
+    let all = dlq.browse(&Cursor::start(), 10).await?;
+    let read: Vec<_> = all.entries.iter().map(|e| e.id().clone()).collect();
+    ensure!(
+        read == vec![ids[1].clone(), ids[2].clone(), ids[4].clone()] && all.at_end,
+        "{all:?}"
     );
     Ok(())
 }

@@ -9,12 +9,12 @@ use async_trait::async_trait;
 use reliq_core::{
     Broker, BrokerError, Capabilities, Destination, Message, Receiver, ReceiverId, Subscription,
 };
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::AtomicU32;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::codec::to_nats_headers;
-use crate::dead_letters::DeadLetterReader;
+use crate::dead_letters::NatsDeadLetters;
 use crate::error::{connection, other};
 use crate::names::{
     consumer_name, dead_letter_stream, dead_letter_subject, filter_subject, stream_name, subject,
@@ -124,7 +124,7 @@ impl NatsBroker {
     }
 
     /// Declare the subscription's DLQ stream (idempotent). A dead letter stays until an
-    /// operator tool (replay) acknowledges it, which deletes it from the stream.
+    /// operator tool (replay, purge) removes it through [`Broker::dead_letters`].
     pub async fn declare_dead_letters(&self, sub: &Subscription) -> Result<(), BrokerError> {
         self.inner
             .js
@@ -347,16 +347,6 @@ impl Broker for NatsBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
-        Ok(Box::new(reliq_core::dead_letters::ReceiverScan::new(
-            std::sync::Arc::new(self.clone()),
-            subscription.clone(),
-        )))
-    }
-
-    async fn dead_letter_receiver(
-        &self,
-        subscription: &Subscription,
-    ) -> Result<Box<dyn Receiver>, BrokerError> {
         self.declare_dead_letters(subscription).await?;
         let stream = self
             .inner
@@ -364,13 +354,10 @@ impl Broker for NatsBroker {
             .get_stream(dead_letter_stream(subscription))
             .await
             .map_err(other)?;
-        Ok(Box::new(DeadLetterReader {
-            owner: ReceiverId::next(),
+        Ok(Box::new(NatsDeadLetters::new(
             stream,
-            next: AtomicU64::new(1),
-            cursor: tokio::sync::Mutex::new(()),
-            closed: CancellationToken::new(),
-        }))
+            dead_letter_subject(subscription),
+        )))
     }
 }
 

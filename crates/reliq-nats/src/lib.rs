@@ -11,6 +11,7 @@
 //! | retry after d | `NakWithDelay(d)`: the server redelivers the original after `d`; never a plain `nak()` |
 //! | dead-letter | publish to the DLQ stream `DLQ_<stream>_<consumer>` (subject `dlq.<stream>.<consumer>`), wait for the `PubAck`, then `+TERM` |
 //! | attempt | the delivery count in the message metadata |
+//! | dead_letters | the DLQ stream read without a consumer: **browse** = direct gets of the next message on the DLQ subject from a stream sequence (nothing acked, delivered or moved; cursor = the next stream sequence, text); **get** = a browse for the id (the oldest copy); **remove** = `STREAM.MSG.DELETE` of the entry's sequence, confirmed by the server (oldest copy first; a sequence already gone is skipped); **count** = the stream's message count + the first entry's `reliq-dead-lettered-at` (one read) |
 //! | crash loop | `max_deliver`; an **advisory relay** turns `MAX_DELIVERIES` advisories into DLQ entries (reason `max-deliveries`), and `MSG_TERMINATED` advisories of terminations by other clients (reliq's own `+TERM reliq` are skipped) into entries with reason `permanent`, idempotently (`Nats-Msg-Id`) |
 //!
 //! Capabilities (documented limitations, see [`reliq_core::Capabilities`]):
