@@ -17,7 +17,8 @@ use crate::codec::to_nats_headers;
 use crate::dead_letters::NatsDeadLetters;
 use crate::error::{connection, other};
 use crate::names::{
-    consumer_name, dead_letter_stream, dead_letter_subject, filter_subject, stream_name, subject,
+    consumer_name, dead_letter_stream, dead_letter_subject, filter_subjects, retry_subjects,
+    stream_name, subject,
 };
 use crate::options::{ExistingConsumer, NatsOptions};
 use crate::receiver::NatsReceiver;
@@ -108,18 +109,41 @@ impl NatsBroker {
         })
     }
 
-    /// Declare the source stream (idempotent): subjects `<source>` and `<source>.>`.
+    /// Declare the source stream (idempotent): subjects `<source>` and `<source>.>`, and
+    /// [`retry_subjects`](crate::retry_subjects) `retry.<stream>.>` with message schedules
+    /// allowed, where its consumers' retries wait (NATS 2.12+). A stream that exists
+    /// without them (made by another tool, or by an older reliq) is updated to have them.
     pub async fn declare_source(&self, source: &str) -> Result<(), BrokerError> {
-        self.inner
+        let retries = retry_subjects(source);
+        let stream = self
+            .inner
             .js
             .get_or_create_stream(stream::Config {
                 name: stream_name(source),
-                subjects: vec![source.to_owned(), format!("{source}.>")],
+                subjects: vec![source.to_owned(), format!("{source}.>"), retries.clone()],
                 allow_direct: true,
+                allow_message_schedules: true,
                 ..Default::default()
             })
             .await
             .map_err(other)?;
+        let mut config = stream.cached_info().config.clone();
+        if config.allow_message_schedules && config.subjects.contains(&retries) {
+            return Ok(());
+        }
+        tracing::info!(stream = %config.name, subjects = %retries,
+            "adding the retry subjects and message schedules to the source stream");
+        config.allow_message_schedules = true;
+        if !config.subjects.contains(&retries) {
+            config.subjects.push(retries);
+        }
+        self.inner.js.update_stream(&config).await.map_err(|e| {
+            BrokerError::connection(format!(
+                "updating source stream `{}` for retries (message schedules need NATS 2.12+)",
+                config.name
+            ))
+            .caused_by(e)
+        })?;
         Ok(())
     }
 
@@ -211,7 +235,7 @@ impl NatsBroker {
             ack_wait: sub.lease,
             max_deliver: i64::from(sub.delivery_limit),
             max_ack_pending: i64::from(sub.prefetch) + i64::from(self.inner.options.retry_headroom),
-            filter_subject: filter_subject(sub),
+            filter_subjects: filter_subjects(sub),
             ..Default::default()
         };
         let name = consumer_name(&sub.consumer);
@@ -234,10 +258,15 @@ impl NatsBroker {
                 if c.ack_wait != wanted.ack_wait {
                     differs.push(format!("ack_wait {:?} ≠ {:?}", c.ack_wait, wanted.ack_wait));
                 }
-                if c.filter_subject != wanted.filter_subject {
+                if !c.filter_subject.is_empty() || c.filter_subjects != wanted.filter_subjects {
+                    let had = if c.filter_subject.is_empty() {
+                        c.filter_subjects.join(", ")
+                    } else {
+                        c.filter_subject.clone()
+                    };
                     differs.push(format!(
-                        "filter_subject `{}` ≠ `{}`",
-                        c.filter_subject, wanted.filter_subject
+                        "filter subjects `{had}` ≠ `{}`",
+                        wanted.filter_subjects.join(", ")
                     ));
                 }
                 if !differs.is_empty() {

@@ -7,6 +7,22 @@ use reliq_core::{Headers, Message, MessageId};
 pub const KEY_HEADER: &str = "reliq-key";
 /// The server-side deduplication header.
 pub(crate) const MSG_ID: &str = "Nats-Msg-Id";
+/// On a retry copy: the stream sequence and subject of the message first consumed
+/// (`<seq> <subject>`), so its origin (route, sequence) survives the copy.
+pub(crate) const ORIGIN_HEADER: &str = "reliq-nats-origin";
+/// When the server publishes a scheduled retry (RFC 3339).
+pub(crate) const SCHEDULE: &str = "Nats-Schedule";
+/// Where the server publishes a scheduled retry.
+pub(crate) const SCHEDULE_TARGET: &str = "Nats-Schedule-Target";
+/// Headers the server puts on what a schedule produced: not the message's own.
+const SCHEDULER_HEADERS: [&str; 2] = ["Nats-Scheduler", "Nats-Schedule-Next"];
+
+/// The origin a retry copy carries: (stream sequence, subject) of the first delivery.
+pub(crate) fn copy_origin(nats_headers: Option<&async_nats::HeaderMap>) -> Option<(u64, String)> {
+    let value = nats_headers?.get(ORIGIN_HEADER)?.as_str();
+    let (seq, subject) = value.split_once(' ')?;
+    Some((seq.parse().ok()?, subject.to_owned()))
+}
 
 /// reliq headers → NATS headers (+ `Nats-Msg-Id` and the key header).
 pub(crate) fn to_nats_headers(message: &Message) -> async_nats::HeaderMap {
@@ -61,6 +77,8 @@ pub(crate) fn from_nats(
                         );
                     }
                 }
+                ORIGIN_HEADER => {}
+                n if SCHEDULER_HEADERS.contains(&n) => {}
                 _ => hs.insert(name, value),
             }
         }
@@ -89,5 +107,20 @@ mod tests {
         assert_eq!(back.key(), Some("k"));
         assert_eq!(back.headers().get("tenant"), Some("a"));
         assert!(back.headers().get(MSG_ID).is_none());
+    }
+
+    #[test]
+    fn a_retry_copy_keeps_its_origin_out_of_the_headers() {
+        let mut h = to_nats_headers(&Message::new("x"));
+        h.insert(ORIGIN_HEADER, "17 orders.created");
+        h.insert("Nats-Scheduler", "retry.orders.c.at.17");
+        assert_eq!(
+            copy_origin(Some(&h)),
+            Some((17, "orders.created".to_owned()))
+        );
+        let back = from_nats(Some(&h), "x".into(), "fallback".into());
+        assert!(back.headers().get(ORIGIN_HEADER).is_none());
+        assert!(back.headers().get("Nats-Scheduler").is_none());
+        assert_eq!(copy_origin(None), None);
     }
 }

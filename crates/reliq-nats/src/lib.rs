@@ -5,14 +5,25 @@
 //! | reliq primitive | JetStream |
 //! |---|---|
 //! | publish (confirmed) | publish to the source stream's subject, wait for the `PubAck`; `Nats-Msg-Id` = message id (the server deduplicates a producer's retry) |
-//! | subscribe | stream `<source>` (subjects `<source>` and `<source>.>`), durable pull consumer `<consumer>`: explicit ack, `ack_wait` = lease, `max_ack_pending` = prefetch + retry headroom (never unlimited, see [`NatsOptions::retry_headroom`]), `max_deliver` = delivery limit |
+//! | subscribe | stream `<source>` (subjects `<source>`, `<source>.>` and `retry.<stream>.>`, message schedules allowed — NATS 2.12+; an existing stream is updated to have them), durable pull consumer `<consumer>`: explicit ack, `ack_wait` = lease, `max_ack_pending` = prefetch + headroom for delayed releases (never unlimited, see [`NatsOptions::retry_headroom`]), `max_deliver` = delivery limit, filter subjects = its filter (or `<source>`, `<source>.>`) and its own `retry.<stream>.<consumer>.due` |
 //! | receive (bounded) | demand-driven pulls of at most `prefetch − held` messages; in-progress acks every `lease / 2` keep long handlers leased |
 //! | ack | `+ACK` (double-acked, i.e. confirmed by the server, by default) |
-//! | retry after d | `NakWithDelay(d)`: the server redelivers the original after `d`; never a plain `nak()` |
+//! | retry after d | publish the retry copy (same id, failure headers) as a scheduled message to `retry.<stream>.<consumer>.at.<seq>` with `Nats-Schedule: @at <now + d>` and `Nats-Schedule-Target: retry.<stream>.<consumer>.due`, wait for the `PubAck`, then `+ACK` the delivery: the retry waits durably in the stream, outside the consumer's `max_ack_pending`, and the server publishes it to the consumer's due subject after `d` (one schedule per subject: a retry scheduled again after a lost ack replaces it). The copy carries its origin (`reliq-nats-origin`: sequence and subject) |
 //! | dead-letter | publish to the DLQ stream `DLQ_<stream>_<consumer>` (subject `dlq.<stream>.<consumer>`), wait for the `PubAck`, then `+TERM` |
-//! | attempt | the delivery count in the message metadata |
+//! | attempt | the delivery count in the message metadata; on a retry copy, the attempt it was retried at plus its own redeliveries |
 //! | dead_letters | the DLQ stream read without a consumer: **browse** = direct gets of the next message on the DLQ subject from a stream sequence (nothing acked, delivered or moved; cursor = the next stream sequence, text); **get** = a browse for the id (the oldest copy); **remove** = `STREAM.MSG.DELETE` of the entry's sequence, confirmed by the server (oldest copy first; a sequence already gone is skipped); **count** = the stream's message count + the first entry's `reliq-dead-lettered-at` (one read) |
-//! | crash loop | `max_deliver`; an **advisory relay** turns `MAX_DELIVERIES` advisories into DLQ entries (reason `max-deliveries`), and `MSG_TERMINATED` advisories of terminations by other clients (reliq's own `+TERM reliq` are skipped) into entries with reason `permanent`, idempotently (`Nats-Msg-Id`) |
+//! | crash loop | `max_deliver` (per stream message: the original and each retry copy); an **advisory relay** turns `MAX_DELIVERIES` advisories into DLQ entries (reason `max-deliveries`), and `MSG_TERMINATED` advisories of terminations by other clients (reliq's own `+TERM reliq` are skipped) into entries with reason `permanent`, idempotently (`Nats-Msg-Id`) |
+//!
+//! Why retries are scheduled messages, not `NakWithDelay`: a message naked with a delay
+//! stays in the consumer's ack-pending set until it comes due, so a failure burst larger
+//! than `max_ack_pending` held back every later message until the burst's tier ran out.
+//! A schedule is an ordinary stored message (durable, replicated like the stream), counted
+//! against no consumer. The schedules and due copies live in the source stream because a
+//! schedule's target must be a subject of its own stream; each consumer reads only its own
+//! due subject, so no other consumer of the source sees them. Consequences: a source
+//! stream must be able to allow message schedules (not a mirror); the source names `retry`
+//! and `dlq` are taken; a consumer made by an older reliq has a different filter and needs
+//! [`ExistingConsumer::Update`] once.
 //!
 //! Capabilities (documented limitations, see [`reliq_core::Capabilities`]):
 //! `attempts_count_every_delivery` (the attempt is the server's delivery count, so a release
@@ -41,7 +52,10 @@ mod relay;
 
 pub use broker::NatsBroker;
 pub use codec::KEY_HEADER;
-pub use names::{dead_letter_stream, dead_letter_subject, stream_name, subject};
+pub use names::{
+    dead_letter_stream, dead_letter_subject, retry_due_subject, retry_subjects, stream_name,
+    subject,
+};
 pub use options::{ExistingConsumer, NatsOptions};
 
 /// Test fault switches (shared by every backend).

@@ -26,11 +26,12 @@ pub struct NatsOptions {
     pub confirm_acks: bool,
     /// Policy for an existing consumer with a different configuration.
     pub existing_consumer: ExistingConsumer,
-    /// Room on the server for retries waiting out their delay. JetStream counts a message
-    /// naked with a delay against `max_ack_pending` until it is redelivered, so the
-    /// consumer's `max_ack_pending` is `prefetch + retry_headroom`: with no headroom, a
-    /// burst of delayed retries would stall the consumer until they come due. What this
-    /// process holds stays bounded by `prefetch` (demand-driven pulls).
+    /// Room on the server for deliveries *released* with a delay (a shutdown or a settle
+    /// back-off: `NakWithDelay`, which JetStream counts against `max_ack_pending` until it
+    /// redelivers them); the consumer's `max_ack_pending` is `prefetch + retry_headroom`.
+    /// Retries do not need it: they wait as scheduled messages outside the consumer's
+    /// in-flight window, however many there are. What this process holds stays bounded by
+    /// `prefetch` (demand-driven pulls).
     pub retry_headroom: u32,
     /// Fault injection for tests (see [`Faults`]).
     pub faults: Option<Arc<Faults>>,

@@ -7,16 +7,19 @@ use std::time::{Duration, SystemTime};
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use async_trait::async_trait;
 use futures::{FutureExt, StreamExt};
-use reliq_core::headers::Origin;
+use reliq_core::headers::{self, Origin};
 use reliq_core::{
     BrokerError, Delivery, DeliveryToken, Message, Receiver, ReceiverId, RetryRequest, Subscription,
 };
 use tokio_util::sync::CancellationToken;
 
 use crate::NatsBroker;
-use crate::codec::{MSG_ID, from_nats, route_of, to_nats_headers};
+use crate::codec::{
+    MSG_ID, ORIGIN_HEADER, SCHEDULE, SCHEDULE_TARGET, copy_origin, from_nats, route_of,
+    to_nats_headers,
+};
 use crate::error::connection;
-use crate::names::{dead_letter_subject, stream_name};
+use crate::names::{dead_letter_subject, retry_due_subject, retry_schedule_subject, stream_name};
 
 /// The ack reliq sends after dead-lettering; its reason marks the termination as reliq's.
 const TERM_BY_RELIQ: &[u8] = b"+TERM reliq";
@@ -28,13 +31,19 @@ struct NatsToken {
     reply: Option<async_nats::Subject>,
     /// Cancelled once settled: stops the in-progress keep-alive.
     settled: CancellationToken,
+    /// This delivery's stream message (a retry copy has its own).
     stream_sequence: u64,
+    /// The server's delivery count of that stream message.
+    delivered: i64,
+    /// Stream sequence and subject of the message first consumed (before any retry).
+    origin: (u64, String),
 }
 
 /// Receives from a durable pull consumer with demand-driven batches: each pull asks for
 /// at most `prefetch − outstanding` messages, so the deliveries this receiver holds never
-/// exceed the prefetch bound. Delayed retries (naked with a delay) wait on the server and
-/// do not count against it.
+/// exceed the prefetch bound. A retry is scheduled on the server (a `Nats-Schedule` message
+/// in the source stream) and the delivery acked, so waiting retries never count against
+/// the consumer's `max_ack_pending`; the copy comes due on this consumer's own subject.
 pub(crate) struct NatsReceiver {
     /// Stamped on every delivery's token; settling checks it.
     pub(crate) owner: ReceiverId,
@@ -112,7 +121,7 @@ impl NatsReceiver {
         let info = msg
             .info()
             .map_err(|e| BrokerError::rejected(e.to_string()))?;
-        let attempt = u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX);
+        let delivered = info.delivered.max(1);
         let seq = info.stream_sequence;
         let stream = info.stream.to_owned();
         let published: SystemTime = info.published.into();
@@ -120,7 +129,16 @@ impl NatsReceiver {
         let (message, acker) = msg.split();
         let acker = Arc::new(acker);
         let fallback = format!("{stream}:{seq}");
+        let copied = copy_origin(message.headers.as_ref());
         let reliq_message = from_nats(message.headers.as_ref(), message.payload, fallback);
+        // The attempt is the server's delivery count: a retry copy starts where the
+        // retried delivery left off (its attempt header) and counts its own redeliveries.
+        let attempt = match copied {
+            Some(_) => i64::from(headers::attempt(reliq_message.headers())) + delivered - 1,
+            None => delivered,
+        };
+        let attempt = u32::try_from(attempt).unwrap_or(u32::MAX);
+        let origin_of_copy = copied.unwrap_or_else(|| (seq, message.subject.to_string()));
         let settled = self.closed.child_token();
         // Keep long handlers leased: +WPI every half lease until settled or closed.
         let keepalive = (acker.clone(), settled.clone(), self.sub.lease / 2);
@@ -140,8 +158,8 @@ impl NatsReceiver {
         });
         let origin = Origin {
             destination: self.sub.source.as_str().into(),
-            route: route_of(message.subject.as_str(), &self.sub.source),
-            sequence: Some(seq),
+            route: route_of(&origin_of_copy.1, &self.sub.source),
+            sequence: Some(origin_of_copy.0),
             ..Origin::default()
         };
         let token = DeliveryToken::new(self.owner, seq).with_extra(NatsToken {
@@ -149,6 +167,8 @@ impl NatsReceiver {
             reply,
             settled,
             stream_sequence: seq,
+            delivered,
+            origin: origin_of_copy,
         });
         Ok(Delivery::with_published_at(
             reliq_message,
@@ -237,7 +257,34 @@ impl Receiver for NatsReceiver {
                 "retry route broken (fault injection)",
             ));
         }
-        self.settle(delivery, AckKind::Nak(Some(retry.delay))).await
+        let t = self.token(delivery)?;
+        let mut h = to_nats_headers(&retry.message);
+        // Never early: the schedule's time has millisecond precision.
+        let due = SystemTime::now() + retry.delay + Duration::from_millis(1);
+        h.insert(SCHEDULE, format!("@at {}", headers::format_time(due)));
+        h.insert(SCHEDULE_TARGET, retry_due_subject(&self.sub));
+        h.insert(ORIGIN_HEADER, format!("{} {}", t.origin.0, t.origin.1));
+        // A producer retry of this publish is dropped; scheduling this delivery's retry
+        // again (after a lost ack) replaces the schedule (one per subject).
+        h.insert(
+            MSG_ID,
+            format!(
+                "retry:{}:{}:{}",
+                stream_name(&self.sub.source),
+                t.stream_sequence,
+                t.delivered
+            ),
+        );
+        let (_, _, payload, _) = retry.message.into_parts();
+        self.broker
+            .publish_raw(
+                retry_schedule_subject(&self.sub, t.stream_sequence),
+                h,
+                payload,
+            )
+            .await?;
+        // Confirmed: the retry is stored; only now may the delivery go.
+        self.settle(delivery, AckKind::Ack).await
     }
 
     async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {

@@ -5,10 +5,10 @@ use std::time::{Duration, SystemTime};
 use futures::StreamExt;
 use reliq_core::BrokerError;
 use reliq_core::Subscription;
-use reliq_core::headers::{DeadLetter, DeadLetterReason, Origin};
+use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 
 use crate::NatsBroker;
-use crate::codec::{MSG_ID, from_nats, route_of, to_nats_headers};
+use crate::codec::{MSG_ID, copy_origin, from_nats, route_of, to_nats_headers};
 use crate::error::other;
 use crate::names::{consumer_name, dead_letter_subject, stream_name};
 
@@ -98,11 +98,23 @@ impl AdvisoryRelay {
                 return Ok(());
             }
         };
+        // A retry copy names the message first consumed; an original is its own origin.
+        let copied = copy_origin(Some(&raw.headers));
+        let is_copy = copied.is_some();
+        let (origin_seq, origin_subject) =
+            copied.unwrap_or_else(|| (advisory.stream_seq, raw.subject.to_string()));
         let mut message = from_nats(
             Some(&raw.headers),
             raw.payload.clone(),
             format!("{}:{}", stream_name(&self.sub.source), advisory.stream_seq),
         );
+        // As the receiver counts: a copy goes on from the attempt it was retried at.
+        let before = if is_copy {
+            u64::from(headers::attempt(message.headers())).saturating_sub(1)
+        } else {
+            0
+        };
+        let attempts = u32::try_from(before + advisory.deliveries).unwrap_or(u32::MAX);
         let (reason, error, id_prefix) = match kind {
             Advisory::MaxDeliveries => (DeadLetterReason::MaxDeliveries, None, "maxdel"),
             // Terminated by a client outside reliq: parked so it is not lost.
@@ -119,14 +131,14 @@ impl AdvisoryRelay {
             reason,
             error_class: None,
             error,
-            attempts: u32::try_from(advisory.deliveries).unwrap_or(u32::MAX),
+            attempts,
             first_failure_at: None,
             dead_lettered_at: SystemTime::now(),
             consumer: self.sub.consumer.clone(),
             origin: Origin {
                 destination: self.sub.source.as_str().into(),
-                route: route_of(raw.subject.as_str(), &self.sub.source),
-                sequence: Some(advisory.stream_seq),
+                route: route_of(&origin_subject, &self.sub.source),
+                sequence: Some(origin_seq),
                 ..Origin::default()
             },
         }
