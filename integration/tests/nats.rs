@@ -477,3 +477,80 @@ async fn retry_storm_throughput() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A retry copy (a scheduled message, due on the consumer's own subject) keeps the
+/// message id, route and origin sequence, counts attempts on from the retried one, and is
+/// still caught by the crash-loop net: past `max_deliver` the advisory relay dead-letters
+/// it as `max-deliveries` with the original's origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_copy_keeps_origin_and_crash_loop_net() -> anyhow::Result<()> {
+    let backend = NatsBackend::new();
+    let nats = backend.connect_nats().await?;
+    let topic = unique("nats-copy");
+    let mut sub = Subscription::new("copied", topic.clone());
+    sub.delivery_limit = 2;
+    sub.lease = Duration::from_secs(1);
+    let rx = nats.subscribe(&sub).await?;
+    nats.publish(
+        &Destination::new(topic.clone()).with_route("created"),
+        Message::new("crashes after a retry"),
+    )
+    .await?;
+    let first = tokio::time::timeout(Duration::from_secs(10), rx.receive()).await??;
+    let id = first.id().clone();
+    ensure!(first.attempt() == 1 && first.origin().route.as_deref() == Some("created"));
+    let mut copy = first.message().clone();
+    copy.headers_mut()
+        .insert(reliq_core::headers::ATTEMPT, "2".to_owned());
+    let delay = Duration::from_millis(500);
+    let retried_at = tokio::time::Instant::now();
+    rx.retry(
+        &first,
+        reliq_core::RetryRequest {
+            message: copy,
+            delay,
+            tier: 0,
+        },
+    )
+    .await?;
+    let again = tokio::time::timeout(Duration::from_secs(10), rx.receive()).await??;
+    ensure!(retried_at.elapsed() >= delay, "the retry came early");
+    ensure!(again.id() == &id && again.attempt() == 2, "{again:?}");
+    ensure!(again.payload() == b"crashes after a retry");
+    ensure!(
+        again.origin().route.as_deref() == Some("created") && again.origin().sequence == Some(1),
+        "{:?}",
+        again.origin()
+    );
+    ensure!(
+        again.headers().get("reliq-nats-origin").is_none()
+            && again.headers().get("Nats-Scheduler").is_none()
+    );
+    // The copy crashes its consumer every time: unsettled, its lease runs out.
+    drop(again);
+    drop(rx);
+    let rx = nats.subscribe(&sub).await?;
+    let third = tokio::time::timeout(Duration::from_secs(10), rx.receive()).await??;
+    ensure!(third.id() == &id && third.attempt() == 3, "{third:?}");
+    drop(third);
+    drop(rx);
+    let rx = nats.subscribe(&sub).await?;
+    // A pending pull lets the server notice the limit and send the advisory.
+    let none = tokio::time::timeout(Duration::from_secs(4), rx.receive()).await;
+    ensure!(none.is_err(), "delivered past max_deliver");
+    let broker: Arc<dyn Broker> = Arc::new(nats);
+    let dlq = broker.dead_letters(&sub).await?;
+    let dead = only_dead_letter(dlq.as_ref()).await?;
+    let record = dead.record()?;
+    ensure!(dead.id() == &id);
+    ensure!(
+        record.reason == DeadLetterReason::MaxDeliveries && record.attempts == 3,
+        "{record:?}"
+    );
+    ensure!(
+        record.origin.sequence == Some(1) && record.origin.route.as_deref() == Some("created"),
+        "{:?}",
+        record.origin
+    );
+    Ok(())
+}
