@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::codec::to_nats_headers;
 use crate::dead_letters::NatsDeadLetters;
-use crate::error::{connection, other};
+use crate::error::{api, connection};
 use crate::names::{
     consumer_name, dead_letter_stream, dead_letter_subject, filter_subjects, retry_subjects,
     stream_name, subject,
@@ -97,7 +97,10 @@ impl NatsBroker {
         let client = connect
             .connect(address.as_str())
             .await
-            .map_err(|e| BrokerError::connection(format!("NATS at {}: {e}", redact(&address))))?;
+            .map_err(connection(format!(
+                "connecting to NATS at {}",
+                redact(&address)
+            )))?;
         let js = jetstream::new(client.clone());
         Ok(Self {
             inner: Arc::new(Inner {
@@ -126,7 +129,10 @@ impl NatsBroker {
                 ..Default::default()
             })
             .await
-            .map_err(other)?;
+            .map_err(api(format!(
+                "declaring source stream `{}`",
+                stream_name(source)
+            )))?;
         let mut config = stream.cached_info().config.clone();
         if config.allow_message_schedules && config.subjects.contains(&retries) {
             return Ok(());
@@ -137,13 +143,14 @@ impl NatsBroker {
         if !config.subjects.contains(&retries) {
             config.subjects.push(retries);
         }
-        self.inner.js.update_stream(&config).await.map_err(|e| {
-            BrokerError::connection(format!(
+        self.inner
+            .js
+            .update_stream(&config)
+            .await
+            .map_err(api(format!(
                 "updating source stream `{}` for retries (message schedules need NATS 2.12+)",
                 config.name
-            ))
-            .caused_by(e)
-        })?;
+            )))?;
         Ok(())
     }
 
@@ -159,7 +166,10 @@ impl NatsBroker {
                 ..Default::default()
             })
             .await
-            .map_err(other)?;
+            .map_err(api(format!(
+                "declaring DLQ stream `{}`",
+                dead_letter_stream(sub)
+            )))?;
         Ok(())
     }
 
@@ -170,7 +180,10 @@ impl NatsBroker {
             .js
             .delete_stream(dead_letter_stream(sub))
             .await
-            .map_err(other)?;
+            .map_err(api(format!(
+                "deleting DLQ stream `{}`",
+                dead_letter_stream(sub)
+            )))?;
         Ok(())
     }
 
@@ -181,11 +194,17 @@ impl NatsBroker {
             .js
             .get_stream(stream_name(&sub.source))
             .await
-            .map_err(other)?;
+            .map_err(api(format!(
+                "reading source stream `{}`",
+                stream_name(&sub.source)
+            )))?;
         let info = stream
             .consumer_info(consumer_name(&sub.consumer))
             .await
-            .map_err(other)?;
+            .map_err(api(format!(
+                "reading consumer `{}`",
+                consumer_name(&sub.consumer)
+            )))?;
         Ok(info.num_ack_pending)
     }
 
@@ -213,8 +232,13 @@ impl NatsBroker {
                     BrokerError::Unroutable(subject)
                 }
                 jetstream::context::PublishErrorKind::TimedOut => BrokerError::Timeout(timeout),
-                jetstream::context::PublishErrorKind::BrokenPipe => connection(e),
-                _ => BrokerError::rejected(e.to_string()),
+                jetstream::context::PublishErrorKind::BrokenPipe => {
+                    connection(format!("publishing to `{subject}`"))(e)
+                }
+                _ => {
+                    let reason = format!("publish to `{subject}`: {e}");
+                    BrokerError::rejected(reason).caused_by(e)
+                }
             }),
         }
     }
@@ -228,7 +252,10 @@ impl NatsBroker {
             .js
             .get_stream(stream_name(&sub.source))
             .await
-            .map_err(other)?;
+            .map_err(api(format!(
+                "reading source stream `{}`",
+                stream_name(&sub.source)
+            )))?;
         let wanted = pull::Config {
             durable_name: Some(consumer_name(&sub.consumer)),
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
@@ -283,13 +310,22 @@ impl NatsBroker {
                         ExistingConsumer::Update => {
                             tracing::warn!(consumer = %name, differences = %differs.join(", "),
                                 "existing consumer differs; updating it");
-                            return stream.update_consumer(wanted).await.map_err(other);
+                            return stream
+                                .update_consumer(wanted)
+                                .await
+                                .map_err(api(format!("updating consumer `{name}`")));
                         }
                     }
                 }
-                stream.get_consumer(&name).await.map_err(BrokerError::Other)
+                stream
+                    .get_consumer(&name)
+                    .await
+                    .map_err(api(format!("opening consumer `{name}`")))
             }
-            Err(_) => stream.create_consumer(wanted).await.map_err(other),
+            Err(_) => stream
+                .create_consumer(wanted)
+                .await
+                .map_err(api(format!("creating consumer `{name}`"))),
         }
     }
 
@@ -382,7 +418,10 @@ impl Broker for NatsBroker {
             .js
             .get_stream(dead_letter_stream(subscription))
             .await
-            .map_err(other)?;
+            .map_err(api(format!(
+                "opening DLQ stream `{}`",
+                dead_letter_stream(subscription)
+            )))?;
         Ok(Box::new(NatsDeadLetters::new(
             stream,
             dead_letter_subject(subscription),

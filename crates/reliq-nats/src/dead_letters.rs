@@ -16,7 +16,7 @@ use reliq_core::{
 };
 
 use crate::codec::from_nats;
-use crate::error::other;
+use crate::error::{api, connection};
 
 /// The server's error code for deleting a sequence the stream no longer holds.
 const DELETE_FAILED: jetstream::ErrorCode = jetstream::ErrorCode::STREAM_MESSAGE_DELETE_FAILED;
@@ -41,11 +41,10 @@ impl NatsDeadLetters {
         {
             Ok(raw) => Ok(Some(raw)),
             Err(e) if e.kind() == DirectGetErrorKind::NotFound => Ok(None),
-            Err(e) if e.kind() == DirectGetErrorKind::TimedOut => Err(BrokerError::connection(
-                format!("reading the DLQ stream at sequence {seq} timed out"),
-            )
-            .caused_by(e)),
-            Err(e) => Err(other(e)),
+            Err(e) if e.kind() == DirectGetErrorKind::TimedOut => Err(connection(format!(
+                "reading the DLQ stream at sequence {seq} (timed out)"
+            ))(e)),
+            Err(e) => Err(api(format!("reading the DLQ stream at sequence {seq}"))(e)),
         }
     }
 
@@ -68,10 +67,9 @@ impl NatsDeadLetters {
                     tracing::debug!(seq, error = %js, "dead letter already removed");
                     Ok(false)
                 }
-                _ => Err(BrokerError::connection(format!(
+                _ => Err(api(format!(
                     "deleting the dead letter at stream sequence {seq}"
-                ))
-                .caused_by(e)),
+                ))(e)),
             },
         }
     }
@@ -108,7 +106,7 @@ impl DeadLetters for NatsDeadLetters {
                 .stream
                 .get_info()
                 .await
-                .map_err(other)?
+                .map_err(api("reading the DLQ stream info"))?
                 .state
                 .last_sequence;
             at_end = seq > last;
@@ -144,7 +142,12 @@ impl DeadLetters for NatsDeadLetters {
     }
 
     async fn count(&self) -> Result<DeadLetterCount, BrokerError> {
-        let state = self.stream.get_info().await.map_err(other)?.state;
+        let state = self
+            .stream
+            .get_info()
+            .await
+            .map_err(api("reading the DLQ stream info"))?
+            .state;
         let mut count = DeadLetterCount {
             count: state.messages,
             oldest_dead_lettered_at: None,

@@ -52,6 +52,7 @@ mod relay;
 
 pub use broker::NatsBroker;
 pub use codec::KEY_HEADER;
+pub use error::NatsError;
 pub use names::{
     dead_letter_stream, dead_letter_subject, retry_due_subject, retry_subjects, stream_name,
     subject,

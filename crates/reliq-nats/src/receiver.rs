@@ -71,7 +71,10 @@ impl NatsReceiver {
         } else {
             t.acker.ack_with(kind).await
         };
-        result.map_err(connection)?;
+        result.map_err(connection(format!(
+            "settling ({kind:?}) the message at stream sequence {}",
+            t.stream_sequence
+        )))?;
         self.settled(t);
         Ok(())
     }
@@ -93,10 +96,19 @@ impl NatsReceiver {
         let client = &self.broker.inner.client;
         let body = bytes::Bytes::from_static(TERM_BY_RELIQ);
         if self.broker.inner.options.confirm_acks {
-            client.request(reply, body).await.map_err(connection)?;
+            client
+                .request(reply, body)
+                .await
+                .map_err(connection("terminating a dead-lettered delivery"))?;
         } else {
-            client.publish(reply, body).await.map_err(connection)?;
-            client.flush().await.map_err(connection)?;
+            client
+                .publish(reply, body)
+                .await
+                .map_err(connection("terminating a dead-lettered delivery"))?;
+            client
+                .flush()
+                .await
+                .map_err(connection("flushing a termination"))?;
         }
         self.settled(t);
         Ok(())
@@ -118,9 +130,10 @@ impl NatsReceiver {
     }
 
     fn convert(&self, msg: jetstream::Message) -> Result<Delivery, BrokerError> {
-        let info = msg
-            .info()
-            .map_err(|e| BrokerError::rejected(e.to_string()))?;
+        let info = msg.info().map_err(|e| {
+            let reason = format!("a pulled message without JetStream metadata: {e}");
+            BrokerError::rejected(reason).caused_by(e)
+        })?;
         let delivered = info.delivered.max(1);
         let seq = info.stream_sequence;
         let stream = info.stream.to_owned();
@@ -198,7 +211,10 @@ impl Receiver for NatsReceiver {
                     .expires(Duration::from_secs(5))
                     .messages()
                     .await
-                    .map_err(connection)?;
+                    .map_err(connection(format!(
+                        "pulling from consumer `{}`",
+                        self.sub.consumer
+                    )))?;
                 *batch = Some(pull);
             }
             let Some(pull) = batch.as_mut() else { continue };
@@ -212,7 +228,10 @@ impl Receiver for NatsReceiver {
                 None => *batch = None,
                 Some(Err(e)) => {
                     *batch = None;
-                    return Err(connection(e));
+                    return Err(connection(format!(
+                        "pulling from consumer `{}`",
+                        self.sub.consumer
+                    ))(e));
                 }
             }
         }

@@ -9,7 +9,7 @@ use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 
 use crate::NatsBroker;
 use crate::codec::{MSG_ID, copy_origin, from_nats, route_of, to_nats_headers};
-use crate::error::other;
+use crate::error::api;
 use crate::names::{consumer_name, dead_letter_subject, stream_name};
 
 /// Turns `MAX_DELIVERIES` advisories of one consumer into DLQ entries.
@@ -89,7 +89,10 @@ impl AdvisoryRelay {
             .js
             .get_stream(stream_name(&self.sub.source))
             .await
-            .map_err(other)?;
+            .map_err(api(format!(
+                "reading source stream `{}`",
+                stream_name(&self.sub.source)
+            )))?;
         let raw = match stream.get_raw_message(advisory.stream_seq).await {
             Ok(raw) => raw,
             Err(e) => {
