@@ -1,0 +1,355 @@
+//! Building a consumer: settings, validation, and starting the receive loop.
+
+use super::dispatch::{Dispatch, RECEIVE_BATCH, dispatch_batch, dispatch_each, receive_loop};
+use super::handle::{ConsumerHandle, ShutdownReport};
+use super::settle::SettleBackoff;
+use super::signal::Signal;
+use super::stats::Stats;
+use super::{ConsumerError, Ordering, Shared};
+use crate::batch::{Batch, BatchError};
+use crate::broker::{Broker, Delivery, Receiver, Subscription};
+use crate::classify::{BoxError, Classifier};
+use crate::inbox::Inbox;
+use crate::retry::RetryPolicy;
+use crate::telemetry::{Clock, ConsumerMetrics};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::AtomicU32;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// A consumer under construction. Start with [`Consumer::builder`].
+pub struct ConsumerBuilder {
+    pub(super) broker: Arc<dyn Broker>,
+    pub(super) name: String,
+    pub(super) source: Option<(String, Option<String>)>,
+    pub(super) policy: RetryPolicy,
+    pub(super) max_in_flight: u32,
+    pub(super) concurrency: Option<usize>,
+    pub(super) ordering: Ordering,
+    pub(super) handler_timeout: Option<Duration>,
+    pub(super) shutdown_timeout: Duration,
+    pub(super) inbox: Option<Arc<dyn Inbox>>,
+    pub(super) classifier: Classifier,
+    pub(super) lease: Duration,
+    pub(super) delivery_limit: Option<u32>,
+    pub(super) settle_backoff: (Duration, Duration),
+    pub(super) batch_size: usize,
+}
+
+/// Entry point of the runtime.
+pub struct Consumer;
+
+impl Consumer {
+    /// A consumer named `name` (the consumer group) on `broker`.
+    pub fn builder(broker: Arc<dyn Broker>, name: impl Into<String>) -> ConsumerBuilder {
+        ConsumerBuilder {
+            broker,
+            name: name.into(),
+            source: None,
+            policy: RetryPolicy::default(),
+            max_in_flight: 64,
+            concurrency: None,
+            ordering: Ordering::Unordered,
+            handler_timeout: None,
+            shutdown_timeout: Duration::from_secs(30),
+            inbox: None,
+            classifier: Classifier::default(),
+            lease: Duration::from_secs(30),
+            delivery_limit: None,
+            settle_backoff: (Duration::from_millis(100), Duration::from_secs(10)),
+            batch_size: DEFAULT_BATCH_SIZE,
+        }
+    }
+}
+
+impl ConsumerBuilder {
+    /// Read `source` (topic / exchange / stream / queue), optionally filtered by a routing
+    /// key pattern or subject (`*` one word, `#` any).
+    pub fn subscribe(
+        mut self,
+        source: impl Into<String>,
+        filter: impl Into<Option<String>>,
+    ) -> Self {
+        self.source = Some((source.into(), filter.into()));
+        self
+    }
+
+    /// The retry policy (default: [`RetryPolicy::default`]).
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Most deliveries held at once, received but not settled (default 64). Also the
+    /// prefetch asked of the broker.
+    pub fn max_in_flight(mut self, n: u32) -> Self {
+        self.max_in_flight = n;
+        self
+    }
+
+    /// Most handlers running at once (default: `max_in_flight`).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = Some(n);
+        self
+    }
+
+    /// Ordering between deliveries (default [`Ordering::Unordered`]).
+    pub fn ordering(mut self, ordering: Ordering) -> Self {
+        self.ordering = ordering;
+        self
+    }
+
+    /// A handler running longer fails with a transient timeout error.
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = Some(timeout);
+        self
+    }
+
+    /// How long shutdown waits for in-flight handlers before releasing them (default 30 s).
+    pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
+        self.shutdown_timeout = timeout;
+        self
+    }
+
+    /// Skip messages whose id this consumer already handled.
+    pub fn inbox(mut self, inbox: Arc<dyn Inbox>) -> Self {
+        self.inbox = Some(inbox);
+        self
+    }
+
+    /// How errors are classified (default: markers and built-in rules only).
+    pub fn classifier(mut self, classifier: Classifier) -> Self {
+        self.classifier = classifier;
+        self
+    }
+
+    /// Lease of a delivery before the broker may hand it out again (default 30 s).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The broker-side delivery limit (default: the policy's attempts + 5). Must be above
+    /// the policy's attempts, or the broker would dead-letter before the policy does.
+    pub fn delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = Some(limit);
+        self
+    }
+
+    /// Back-off bounds after a failed settlement (default 100 ms doubling to 10 s).
+    pub fn settle_backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.settle_backoff = (initial, max);
+        self
+    }
+
+    /// Most deliveries in one call of a batch handler ([`ConsumerBuilder::start_batch`];
+    /// default 64, at most `max_in_flight`). A batch is what the broker has ready, up to
+    /// this many: the runtime never waits for a batch to fill.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// The subscription this consumer will ask the broker for.
+    pub fn subscription(&self) -> Result<Subscription, ConsumerError> {
+        let (source, filter) = self.source.clone().ok_or(ConsumerError::Config {
+            field: "subscribe",
+            reason: "no source: call .subscribe(source, filter)".into(),
+        })?;
+        let delivery_limit = self
+            .delivery_limit
+            .unwrap_or_else(|| self.policy.attempts().saturating_add(5));
+        Ok(Subscription {
+            consumer: self.name.clone(),
+            source,
+            filter,
+            prefetch: self.max_in_flight,
+            retry_tiers: self.policy.tier_delays(),
+            delivery_limit,
+            lease: self.lease,
+        })
+    }
+
+    pub(super) fn validate(&self) -> Result<Subscription, ConsumerError> {
+        let config = |field, reason: &str| ConsumerError::Config {
+            field,
+            reason: reason.into(),
+        };
+        if self.name.trim().is_empty() {
+            return Err(config("name", "must not be empty"));
+        }
+        if self.max_in_flight == 0 {
+            return Err(config("max_in_flight", "must be at least 1"));
+        }
+        if self.concurrency == Some(0) {
+            return Err(config("concurrency", "must be at least 1"));
+        }
+        if self.lease.is_zero() {
+            return Err(config("lease", "must be longer than zero"));
+        }
+        self.policy.validate()?;
+        let subscription = self.subscription()?;
+        if subscription.delivery_limit <= self.policy.attempts() {
+            return Err(config(
+                "delivery_limit",
+                "must be greater than the retry policy's max attempts",
+            ));
+        }
+        Ok(subscription)
+    }
+
+    /// Subscribe and start consuming in the background, one handler call per delivery;
+    /// returns a handle to stop it.
+    pub async fn start<F, Fut>(self, handler: F) -> Result<ConsumerHandle, ConsumerError>
+    where
+        F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+    {
+        let subscription = self.validate()?;
+        self.launch(
+            subscription,
+            handler,
+            RECEIVE_BATCH,
+            dispatch_each::<F, Fut>,
+        )
+        .await
+    }
+
+    /// Like [`ConsumerBuilder::start`], with a batch handler: one call for up to
+    /// [`ConsumerBuilder::batch_size`] deliveries, the successes acknowledged together
+    /// (see [`crate::batch`]). A batch counts as one handler against `concurrency`, the
+    /// handler timeout and the handler metrics. [`Ordering::PerKey`] is refused: two
+    /// batches in flight may hold the same key.
+    pub async fn start_batch<F, Fut>(self, handler: F) -> Result<ConsumerHandle, ConsumerError>
+    where
+        F: Fn(Batch) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
+    {
+        let subscription = self.validate()?;
+        if self.ordering == Ordering::PerKey {
+            return Err(ConsumerError::Config {
+                field: "ordering",
+                reason: "per-key ordering needs a per-message handler (start), not start_batch"
+                    .into(),
+            });
+        }
+        if self.batch_size == 0 || self.batch_size > self.max_in_flight as usize {
+            return Err(ConsumerError::Config {
+                field: "batch_size",
+                reason: format!(
+                    "must be between 1 and max_in_flight ({}), not {}",
+                    self.max_in_flight, self.batch_size
+                ),
+            });
+        }
+        let max = self.batch_size;
+        self.launch(subscription, handler, max, dispatch_batch::<F, Fut>)
+            .await
+    }
+
+    /// Subscribe and start the receive loop; `dispatch` hands out what each receive
+    /// returned (per delivery, or as one batch).
+    pub(super) async fn launch<H: Send + Sync + 'static>(
+        self,
+        subscription: Subscription,
+        handler: H,
+        receive_max: usize,
+        dispatch: Dispatch<H>,
+    ) -> Result<ConsumerHandle, ConsumerError> {
+        let receiver: Arc<dyn Receiver> = Arc::from(
+            self.broker
+                .subscribe(&subscription)
+                .await
+                .map_err(ConsumerError::Subscribe)?,
+        );
+        let concurrency = self
+            .concurrency
+            .unwrap_or(self.max_in_flight as usize)
+            .min(Semaphore::MAX_PERMITS);
+        let shared = Arc::new(Shared {
+            metrics: ConsumerMetrics::new(&self.name),
+            name: self.name.into(),
+            receiver: receiver.clone(),
+            handler,
+            policy: self.policy,
+            classifier: self.classifier,
+            inbox: self.inbox,
+            handler_timeout: self.handler_timeout,
+            clock: Clock::new(),
+            concurrency: (concurrency < self.max_in_flight as usize)
+                .then(|| Semaphore::new(concurrency)),
+            stats: Arc::new(Stats::default()),
+            keyed: Mutex::new(HashMap::new()),
+            group_size: (self.max_in_flight as usize
+                / (2 * tokio::runtime::Handle::current()
+                    .metrics()
+                    .num_workers()
+                    .max(1)))
+            .clamp(1, RECEIVE_BATCH),
+            ordering: self.ordering,
+            backoff: SettleBackoff {
+                failures: AtomicU32::new(0),
+                initial: self.settle_backoff.0,
+                max: self.settle_backoff.1,
+            },
+            tracker: TaskTracker::new(),
+            hard_stop: Signal::default(),
+            crash: Signal::default(),
+        });
+        let stop = CancellationToken::new();
+        let in_flight = Arc::new(Semaphore::new(self.max_in_flight as usize));
+        let loop_task = tokio::spawn(receive_loop(
+            shared.clone(),
+            stop.clone(),
+            in_flight,
+            receive_max,
+            dispatch,
+        ));
+        tracing::info!(consumer = %shared.name, source = %subscription.source, "consumer started");
+        Ok(ConsumerHandle {
+            shared,
+            stop,
+            loop_task,
+            shutdown_timeout: self.shutdown_timeout,
+            receiver,
+        })
+    }
+
+    /// Start, run until `shutdown` completes, then shut down gracefully.
+    pub async fn run<F, Fut>(
+        self,
+        handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ShutdownReport, ConsumerError>
+    where
+        F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+    {
+        let handle = self.start(handler).await?;
+        shutdown.await;
+        Ok(handle.shutdown().await)
+    }
+
+    /// [`ConsumerBuilder::start_batch`], run until `shutdown` completes, then shut down
+    /// gracefully.
+    pub async fn run_batch<F, Fut>(
+        self,
+        handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ShutdownReport, ConsumerError>
+    where
+        F: Fn(Batch) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
+    {
+        let handle = self.start_batch(handler).await?;
+        shutdown.await;
+        Ok(handle.shutdown().await)
+    }
+}
+
+/// Default [`ConsumerBuilder::batch_size`].
+pub(super) const DEFAULT_BATCH_SIZE: usize = 64;

@@ -1,0 +1,528 @@
+//! The receive loop and how what it receives is handed out: per delivery in groups,
+//! per key in order, or as one batch.
+
+use super::settle::Outcome;
+use super::stats::{Stats, count_received, count_settled};
+use super::{Ordering, Shared};
+use crate::batch::{Batch, BatchError, Failed};
+use crate::broker::{BrokerError, Delivery};
+use crate::classify::BoxError;
+use crate::telemetry::TraceParent;
+use futures::stream::{FuturesUnordered, StreamExt as _};
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// A delivery and its in-flight permit (none if a backend returned more than asked for).
+pub(super) type Held = (Delivery, Option<OwnedSemaphorePermit>);
+
+/// Most deliveries the receive loop takes from the backend in one call for a per-message
+/// handler (bounded by the free in-flight room as well).
+pub(super) const RECEIVE_BATCH: usize = 64;
+
+/// Hands out what one `receive_batch` returned: per delivery ([`dispatch_each`]) or as
+/// one batch ([`dispatch_batch`]). The permits cover the deliveries the receive asked for.
+pub(super) type Dispatch<H> =
+    fn(&Arc<Shared<H>>, &Arc<Semaphore>, &mut Vec<Delivery>, OwnedSemaphorePermit);
+
+pub(super) async fn receive_loop<H: Send + Sync + 'static>(
+    shared: Arc<Shared<H>>,
+    stop: CancellationToken,
+    in_flight: Arc<Semaphore>,
+    receive_max: usize,
+    dispatch: Dispatch<H>,
+) {
+    let mut receive_errors: u32 = 0;
+    let mut batch = Vec::with_capacity(receive_max);
+    // One registration for the whole loop (a fresh `cancelled()` per message costs a
+    // lock on the token each time).
+    let stopped = stop.cancelled();
+    tokio::pin!(stopped);
+    loop {
+        // After failed settlements, slow down instead of hammering a broken route —
+        // until a delivery is handled and acknowledged again, which resets the back-off.
+        let pause = shared.backoff.current();
+        if !pause.is_zero() {
+            Stats::bump(&shared.stats.throttled);
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = &mut stopped => break,
+            }
+        }
+        let mut permits = tokio::select! {
+            p = in_flight.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            _ = &mut stopped => break,
+        };
+        // Whatever else is free now joins the batch; nothing waits for more room.
+        let more = in_flight.available_permits().min(receive_max - 1);
+        if more > 0
+            && let Ok(extra) = in_flight
+                .clone()
+                .try_acquire_many_owned(u32::try_from(more).unwrap_or(1))
+        {
+            permits.merge(extra);
+        }
+        // Cancelled by the stop signal, a receive keeps in `batch` whatever it took from
+        // the broker (the `receive_batch` cancel-safety contract); it is released below.
+        let received = tokio::select! {
+            r = shared.receiver.receive_batch(permits.num_permits(), &mut batch) => r,
+            _ = &mut stopped => break,
+        };
+        dispatch(&shared, &in_flight, &mut batch, permits);
+        match received {
+            Ok(()) => receive_errors = 0,
+            Err(BrokerError::Closed) => {
+                tracing::info!(consumer = %shared.name, "receiver closed; consumer stops receiving");
+                break;
+            }
+            Err(e) => {
+                receive_errors = receive_errors.saturating_add(1);
+                let wait = shared.backoff.delay_for(receive_errors);
+                tracing::warn!(consumer = %shared.name, error = %e, retry_in = ?wait, "receive failed");
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = &mut stopped => break,
+                }
+            }
+        }
+    }
+    // Taken from the broker by a receive the stop cut short: never handed to a handler,
+    // so give them back now rather than leave them leased until their lease runs out.
+    // (A crash settles and releases nothing, as when the process dies.)
+    if !shared.crash.is_fired() {
+        for d in batch.drain(..) {
+            shared.release(&d, Duration::ZERO).await;
+        }
+    }
+}
+
+/// Per-message handler: count and dispatch what one `receive_batch` returned, one
+/// in-flight permit each; permits the batch did not use go back when `permits` drops.
+///
+/// Deliveries without a key to serialise on run in groups of up to
+/// [`Shared::group_size`]: one task per group drives its deliveries' futures together
+/// (each completes, settles and frees its permit on its own). A tokio task per delivery
+/// cost more than the rest of a cheap handler's path (spawn, a wake-up of another worker,
+/// the runtime's task list locked twice); groups stay small enough to spread a CPU-heavy
+/// handler's work over every worker.
+pub(super) fn dispatch_each<F, Fut>(
+    shared: &Arc<Shared<F>>,
+    in_flight: &Arc<Semaphore>,
+    batch: &mut Vec<Delivery>,
+    mut permits: OwnedSemaphorePermit,
+) where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    if batch.is_empty() {
+        return;
+    }
+    count_received(shared, batch.len());
+    if batch.len() > permits.num_permits() {
+        // A backend broke the `receive_batch` contract and returned more than asked:
+        // handle the extra deliveries anyway (without a permit) rather than drop them.
+        tracing::error!(consumer = %shared.name, "receive_batch returned more deliveries than asked for");
+    }
+    let mut group = Vec::new();
+    for delivery in batch.drain(..) {
+        match (shared.ordering, delivery.key()) {
+            (Ordering::PerKey, Some(key)) => {
+                let key = key.to_owned();
+                let permit = take_permits(&mut permits, in_flight, 1);
+                dispatch_keyed(shared, key, (delivery, permit));
+            }
+            _ => {
+                group.push(delivery);
+                if group.len() == shared.group_size {
+                    let room = take_permits(&mut permits, in_flight, group.len());
+                    spawn_group(shared, std::mem::take(&mut group), room);
+                }
+            }
+        }
+    }
+    if !group.is_empty() {
+        let room = take_permits(&mut permits, in_flight, group.len());
+        spawn_group(shared, group, room);
+    }
+}
+
+/// `n` of the receive's permits, or as many as are left (none, as an empty permit, when
+/// a backend returned more deliveries than asked for).
+pub(super) fn take_permits(
+    permits: &mut OwnedSemaphorePermit,
+    in_flight: &Arc<Semaphore>,
+    n: usize,
+) -> Option<OwnedSemaphorePermit> {
+    permits
+        .split(n.min(permits.num_permits()))
+        .or_else(|| in_flight.clone().try_acquire_many_owned(0).ok())
+}
+
+/// Run `group`'s deliveries concurrently in one task; `room` holds their in-flight
+/// permits. After each pass over the group, the successes of the pass are acknowledged
+/// together (one `ack_batch`: one lock for Kafka offsets) and the permits of every
+/// delivery settled in it are freed at once (one semaphore lock).
+pub(super) fn spawn_group<F, Fut>(
+    shared: &Arc<Shared<F>>,
+    group: Vec<Delivery>,
+    mut room: Option<OwnedSemaphorePermit>,
+) where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    let shared = shared.clone();
+    shared.tracker.clone().spawn(async move {
+        // Built here, not by the receive loop: each delivery's task node is allocated
+        // and freed on the thread that runs the group, and the receive loop — the
+        // serial stage — only hands the deliveries over.
+        let mut running: FuturesUnordered<_> = group
+            .into_iter()
+            .map(|delivery| handle_one(shared.clone(), delivery))
+            .collect();
+        let mut handled = Vec::new();
+        loop {
+            let mut settled = 0;
+            let finished = std::future::poll_fn(|cx| {
+                loop {
+                    match running.poll_next_unpin(cx) {
+                        Poll::Ready(Some(success)) => {
+                            settled += 1;
+                            handled.extend(success);
+                        }
+                        Poll::Ready(None) => return Poll::Ready(true),
+                        Poll::Pending if settled > 0 => return Poll::Ready(false),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
+            })
+            .await;
+            if !handled.is_empty() {
+                ack_handled(&shared, &handled).await;
+                handled.clear();
+            }
+            if let Some(room) = room.as_mut()
+                && settled > 0
+            {
+                drop(room.split(settled.min(room.num_permits())));
+            }
+            if finished {
+                break;
+            }
+        }
+    });
+}
+
+/// Per-key ordering: a delivery whose key is being handled queues behind it; otherwise
+/// one task handles the key's deliveries in order until its queue is empty.
+pub(super) fn dispatch_keyed<F, Fut>(shared: &Arc<Shared<F>>, key: String, held: Held)
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    {
+        let mut keyed = shared.keyed.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(queue) = keyed.get_mut(&key) {
+            // A delivery of this key is being handled: queue behind it.
+            queue.push_back(held);
+            return;
+        }
+        keyed.insert(key.clone(), VecDeque::new());
+    }
+    let shared = shared.clone();
+    shared.tracker.clone().spawn(async move {
+        let mut next = Some(held);
+        while let Some((delivery, permit)) = next {
+            process(shared.clone(), delivery).await;
+            drop(permit);
+            let mut keyed = shared.keyed.lock().unwrap_or_else(|p| p.into_inner());
+            next = keyed.get_mut(&key).and_then(VecDeque::pop_front);
+            if next.is_none() {
+                keyed.remove(&key);
+            }
+        }
+    });
+}
+
+/// Handle and settle one delivery.
+pub(super) async fn process<F, Fut>(shared: Arc<Shared<F>>, delivery: Delivery)
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    if let Some(handled) = handle_one(shared.clone(), delivery).await {
+        ack_handled(&shared, std::slice::from_ref(&handled)).await;
+    }
+}
+
+/// A delivery's id as a span field, read only when the field is formatted: a span is
+/// built for every delivery, and reading the id may decode the message
+/// ([`crate::RawMessage`]); with `tracing`'s `log` feature and no subscriber, a disabled
+/// span still evaluates its fields.
+pub(super) struct IdField<'a>(&'a Delivery);
+
+impl std::fmt::Display for IdField<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self.0.id(), f)
+    }
+}
+
+/// Handle one delivery and settle it — except a success, which is returned for the caller
+/// to acknowledge ([`ack_handled`]), so that a group acknowledges its successes together.
+pub(super) async fn handle_one<F, Fut>(
+    shared: Arc<Shared<F>>,
+    delivery: Delivery,
+) -> Option<Delivery>
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    let span = tracing::info_span!(
+        "reliq.message",
+        consumer = %shared.name,
+        message_id = %IdField(&delivery),
+        attempt = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+        parent_span_id = tracing::field::Empty,
+    );
+    // Only for a span that records them: reading the headers may decode the message.
+    if !span.is_disabled() {
+        span.record("attempt", delivery.attempt());
+        if let Some(tp) = delivery.traceparent().and_then(TraceParent::parse) {
+            span.record("trace_id", tp.trace_id);
+            span.record("parent_span_id", tp.parent_id);
+        }
+    }
+    let s = shared;
+    let d = delivery;
+    async move {
+        // Graceful path: handle, then settle; a hard stop (shutdown deadline) releases
+        // a delivery whose handler is still running. Settling itself is not cut short.
+        let work = async {
+            match s.hard_stop.unless_fired(s.handle(&d)).await {
+                None => {
+                    s.abandon_claim(&d).await;
+                    s.release(&d, Duration::ZERO).await;
+                    None
+                }
+                Some(Some(Outcome::Done)) => Some(d.clone()),
+                Some(Some(outcome)) => {
+                    s.settle(&d, outcome).await;
+                    None
+                }
+                Some(None) => None,
+            }
+        };
+        // A crash stops everything at once, a settlement in progress included: nothing
+        // more reaches the broker, as when the process dies.
+        match s.crash.unless_fired(work).await {
+            // A crash rolls back an uncommitted inbox claim, as a transaction would.
+            None => {
+                s.abandon_claim(&d).await;
+                None
+            }
+            Some(None) => {
+                count_settled(&s, 1);
+                None
+            }
+            Some(handled) => handled,
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Complete the inbox claims of successfully handled deliveries and acknowledge them
+/// together — unless the consumer crashed first (the claims are then rolled back).
+pub(super) async fn ack_handled<F, Fut>(shared: &Shared<F>, handled: &[Delivery])
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    match shared.crash.unless_fired(shared.ack_done(handled)).await {
+        None => {
+            for d in handled {
+                shared.abandon_claim(d).await;
+            }
+        }
+        Some(()) => count_settled(shared, handled.len()),
+    }
+}
+
+/// Batch handler: what one `receive_batch` returned is one batch, holding its permits
+/// until every delivery of it is settled.
+pub(super) fn dispatch_batch<F, Fut>(
+    shared: &Arc<Shared<F>>,
+    _in_flight: &Arc<Semaphore>,
+    batch: &mut Vec<Delivery>,
+    permits: OwnedSemaphorePermit,
+) where
+    F: Fn(Batch) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
+{
+    if batch.is_empty() {
+        return;
+    }
+    count_received(shared, batch.len());
+    let deliveries = Arc::new(std::mem::replace(
+        batch,
+        Vec::with_capacity(batch.capacity()),
+    ));
+    shared
+        .tracker
+        .spawn(process_batch(shared.clone(), deliveries, permits));
+}
+
+pub(super) async fn process_batch<F, Fut>(
+    shared: Arc<Shared<F>>,
+    deliveries: Arc<Vec<Delivery>>,
+    _permits: OwnedSemaphorePermit,
+) where
+    F: Fn(Batch) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
+{
+    let span = tracing::info_span!(
+        "reliq.batch",
+        consumer = %shared.name,
+        size = deliveries.len(),
+        first_id = %IdField(&deliveries[0]),
+    );
+    async {
+        // As for one message: a crash stops everything at once and settles nothing.
+        match shared
+            .crash
+            .unless_fired(shared.handle_batch(&deliveries))
+            .await
+        {
+            None => {
+                for d in deliveries.iter() {
+                    shared.abandon_claim(d).await;
+                }
+            }
+            Some(()) => count_settled(&shared, deliveries.len()),
+        }
+    }
+    .instrument(span)
+    .await;
+}
+
+impl<F, Fut> Shared<F>
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    /// Run the handler. `None` means the delivery was already settled (duplicate, inbox
+    /// failure).
+    pub(super) async fn handle(&self, d: &Delivery) -> Option<Outcome> {
+        let _slot = self.concurrency_slot().await;
+        if !self.claim(d).await {
+            return None;
+        }
+        let outcome = match self.call((self.handler)(d.clone())).await {
+            Ok(Ok(())) => Outcome::Done,
+            Ok(Err(e)) => self.failure(e),
+            Err(outcome) => outcome,
+        };
+        if let Outcome::Failed(..) = outcome {
+            self.abandon_claim(d).await;
+        }
+        Some(outcome)
+    }
+}
+
+impl<F, Fut> Shared<F>
+where
+    F: Fn(Batch) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
+{
+    /// Claim (with an inbox), call the batch handler once, settle every delivery.
+    pub(super) async fn handle_batch(&self, deliveries: &Arc<Vec<Delivery>>) {
+        let slot = self.hard_stop.unless_fired(self.concurrency_slot()).await;
+        let Some(_slot) = slot else {
+            for d in deliveries.iter() {
+                self.release(d, Duration::ZERO).await;
+            }
+            return;
+        };
+        let batch = match &self.inbox {
+            None => deliveries.clone(),
+            Some(_) => {
+                let mut first = Vec::with_capacity(deliveries.len());
+                for d in deliveries.iter() {
+                    if self.claim(d).await {
+                        first.push(d.clone());
+                    }
+                }
+                if first.is_empty() {
+                    return;
+                }
+                Arc::new(first)
+            }
+        };
+        let call = async {
+            self.metrics.batch_size.record(batch.len() as f64);
+            self.call((self.handler)(Batch::new(batch.clone()))).await
+        };
+        let Some(result) = self.hard_stop.unless_fired(call).await else {
+            for d in batch.iter() {
+                self.abandon_claim(d).await;
+                self.release(d, Duration::ZERO).await;
+            }
+            return;
+        };
+        let failed: Vec<(usize, Outcome)> = match result {
+            Ok(Ok(())) => Vec::new(),
+            Ok(Err(BatchError(Failed::All(e)))) => {
+                let outcome = self.failure(e);
+                (0..batch.len()).map(|i| (i, outcome.clone())).collect()
+            }
+            Err(outcome) => (0..batch.len()).map(|i| (i, outcome.clone())).collect(),
+            Ok(Err(BatchError(Failed::Some(list)))) => {
+                let mut named = vec![false; batch.len()];
+                let mut failed = Vec::with_capacity(list.len());
+                for (i, e) in list {
+                    match named.get_mut(i) {
+                        None => tracing::error!(
+                            index = i,
+                            size = batch.len(),
+                            "the batch handler named a failed delivery outside the batch; ignored"
+                        ),
+                        // Named twice: the first error counts.
+                        Some(true) => {}
+                        Some(seen) => {
+                            *seen = true;
+                            failed.push((i, self.failure(e)));
+                        }
+                    }
+                }
+                failed
+            }
+        };
+        if failed.is_empty() {
+            return self.ack_done(&batch).await;
+        }
+        let mut is_failed = vec![false; batch.len()];
+        failed.iter().for_each(|(i, _)| is_failed[*i] = true);
+        let done: Vec<Delivery> = batch
+            .iter()
+            .zip(&is_failed)
+            .filter(|(_, failed)| !**failed)
+            .map(|(d, _)| d.clone())
+            .collect();
+        self.ack_done(&done).await;
+        // The failures settle concurrently: each may wait for a retry or DLQ confirm.
+        let batch = &batch;
+        futures::future::join_all(failed.into_iter().map(|(i, outcome)| async move {
+            let d = &batch[i];
+            if let Outcome::Failed(..) = outcome {
+                self.abandon_claim(d).await;
+            }
+            self.settle(d, outcome).await;
+        }))
+        .await;
+    }
+}

@@ -1,0 +1,349 @@
+//! Settling a handled delivery: the inbox claim, the handler call, ack / retry /
+//! dead-letter / release, and the back-off after failed settlements.
+
+use super::Shared;
+use super::stats::Stats;
+use crate::broker::{BrokerError, Delivery, RetryRequest};
+use crate::classify::{BoxError, ErrorClass};
+use crate::headers::{self, DeadLetter};
+use crate::inbox::{Claim, Duplicate};
+use crate::retry::{Decision, Failure};
+use crate::telemetry::SettleOp;
+use futures::FutureExt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
+use std::time::{Duration, Instant};
+use tokio::sync::SemaphorePermit;
+
+pub(super) struct SettleBackoff {
+    pub(super) failures: AtomicU32,
+    pub(super) initial: Duration,
+    pub(super) max: Duration,
+}
+
+impl SettleBackoff {
+    pub(super) fn delay_for(&self, failures: u32) -> Duration {
+        if failures == 0 {
+            return Duration::ZERO;
+        }
+        let exp = (failures - 1).min(20);
+        self.initial.saturating_mul(1 << exp).min(self.max)
+    }
+
+    /// Record a failure; the delay before the failed delivery should come back.
+    pub(super) fn failed(&self) -> Duration {
+        let n = self.failures.fetch_add(1, AtomicOrdering::Relaxed) + 1;
+        self.delay_for(n)
+    }
+
+    pub(super) fn succeeded(&self) {
+        if self.failures.load(AtomicOrdering::Relaxed) != 0 {
+            self.failures.store(0, AtomicOrdering::Relaxed);
+        }
+    }
+
+    pub(super) fn current(&self) -> Duration {
+        self.delay_for(self.failures.load(AtomicOrdering::Relaxed))
+    }
+}
+
+#[derive(Clone)]
+pub(super) enum Outcome {
+    Done,
+    /// The handler returned [`Duplicate`]: ack, skip, count.
+    Duplicate,
+    Failed(ErrorClass, String),
+}
+
+impl<H> Shared<H> {
+    /// Wait for a handler slot, held while the handler runs (`None`: no limit to keep).
+    pub(super) async fn concurrency_slot(&self) -> Option<SemaphorePermit<'_>> {
+        // The semaphore is never closed.
+        self.concurrency.as_ref()?.acquire().await.ok()
+    }
+
+    /// Claim `d` in the runtime's inbox, if there is one. False: already settled (a
+    /// duplicate, acknowledged; or the claim failed and the delivery was released).
+    pub(super) async fn claim(&self, d: &Delivery) -> bool {
+        let Some(inbox) = &self.inbox else {
+            return true;
+        };
+        match inbox.claim(&self.name, d.id()).await {
+            Ok(Claim::First) => true,
+            Ok(Claim::Duplicate) => {
+                self.skip_duplicate(d).await;
+                false
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "inbox claim failed; releasing the delivery");
+                let wait = self.backoff.failed();
+                self.release(d, wait).await;
+                false
+            }
+        }
+    }
+
+    /// One handler call (per message or per batch): counted as running, bounded by the
+    /// handler timeout, a panic caught. `Err` is the failure the call itself became.
+    pub(super) async fn call<T>(&self, call: impl Future<Output = T>) -> Result<T, Outcome> {
+        let running = self.stats.running.fetch_add(1, AtomicOrdering::Relaxed) + 1;
+        self.stats
+            .max_running
+            .fetch_max(running, AtomicOrdering::Relaxed);
+        let started = Instant::now();
+        let result = AssertUnwindSafe(async {
+            match self.handler_timeout {
+                Some(limit) => tokio::time::timeout(limit, call).await.map_err(|_| {
+                    Outcome::Failed(
+                        ErrorClass::Transient,
+                        format!("handler timed out after {limit:?}"),
+                    )
+                }),
+                None => Ok(call.await),
+            }
+        })
+        .catch_unwind()
+        .await;
+        self.stats.running.fetch_sub(1, AtomicOrdering::Relaxed);
+        self.metrics
+            .handler_duration
+            .record(started.elapsed().as_secs_f64());
+        result.unwrap_or_else(|panic| {
+            Stats::bump(&self.stats.panics);
+            let text = panic_text(panic.as_ref());
+            tracing::error!(panic = %text, "handler panicked");
+            Err(Outcome::Failed(ErrorClass::Panic, format!("panic: {text}")))
+        })
+    }
+
+    /// Complete the inbox claims of handled deliveries and acknowledge them together.
+    pub(super) async fn ack_done(&self, done: &[Delivery]) {
+        if done.is_empty() {
+            return;
+        }
+        for d in done {
+            self.complete_claim(d).await;
+        }
+        let failed = self.receiver.ack_batch(done).await;
+        let acked = (done.len() - failed.len().min(done.len())) as u64;
+        if acked > 0 {
+            // Claimed, handled and acknowledged: whatever failed before works again.
+            self.backoff.succeeded();
+        }
+        self.stats
+            .processed
+            .fetch_add(acked, AtomicOrdering::Relaxed);
+        self.metrics.processed.increment(acked);
+        for (i, e) in failed {
+            let id = done.get(i).map(|d| d.id().to_string()).unwrap_or_default();
+            self.ack_failed(&e, &id);
+        }
+    }
+
+    /// What a handler error means: a [`Duplicate`] marker anywhere in its chain, or a
+    /// failure of the class the classifier gives it.
+    pub(super) fn failure(&self, e: BoxError) -> Outcome {
+        if Duplicate::is_in(e.as_ref()) {
+            Outcome::Duplicate
+        } else {
+            Outcome::Failed(self.classifier.classify(e.as_ref()), chain_text(e.as_ref()))
+        }
+    }
+
+    /// Acknowledge a delivery whose effect already happened, and count it.
+    pub(super) async fn skip_duplicate(&self, d: &Delivery) {
+        Stats::bump(&self.stats.duplicates);
+        self.metrics.duplicates.increment(1);
+        tracing::debug!("duplicate: already handled, acknowledging");
+        self.ack(d).await;
+    }
+
+    /// Record this delivery's effect as done in the runtime's inbox, if there is one.
+    pub(super) async fn complete_claim(&self, d: &Delivery) {
+        if let Some(inbox) = &self.inbox
+            && let Err(e) = inbox.complete(&self.name, d.id()).await
+        {
+            tracing::warn!(error = %e, id = %d.id(), "inbox complete failed");
+        }
+    }
+
+    /// Forget this delivery's inbox claim: its effect did not happen.
+    pub(super) async fn abandon_claim(&self, d: &Delivery) {
+        if let Some(inbox) = &self.inbox
+            && let Err(e) = inbox.abandon(&self.name, d.id()).await
+        {
+            tracing::warn!(error = %e, "inbox abandon failed");
+        }
+    }
+
+    pub(super) async fn settle(&self, d: &Delivery, outcome: Outcome) {
+        let (class, text) = match outcome {
+            // The one success path: the same as a group's or a batch's successes.
+            Outcome::Done => return self.ack_done(std::slice::from_ref(d)).await,
+            Outcome::Duplicate => {
+                // A duplicate's effect exists too (an earlier delivery made it).
+                self.complete_claim(d).await;
+                self.skip_duplicate(d).await;
+                return;
+            }
+            Outcome::Failed(class, text) => (class, text),
+        };
+        // Boxed: the failure path's state (copies, headers, the dead-letter record) would
+        // otherwise make every message's task as large as a failing one's.
+        Box::pin(self.settle_failure(d, class, text)).await;
+    }
+
+    /// Retry, dead-letter or discard a failed delivery, as the policy decides.
+    pub(super) async fn settle_failure(&self, d: &Delivery, class: ErrorClass, text: String) {
+        let now = self.clock.now();
+        // Brokers that retry in place (no copy, so no failure headers) report when the
+        // message was published; that bounds the first failure from below.
+        let first_failure = d
+            .headers()
+            .get(headers::FIRST_FAILURE_AT)
+            .and_then(|v| headers::parse_time(v).ok())
+            .or_else(|| (d.attempt() > 1).then(|| d.published_at()).flatten())
+            .unwrap_or(now);
+        let origin_time = d
+            .headers()
+            .get(headers::OCCURRED_AT)
+            .and_then(|v| headers::parse_time(v).ok())
+            .unwrap_or(first_failure);
+        let failure = Failure {
+            class,
+            attempt: d.attempt(),
+            age: now.duration_since(origin_time).unwrap_or_default(),
+        };
+        match self.policy.decide(&failure, fastrand::f64()) {
+            Decision::Retry {
+                delay,
+                tier,
+                next_attempt,
+            } => {
+                let mut copy = d.message().clone();
+                let h = copy.headers_mut();
+                h.insert(headers::ATTEMPT, next_attempt.to_string());
+                h.insert(
+                    headers::FIRST_FAILURE_AT,
+                    headers::format_time(first_failure),
+                );
+                h.insert(headers::LAST_FAILURE_AT, headers::format_time(now));
+                h.insert(headers::LAST_ERROR, headers::sanitize_error(&text));
+                h.insert(headers::ERROR_CLASS, class.as_str());
+                tracing::info!(class = %class, error = %text, ?delay, next_attempt, "retrying");
+                let request = RetryRequest {
+                    message: copy,
+                    delay,
+                    tier,
+                };
+                match self.receiver.retry(d, request).await {
+                    Ok(()) => {
+                        self.backoff.succeeded();
+                        Stats::bump(&self.stats.retried);
+                        self.metrics.retried(class).increment(1);
+                    }
+                    Err(e) => self.settle_failed(d, SettleOp::Retry, &e).await,
+                }
+            }
+            Decision::DeadLetter(reason) => {
+                let record = DeadLetter {
+                    reason,
+                    error_class: Some(class),
+                    error: Some(text.clone()),
+                    attempts: d.attempt(),
+                    first_failure_at: Some(first_failure),
+                    dead_lettered_at: now,
+                    consumer: self.name.to_string(),
+                    origin: d.origin().clone(),
+                };
+                let mut copy = d.message().clone();
+                record.write(copy.headers_mut());
+                tracing::warn!(%reason, class = %class, error = %text, "dead-lettering");
+                match self.receiver.dead_letter(d, copy).await {
+                    Ok(()) => {
+                        self.backoff.succeeded();
+                        Stats::bump(&self.stats.dead_lettered);
+                        self.metrics.dead_lettered(reason).increment(1);
+                    }
+                    Err(e) => self.settle_failed(d, SettleOp::DeadLetter, &e).await,
+                }
+            }
+            Decision::Discard(reason) => {
+                tracing::warn!(%reason, class = %class, error = %text, "discarding (final route = discard)");
+                if self.ack(d).await {
+                    Stats::bump(&self.stats.discarded);
+                    self.metrics.discarded(reason).increment(1);
+                }
+            }
+        }
+    }
+
+    pub(super) async fn ack(&self, d: &Delivery) -> bool {
+        match self.receiver.ack(d).await {
+            Ok(()) => true,
+            Err(e) => {
+                self.ack_failed(&e, d.id().as_str());
+                false
+            }
+        }
+    }
+
+    pub(super) fn ack_failed(&self, e: &BrokerError, id: &str) {
+        // The effect is done; the broker will redeliver and the inbox absorbs it.
+        Stats::bump(&self.stats.settle_failures);
+        self.metrics.settle_failures[SettleOp::Ack as usize].increment(1);
+        tracing::warn!(error = %e, id, "ack failed; the message may be delivered again");
+    }
+
+    pub(super) async fn settle_failed(&self, d: &Delivery, op: SettleOp, e: &BrokerError) {
+        Stats::bump(&self.stats.settle_failures);
+        self.metrics.settle_failures[op as usize].increment(1);
+        if let BrokerError::ForeignDelivery = e {
+            // Not a broker failure: nothing to back off from, and releasing on this
+            // receiver would be refused the same way. The owner's lease returns it.
+            tracing::error!(operation = op.as_str(), id = %d.id(), "a delivery of another receiver reached this consumer; left to its owner");
+            return;
+        }
+        let wait = self.backoff.failed();
+        tracing::error!(operation = op.as_str(), error = %e, release_delay = ?wait,
+            "settlement failed; the source message is released, not acknowledged");
+        self.release(d, wait).await;
+    }
+
+    pub(super) async fn release(&self, d: &Delivery, delay: Duration) {
+        match self.receiver.release(d, delay).await {
+            Ok(()) => Stats::bump(&self.stats.released),
+            Err(e) => {
+                Stats::bump(&self.stats.settle_failures);
+                self.metrics.settle_failures[SettleOp::Release as usize].increment(1);
+                tracing::warn!(error = %e, "release failed; the broker redelivers after the lease");
+            }
+        }
+    }
+}
+
+/// The error and its sources, `outer: inner: innermost`.
+pub(super) fn chain_text(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut link = e.source();
+    while let Some(inner) = link {
+        let s = inner.to_string();
+        if !text.contains(&s) {
+            text.push_str(": ");
+            text.push_str(&s);
+        }
+        link = inner.source();
+    }
+    text
+}
+
+pub(super) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-text panic payload".to_owned()
+    }
+}
