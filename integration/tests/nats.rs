@@ -7,8 +7,8 @@ use std::time::Duration;
 use anyhow::{Context, ensure};
 use reliq_conformance::support::unique;
 use reliq_core::{
-    BoxError, Broker, Consumer, DeadLetter, DeadLetterReason, Delivery, Destination, Message,
-    RetryPolicy, Subscription,
+    BoxError, Broker, Consumer, Cursor, DeadLetter, DeadLetterEntry, DeadLetterReason, DeadLetters,
+    Delivery, Destination, Message, RetryPolicy, Subscription,
 };
 use reliq_integration::nats::NatsBackend;
 
@@ -88,22 +88,16 @@ async fn advisory_relays_are_idempotent() -> anyhow::Result<()> {
     // A pending pull lets the server notice the limit and send the advisory.
     let none = tokio::time::timeout(Duration::from_secs(4), rx.receive()).await;
     ensure!(none.is_err(), "delivered past max_deliver");
-    let dlq = first.dead_letter_receiver(&sub).await?;
-    let dead = tokio::time::timeout(Duration::from_secs(10), dlq.receive())
-        .await
-        .context("no dead letter")??;
-    let record = DeadLetter::read(dead.headers())?;
+    let broker: Arc<dyn Broker> = Arc::new(first);
+    let dlq = broker.dead_letters(&sub).await?;
+    let dead = only_dead_letter(dlq.as_ref()).await?;
+    let record = dead.record()?;
     ensure!(dead.id() == &id);
     ensure!(
         record.reason == DeadLetterReason::MaxDeliveries && record.attempts == 2,
         "{record:?}"
     );
     ensure!(record.origin.sequence == Some(1), "{:?}", record.origin);
-    let duplicate = tokio::time::timeout(Duration::from_secs(2), dlq.receive()).await;
-    ensure!(
-        duplicate.is_err(),
-        "the second relay made a duplicate DLQ entry"
-    );
     Ok(())
 }
 
@@ -147,11 +141,10 @@ async fn foreign_terminations_are_parked_and_reliq_ones_not_doubled() -> anyhow:
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
 
-    let dlq = broker.dead_letter_receiver(&sub).await?;
-    let dead = tokio::time::timeout(Duration::from_secs(10), dlq.receive())
-        .await
-        .context("the terminated message never reached the DLQ")??;
-    let record = DeadLetter::read(dead.headers())?;
+    let broker: Arc<dyn Broker> = Arc::new(broker);
+    let dlq = broker.dead_letters(&sub).await?;
+    let dead = only_dead_letter(dlq.as_ref()).await?;
+    let record = dead.record()?;
     ensure!(dead.payload() == b"foreign");
     ensure!(record.reason == DeadLetterReason::Permanent, "{record:?}");
     ensure!(
@@ -160,11 +153,404 @@ async fn foreign_terminations_are_parked_and_reliq_ones_not_doubled() -> anyhow:
             .as_deref()
             .is_some_and(|e| e.contains("terminated outside reliq"))
     );
+    Ok(())
+}
+
+/// Waits (10 s at most) for the DLQ to hold an entry, then checks for 2 s that it stays the
+/// only one (a second relay or a doubled termination would add another); returns it.
+async fn only_dead_letter(dlq: &dyn DeadLetters) -> anyhow::Result<DeadLetterEntry> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while dlq.count().await?.count == 0 {
+        ensure!(
+            tokio::time::Instant::now() < deadline,
+            "nothing reached the DLQ"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let quiet = tokio::time::Instant::now() + Duration::from_secs(2);
+    while tokio::time::Instant::now() < quiet {
+        let count = dlq.count().await?.count;
+        ensure!(count == 1, "{count} DLQ entries for one message");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let page = dlq.browse(&Cursor::start(), 10).await?;
+    ensure!(page.entries.len() == 1 && page.at_end, "{page:?}");
+    page.entries.into_iter().next().context("no entry")
+}
+
+/// A browse cut off by a timeout in the middle of its reads, then retried from the same
+/// cursor, returns every entry once, in order (the old destructive reader moved its
+/// cursor before its read, so a timed-out read skipped an entry); nothing is removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn browse_timed_out_mid_read_skips_nothing() -> anyhow::Result<()> {
+    let backend = NatsBackend::new();
+    let nats = backend.connect_nats().await?;
+    let topic = unique("nats-dlq-cancel");
+    let sub = Subscription::new("browsing", topic.clone());
+    nats.declare_dead_letters(&sub).await?;
+    let dlq_subject = reliq_nats::dead_letter_subject(&sub);
+    let mut ids = Vec::new();
+    for i in 0..30 {
+        let message = Message::new(format!("dead {i}"));
+        ids.push(message.id().clone());
+        nats.publish(&Destination::new(dlq_subject.clone()), message)
+            .await?;
+    }
+    let broker: Arc<dyn Broker> = Arc::new(nats);
+    let dlq = broker.dead_letters(&sub).await?;
+    let mut cursor = Cursor::start();
+    let mut seen = Vec::new();
+    let mut cancelled = 0;
+    let mut timeout = Duration::from_micros(100);
+    loop {
+        match tokio::time::timeout(timeout, dlq.browse(&cursor, 4)).await {
+            // Cut off mid-page: the next try reads from the same cursor, a bit longer.
+            Err(_) => {
+                cancelled += 1;
+                timeout += Duration::from_micros(100);
+            }
+            Ok(page) => {
+                let page = page?;
+                seen.extend(page.entries.iter().map(|e| e.id().clone()));
+                if page.at_end {
+                    break;
+                }
+                cursor = page.next;
+                timeout = Duration::from_micros(100);
+            }
+        }
+        ensure!(cancelled < 10_000, "a browse never finished");
+    }
     ensure!(
-        tokio::time::timeout(Duration::from_secs(2), dlq.receive())
-            .await
-            .is_err(),
-        "one termination, one DLQ entry"
+        cancelled > 0,
+        "no browse was cut off: the test proves nothing"
+    );
+    ensure!(
+        seen == ids,
+        "read {} of {}: {seen:?}",
+        seen.len(),
+        ids.len()
+    );
+    let count = dlq.count().await?;
+    ensure!(count.count == 30, "browsing removed entries: {count:?}");
+    Ok(())
+}
+
+/// Browse pages, `get`, `count` (with the oldest dead-lettered-at) and `remove` on the
+/// DLQ stream: removal is by id, oldest copy first, unknown ids skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_browse_get_count_remove() -> anyhow::Result<()> {
+    let backend = NatsBackend::new();
+    let nats = backend.connect_nats().await?;
+    let topic = unique("nats-dlq-ops");
+    let sub = Subscription::new("ops", topic.clone());
+    nats.declare_dead_letters(&sub).await?;
+    let dlq_subject = reliq_nats::dead_letter_subject(&sub);
+    let first_at = std::time::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+    let mut ids = Vec::new();
+    for i in 0..5u64 {
+        let mut message = Message::new(format!("dead {i}"));
+        DeadLetter {
+            reason: DeadLetterReason::Permanent,
+            error_class: None,
+            error: Some(format!("failure {i}")),
+            attempts: 1,
+            first_failure_at: None,
+            dead_lettered_at: first_at + Duration::from_secs(i),
+            consumer: sub.consumer.clone(),
+            origin: Default::default(),
+        }
+        .write(message.headers_mut());
+        ids.push(message.id().clone());
+        nats.publish(&Destination::new(dlq_subject.clone()), message)
+            .await?;
+    }
+    let broker: Arc<dyn Broker> = Arc::new(nats);
+    let dlq = broker.dead_letters(&sub).await?;
+    let count = dlq.count().await?;
+    ensure!(count.count == 5, "{count:?}");
+    ensure!(count.oldest_dead_lettered_at == Some(first_at), "{count:?}");
+
+    let page = dlq.browse(&Cursor::start(), 3).await?;
+    let read: Vec<_> = page.entries.iter().map(|e| e.id().clone()).collect();
+    ensure!(read == ids[..3] && !page.at_end, "{page:?}");
+    ensure!(page.entries[0].position == "stream sequence 1");
+    let rest = dlq.browse(&page.next, 3).await?;
+    let read: Vec<_> = rest.entries.iter().map(|e| e.id().clone()).collect();
+    ensure!(read == ids[3..] && rest.at_end, "{rest:?}");
+    // At the end, the cursor reads what arrives later.
+    let later = dlq.browse(&rest.next, 3).await?;
+    ensure!(later.entries.is_empty() && later.at_end && later.next == rest.next);
+
+    let got = dlq.get(&ids[2]).await?.context("get found nothing")?;
+    ensure!(got.payload() == b"dead 2" && got.record()?.error.as_deref() == Some("failure 2"));
+    ensure!(
+        dlq.get(&reliq_core::MessageId::from("unknown"))
+            .await?
+            .is_none()
+    );
+
+    let removed = dlq
+        .remove(&[ids[0].clone(), "unknown".into(), ids[3].clone()])
+        .await?;
+    ensure!(
+        removed == vec![ids[0].clone(), ids[3].clone()],
+        "{removed:?}"
+    );
+    ensure!(
+        dlq.remove(&[ids[0].clone()]).await?.is_empty(),
+        "removed twice"
+    );
+    let count = dlq.count().await?;
+    ensure!(count.count == 3, "{count:?}");
+    ensure!(
+        count.oldest_dead_lettered_at == Some(first_at + Duration::from_secs(1)),
+        "{count:?}"
+    );
+    let all = dlq.browse(&Cursor::start(), 10).await?;
+    let read: Vec<_> = all.entries.iter().map(|e| e.id().clone()).collect();
+    ensure!(
+        read == vec![ids[1].clone(), ids[2].clone(), ids[4].clone()] && all.at_end,
+        "{all:?}"
+    );
+    Ok(())
+}
+
+/// Publishes `messages` to `topic`, 64 publishes in flight.
+async fn publish_many(
+    broker: &Arc<dyn Broker>,
+    topic: &str,
+    messages: Vec<Message>,
+) -> anyhow::Result<()> {
+    use futures::StreamExt;
+    let results: Vec<_> = futures::stream::iter(messages)
+        .map(|m| {
+            let broker = broker.clone();
+            let destination = Destination::new(topic);
+            async move { broker.publish(&destination, m).await }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    for r in results {
+        r?;
+    }
+    Ok(())
+}
+
+/// A consumer whose `burst-*` messages fail on their first call, counting first calls of
+/// burst messages and healthy successes.
+async fn burst_consumer(
+    broker: &Arc<dyn Broker>,
+    topic: &str,
+    tier: Duration,
+    failed: Arc<AtomicU32>,
+    healthy: Arc<AtomicU32>,
+) -> anyhow::Result<reliq_core::ConsumerHandle> {
+    let seen = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    Ok(Consumer::builder(broker.clone(), "burst")
+        .subscribe(topic.to_owned(), None::<String>)
+        .retry(RetryPolicy::tiers([tier]).max_attempts(3))
+        .start(move |d: Delivery| {
+            let (failed, healthy, seen) = (failed.clone(), healthy.clone(), seen.clone());
+            async move {
+                if d.payload().starts_with(b"burst") {
+                    let first = seen
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(d.id().clone());
+                    if first {
+                        failed.fetch_add(1, Ordering::SeqCst);
+                        return Err(reliq_core::Transient::msg("fails once").into());
+                    }
+                } else {
+                    healthy.fetch_add(1, Ordering::SeqCst);
+                }
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await?)
+}
+
+/// Waits until `done()` or `deadline`; false at the deadline.
+async fn wait_for(deadline: tokio::time::Instant, done: impl Fn() -> bool) -> bool {
+    while !done() {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}
+
+/// Issue 18 defect 5: a failure burst many times larger than the prefetch (64) fails
+/// once with a 10 s tier; the healthy messages published right after are all handled long
+/// before the tier comes due (retries wait outside the consumer's in-flight window), and
+/// every burst message is then handled again, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_burst_does_not_hold_back_healthy_messages() -> anyhow::Result<()> {
+    const BURST: u32 = 3000;
+    const HEALTHY: u32 = 1000;
+    let tier = Duration::from_secs(10);
+    let backend = NatsBackend::new();
+    let broker: Arc<dyn Broker> = Arc::new(backend.connect_nats().await?);
+    let topic = unique("nats-burst");
+    backend.connect_nats().await?.declare_source(&topic).await?;
+    let (failed, healthy) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let h = burst_consumer(&broker, &topic, tier, failed.clone(), healthy.clone()).await?;
+    let burst: Vec<Message> = (0..BURST)
+        .map(|i| Message::new(format!("burst-{i}")))
+        .collect();
+    let started = tokio::time::Instant::now();
+    publish_many(&broker, &topic, burst).await?;
+    let healthy_msgs: Vec<Message> = (0..HEALTHY)
+        .map(|i| Message::new(format!("ok-{i}")))
+        .collect();
+    let healthy_published = tokio::time::Instant::now();
+    publish_many(&broker, &topic, healthy_msgs).await?;
+    // Well under the tier: the first retries come due 10 s after the burst started.
+    let in_time = wait_for(started + tier / 2, || {
+        healthy.load(Ordering::SeqCst) == HEALTHY
+    })
+    .await;
+    let healthy_took = healthy_published.elapsed();
+    ensure!(
+        in_time,
+        "{} of {HEALTHY} healthy messages handled within {:?} of the burst ({} of {BURST} \
+         burst messages failed once): held back behind the waiting retries",
+        healthy.load(Ordering::SeqCst),
+        tier / 2,
+        failed.load(Ordering::SeqCst),
+    );
+    eprintln!("healthy messages all handled {healthy_took:?} after their publish");
+    ensure!(
+        failed.load(Ordering::SeqCst) == BURST,
+        "{h:?}",
+        h = h.stats()
+    );
+    let all = wait_for(started + tier * 3, || {
+        h.stats().processed == u64::from(BURST + HEALTHY)
+    })
+    .await;
+    let s = h.shutdown().await.stats;
+    ensure!(all, "the retries were not all handled: {s:?}");
+    ensure!(
+        s.retried == u64::from(BURST) && s.dead_lettered == 0 && s.settle_failures == 0,
+        "{s:?}"
+    );
+    ensure!(
+        started.elapsed() >= tier,
+        "retries handled before their delay"
+    );
+    Ok(())
+}
+
+/// A measurement (not run by default): 20,000 messages each retried once after 1 s, the
+/// time until all are handled. `cargo nextest run --workspace -E 'test(retry_storm)'
+/// --run-ignored only --no-capture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement"]
+async fn retry_storm_throughput() -> anyhow::Result<()> {
+    let n: u32 = std::env::var("RELIQ_STORM")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    let backend = NatsBackend::new();
+    let broker: Arc<dyn Broker> = Arc::new(backend.connect_nats().await?);
+    let topic = unique("nats-storm");
+    backend.connect_nats().await?.declare_source(&topic).await?;
+    let burst: Vec<Message> = (0..n).map(|i| Message::new(format!("burst-{i}"))).collect();
+    publish_many(&broker, &topic, burst).await?;
+    let (failed, healthy) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let started = tokio::time::Instant::now();
+    let h = burst_consumer(&broker, &topic, Duration::from_secs(1), failed, healthy).await?;
+    let done = wait_for(started + Duration::from_secs(120), || {
+        h.stats().processed == u64::from(n)
+    })
+    .await;
+    let took = started.elapsed();
+    let s = h.shutdown().await.stats;
+    ensure!(done, "{s:?}");
+    eprintln!(
+        "{n} messages retried once after 1 s: all handled in {took:?} ({:.0} msg/s)",
+        f64::from(n) / took.as_secs_f64()
+    );
+    Ok(())
+}
+
+/// A retry copy (a scheduled message, due on the consumer's own subject) keeps the
+/// message id, route and origin sequence, counts attempts on from the retried one, and is
+/// still caught by the crash-loop net: past `max_deliver` the advisory relay dead-letters
+/// it as `max-deliveries` with the original's origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_copy_keeps_origin_and_crash_loop_net() -> anyhow::Result<()> {
+    let backend = NatsBackend::new();
+    let nats = backend.connect_nats().await?;
+    let topic = unique("nats-copy");
+    let mut sub = Subscription::new("copied", topic.clone());
+    sub.delivery_limit = 2;
+    sub.lease = Duration::from_secs(1);
+    let rx = nats.subscribe(&sub).await?;
+    nats.publish(
+        &Destination::new(topic.clone()).with_route("created"),
+        Message::new("crashes after a retry"),
+    )
+    .await?;
+    let first = tokio::time::timeout(Duration::from_secs(10), rx.receive()).await??;
+    let id = first.id().clone();
+    ensure!(first.attempt() == 1 && first.origin().route.as_deref() == Some("created"));
+    let mut copy = first.message().clone();
+    copy.headers_mut()
+        .insert(reliq_core::headers::ATTEMPT, "2".to_owned());
+    let delay = Duration::from_millis(500);
+    let retried_at = tokio::time::Instant::now();
+    rx.retry(
+        &first,
+        reliq_core::RetryRequest {
+            message: copy,
+            delay,
+            tier: 0,
+        },
+    )
+    .await?;
+    let again = tokio::time::timeout(Duration::from_secs(10), rx.receive()).await??;
+    ensure!(retried_at.elapsed() >= delay, "the retry came early");
+    ensure!(again.id() == &id && again.attempt() == 2, "{again:?}");
+    ensure!(again.payload() == b"crashes after a retry");
+    ensure!(
+        again.origin().route.as_deref() == Some("created") && again.origin().sequence == Some(1),
+        "{:?}",
+        again.origin()
+    );
+    ensure!(
+        again.headers().get("reliq-nats-origin").is_none()
+            && again.headers().get("Nats-Scheduler").is_none()
+    );
+    // The copy crashes its consumer every time: unsettled, its lease runs out.
+    drop(again);
+    drop(rx);
+    let rx = nats.subscribe(&sub).await?;
+    let third = tokio::time::timeout(Duration::from_secs(10), rx.receive()).await??;
+    ensure!(third.id() == &id && third.attempt() == 3, "{third:?}");
+    drop(third);
+    drop(rx);
+    let rx = nats.subscribe(&sub).await?;
+    // A pending pull lets the server notice the limit and send the advisory.
+    let none = tokio::time::timeout(Duration::from_secs(4), rx.receive()).await;
+    ensure!(none.is_err(), "delivered past max_deliver");
+    let broker: Arc<dyn Broker> = Arc::new(nats);
+    let dlq = broker.dead_letters(&sub).await?;
+    let dead = only_dead_letter(dlq.as_ref()).await?;
+    let record = dead.record()?;
+    ensure!(dead.id() == &id);
+    ensure!(
+        record.reason == DeadLetterReason::MaxDeliveries && record.attempts == 3,
+        "{record:?}"
+    );
+    ensure!(
+        record.origin.sequence == Some(1) && record.origin.route.as_deref() == Some("created"),
+        "{:?}",
+        record.origin
     );
     Ok(())
 }

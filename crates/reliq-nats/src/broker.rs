@@ -1,0 +1,440 @@
+//! The connection: publishing, topology, and the [`Broker`] implementation.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, stream};
+use async_trait::async_trait;
+use reliq_core::{
+    Broker, BrokerError, Capabilities, Destination, Message, Receiver, ReceiverId, Subscription,
+};
+use std::sync::atomic::AtomicU32;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::codec::to_nats_headers;
+use crate::dead_letters::NatsDeadLetters;
+use crate::error::{api, connection};
+use crate::names::{
+    consumer_name, dead_letter_stream, dead_letter_subject, filter_subjects, retry_subjects,
+    stream_name, subject,
+};
+use crate::options::{ExistingConsumer, NatsOptions};
+use crate::receiver::NatsReceiver;
+use crate::relay::AdvisoryRelay;
+
+/// A connection to NATS JetStream. Cheap to clone.
+#[derive(Clone)]
+pub struct NatsBroker {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) client: async_nats::Client,
+    pub(crate) js: jetstream::Context,
+    pub(crate) options: NatsOptions,
+    relays: Mutex<HashMap<(String, String), JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for (_, relay) in self
+            .relays
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+        {
+            relay.abort();
+        }
+    }
+}
+
+impl NatsBroker {
+    /// Connect with default options. URL: `nats://[user:password@]host:port[?token=…]`, or
+    /// `tls://…` to require TLS. Credentials are never logged.
+    pub async fn connect(url: &str) -> Result<Self, BrokerError> {
+        Self::connect_with(url, NatsOptions::default()).await
+    }
+
+    /// Connect with options.
+    pub async fn connect_with(url: &str, options: NatsOptions) -> Result<Self, BrokerError> {
+        let (address, query) = url.split_once('?').unwrap_or((url, ""));
+        let mut connect = async_nats::ConnectOptions::new()
+            .name("reliq")
+            .connection_timeout(Duration::from_secs(10));
+        for (k, v) in query.split('&').filter_map(|kv| kv.split_once('=')) {
+            match k {
+                "token" => connect = connect.token(v.to_owned()),
+                "name" => connect = connect.name(v),
+                other => {
+                    return Err(BrokerError::Config {
+                        field: format!("url query `{other}`"),
+                        reason: "unknown NATS URL option (known: token, name)".into(),
+                    });
+                }
+            }
+        }
+        let (scheme, rest) = address
+            .split_once("://")
+            .ok_or_else(|| BrokerError::Config {
+                field: "url".into(),
+                reason: "expected nats://host:port or tls://host:port".into(),
+            })?;
+        let address = match scheme {
+            "nats" => address.to_owned(),
+            "tls" => {
+                connect = connect.require_tls(true);
+                format!("tls://{rest}")
+            }
+            other => {
+                return Err(BrokerError::Config {
+                    field: "url scheme".into(),
+                    reason: format!("`{other}` is not nats or tls"),
+                });
+            }
+        };
+        let client = connect
+            .connect(address.as_str())
+            .await
+            .map_err(connection(format!(
+                "connecting to NATS at {}",
+                redact(&address)
+            )))?;
+        let js = jetstream::new(client.clone());
+        Ok(Self {
+            inner: Arc::new(Inner {
+                client,
+                js,
+                options,
+                relays: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// Declare the source stream (idempotent): subjects `<source>` and `<source>.>`, and
+    /// [`retry_subjects`](crate::retry_subjects) `retry.<stream>.>` with message schedules
+    /// allowed, where its consumers' retries wait (NATS 2.12+). A stream that exists
+    /// without them (made by another tool, or by an older reliq) is updated to have them.
+    pub async fn declare_source(&self, source: &str) -> Result<(), BrokerError> {
+        let retries = retry_subjects(source);
+        let stream = self
+            .inner
+            .js
+            .get_or_create_stream(stream::Config {
+                name: stream_name(source),
+                subjects: vec![source.to_owned(), format!("{source}.>"), retries.clone()],
+                allow_direct: true,
+                allow_message_schedules: true,
+                ..Default::default()
+            })
+            .await
+            .map_err(api(format!(
+                "declaring source stream `{}`",
+                stream_name(source)
+            )))?;
+        let mut config = stream.cached_info().config.clone();
+        if config.allow_message_schedules && config.subjects.contains(&retries) {
+            return Ok(());
+        }
+        tracing::info!(stream = %config.name, subjects = %retries,
+            "adding the retry subjects and message schedules to the source stream");
+        config.allow_message_schedules = true;
+        if !config.subjects.contains(&retries) {
+            config.subjects.push(retries);
+        }
+        self.inner
+            .js
+            .update_stream(&config)
+            .await
+            .map_err(api(format!(
+                "updating source stream `{}` for retries (message schedules need NATS 2.12+)",
+                config.name
+            )))?;
+        Ok(())
+    }
+
+    /// Declare the subscription's DLQ stream (idempotent). A dead letter stays until an
+    /// operator tool (replay, purge) removes it through [`Broker::dead_letters`].
+    pub async fn declare_dead_letters(&self, sub: &Subscription) -> Result<(), BrokerError> {
+        self.inner
+            .js
+            .get_or_create_stream(stream::Config {
+                name: dead_letter_stream(sub),
+                subjects: vec![dead_letter_subject(sub)],
+                allow_direct: true,
+                ..Default::default()
+            })
+            .await
+            .map_err(api(format!(
+                "declaring DLQ stream `{}`",
+                dead_letter_stream(sub)
+            )))?;
+        Ok(())
+    }
+
+    /// Delete the subscription's DLQ stream (for fault-injection tests: the DLQ becomes
+    /// unavailable; [`NatsBroker::declare_dead_letters`] restores it).
+    pub async fn delete_dead_letters(&self, sub: &Subscription) -> Result<(), BrokerError> {
+        self.inner
+            .js
+            .delete_stream(dead_letter_stream(sub))
+            .await
+            .map_err(api(format!(
+                "deleting DLQ stream `{}`",
+                dead_letter_stream(sub)
+            )))?;
+        Ok(())
+    }
+
+    /// Unacknowledged deliveries of the subscription's consumer, from the server.
+    pub async fn ack_pending(&self, sub: &Subscription) -> Result<usize, BrokerError> {
+        let stream = self
+            .inner
+            .js
+            .get_stream(stream_name(&sub.source))
+            .await
+            .map_err(api(format!(
+                "reading source stream `{}`",
+                stream_name(&sub.source)
+            )))?;
+        let info = stream
+            .consumer_info(consumer_name(&sub.consumer))
+            .await
+            .map_err(api(format!(
+                "reading consumer `{}`",
+                consumer_name(&sub.consumer)
+            )))?;
+        Ok(info.num_ack_pending)
+    }
+
+    pub(crate) async fn publish_raw(
+        &self,
+        subject: String,
+        headers: async_nats::HeaderMap,
+        payload: bytes::Bytes,
+    ) -> Result<(), BrokerError> {
+        let timeout = self.inner.options.publish_timeout;
+        let ack = tokio::time::timeout(timeout, async {
+            let future = self
+                .inner
+                .js
+                .publish_with_headers(subject.clone(), headers, payload)
+                .await?;
+            future.await
+        })
+        .await
+        .map_err(|_| BrokerError::Timeout(timeout))?;
+        match ack {
+            Ok(_) => Ok(()),
+            Err(e) => Err(match e.kind() {
+                jetstream::context::PublishErrorKind::StreamNotFound => {
+                    BrokerError::Unroutable(subject)
+                }
+                jetstream::context::PublishErrorKind::TimedOut => BrokerError::Timeout(timeout),
+                jetstream::context::PublishErrorKind::BrokenPipe => {
+                    connection(format!("publishing to `{subject}`"))(e)
+                }
+                _ => {
+                    let reason = format!("publish to `{subject}`: {e}");
+                    BrokerError::rejected(reason).caused_by(e)
+                }
+            }),
+        }
+    }
+
+    async fn consumer_config(
+        &self,
+        sub: &Subscription,
+    ) -> Result<jetstream::consumer::Consumer<pull::Config>, BrokerError> {
+        let stream = self
+            .inner
+            .js
+            .get_stream(stream_name(&sub.source))
+            .await
+            .map_err(api(format!(
+                "reading source stream `{}`",
+                stream_name(&sub.source)
+            )))?;
+        let wanted = pull::Config {
+            durable_name: Some(consumer_name(&sub.consumer)),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: sub.lease,
+            max_deliver: i64::from(sub.delivery_limit),
+            max_ack_pending: i64::from(sub.prefetch) + i64::from(self.inner.options.retry_headroom),
+            filter_subjects: filter_subjects(sub),
+            ..Default::default()
+        };
+        let name = consumer_name(&sub.consumer);
+        match stream.consumer_info(&name).await {
+            Ok(existing) => {
+                let c = &existing.config;
+                let mut differs = Vec::new();
+                if c.max_deliver != wanted.max_deliver {
+                    differs.push(format!(
+                        "max_deliver {} ≠ {}",
+                        c.max_deliver, wanted.max_deliver
+                    ));
+                }
+                if c.max_ack_pending != wanted.max_ack_pending {
+                    differs.push(format!(
+                        "max_ack_pending {} ≠ {}",
+                        c.max_ack_pending, wanted.max_ack_pending
+                    ));
+                }
+                if c.ack_wait != wanted.ack_wait {
+                    differs.push(format!("ack_wait {:?} ≠ {:?}", c.ack_wait, wanted.ack_wait));
+                }
+                if !c.filter_subject.is_empty() || c.filter_subjects != wanted.filter_subjects {
+                    let had = if c.filter_subject.is_empty() {
+                        c.filter_subjects.join(", ")
+                    } else {
+                        c.filter_subject.clone()
+                    };
+                    differs.push(format!(
+                        "filter subjects `{had}` ≠ `{}`",
+                        wanted.filter_subjects.join(", ")
+                    ));
+                }
+                if !differs.is_empty() {
+                    match self.inner.options.existing_consumer {
+                        ExistingConsumer::Error => {
+                            return Err(BrokerError::Config {
+                                field: format!("consumer `{name}`"),
+                                reason: format!(
+                                    "exists with a different configuration: {}",
+                                    differs.join(", ")
+                                ),
+                            });
+                        }
+                        ExistingConsumer::Update => {
+                            tracing::warn!(consumer = %name, differences = %differs.join(", "),
+                                "existing consumer differs; updating it");
+                            return stream
+                                .update_consumer(wanted)
+                                .await
+                                .map_err(api(format!("updating consumer `{name}`")));
+                        }
+                    }
+                }
+                stream
+                    .get_consumer(&name)
+                    .await
+                    .map_err(api(format!("opening consumer `{name}`")))
+            }
+            Err(_) => stream
+                .create_consumer(wanted)
+                .await
+                .map_err(api(format!("creating consumer `{name}`"))),
+        }
+    }
+
+    fn ensure_relay(&self, sub: &Subscription) {
+        let key = (stream_name(&sub.source), consumer_name(&sub.consumer));
+        let mut relays = self.inner.relays.lock().unwrap_or_else(|p| p.into_inner());
+        if relays.get(&key).is_some_and(|h| !h.is_finished()) {
+            return;
+        }
+        let relay = AdvisoryRelay {
+            broker: self.clone(),
+            sub: sub.clone(),
+        };
+        relays.insert(key, tokio::spawn(relay.run()));
+    }
+
+    fn pull_receiver(
+        &self,
+        consumer: jetstream::consumer::Consumer<pull::Config>,
+        sub: &Subscription,
+    ) -> NatsReceiver {
+        NatsReceiver {
+            owner: ReceiverId::next(),
+            broker: self.clone(),
+            sub: sub.clone(),
+            consumer,
+            batch: tokio::sync::Mutex::new(None),
+            outstanding: Arc::new(AtomicU32::new(0)),
+            closed: CancellationToken::new(),
+        }
+    }
+}
+
+fn redact(address: &str) -> String {
+    match address.split_once("://") {
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
+            Some((_, host)) => format!("{scheme}://***@{host}"),
+            None => address.to_owned(),
+        },
+        None => address.to_owned(),
+    }
+}
+
+#[async_trait]
+impl Broker for NatsBroker {
+    fn kind(&self) -> &'static str {
+        "nats"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            rejects_unroutable: true,
+            exact_retry_delay: true,
+            delivery_limit: true,
+            consumer_redelivery: false,
+            attempts_count_every_delivery: true,
+            deduplicates_publishes: true,
+        }
+    }
+
+    async fn publish(
+        &self,
+        destination: &Destination,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        let headers = to_nats_headers(&message);
+        let (_, _, payload, _) = message.into_parts();
+        self.publish_raw(subject(destination), headers, payload)
+            .await
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Receiver>, BrokerError> {
+        self.declare_source(&subscription.source).await?;
+        self.declare_dead_letters(subscription).await?;
+        let consumer = self.consumer_config(subscription).await?;
+        self.ensure_relay(subscription);
+        Ok(Box::new(self.pull_receiver(consumer, subscription)))
+    }
+
+    async fn dead_letters(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
+        self.declare_dead_letters(subscription).await?;
+        let stream = self
+            .inner
+            .js
+            .get_stream(dead_letter_stream(subscription))
+            .await
+            .map_err(api(format!(
+                "opening DLQ stream `{}`",
+                dead_letter_stream(subscription)
+            )))?;
+        Ok(Box::new(NatsDeadLetters::new(
+            stream,
+            dead_letter_subject(subscription),
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_are_redacted() {
+        assert_eq!(redact("nats://u:secret@h:4222"), "nats://***@h:4222");
+    }
+}
