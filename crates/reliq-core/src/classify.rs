@@ -170,6 +170,38 @@ pub enum DecodeError {
     Missing(&'static str),
 }
 
+/// An error and its `source()` chain, displayed `outer: inner: innermost` (a link whose
+/// text the outer ones already contain is left out). For logs: an error that keeps its
+/// client error as its source says what was being done in its own text and what the
+/// client said in the source.
+///
+/// ```
+/// use reliq_core::{BrokerError, ErrorChain};
+/// let e = BrokerError::connection("publishing to `orders`")
+///     .caused_by(std::io::Error::other("connection reset by peer"));
+/// assert_eq!(
+///     ErrorChain(&e).to_string(),
+///     "connection lost: publishing to `orders`: connection reset by peer"
+/// );
+/// ```
+pub struct ErrorChain<'a>(pub &'a (dyn StdError + 'static));
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut text = self.0.to_string();
+        let mut link = self.0.source();
+        while let Some(inner) = link {
+            let s = inner.to_string();
+            if !text.contains(&s) {
+                text.push_str(": ");
+                text.push_str(&s);
+            }
+            link = inner.source();
+        }
+        f.write_str(&text)
+    }
+}
+
 type Rule = Arc<dyn Fn(&(dyn StdError + 'static)) -> Option<ErrorClass> + Send + Sync>;
 
 /// Classifies errors by type. Cheap to clone.

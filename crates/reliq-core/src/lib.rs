@@ -60,7 +60,9 @@ pub use broker::{
     Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, RawMessage, Receiver,
     ReceiverId, RetryRequest, Subscription,
 };
-pub use classify::{BoxError, Classifier, DecodeError, ErrorClass, Permanent, Poison, Transient};
+pub use classify::{
+    BoxError, Classifier, DecodeError, ErrorChain, ErrorClass, Permanent, Poison, Transient,
+};
 pub use consumer::{
     Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, Ordering, ShutdownReport, Stats,
     StatsSnapshot,

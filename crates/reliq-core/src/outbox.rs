@@ -432,7 +432,7 @@ impl RelayInner {
             .store_failures
             .fetch_add(1, AtomicOrdering::Relaxed);
         self.metrics.store_failures.increment(1);
-        tracing::warn!(relay = %self.owner, error = %e, "outbox store: {what} failed");
+        tracing::warn!(relay = %self.owner, error = %crate::ErrorChain(e), "outbox store: {what} failed");
     }
 
     async fn run(self: Arc<Self>, stop: CancellationToken) {

@@ -236,8 +236,8 @@ impl Replay {
                 match self.republish(sub, &entry.message, &record, &clock).await {
                     Ok(()) => confirmed.push(entry.id().clone()),
                     Err(e) => {
-                        tracing::warn!(target: "reliq::audit", message_id = %entry.id(), error = %e, "replay publish failed; left in the DLQ");
-                        report.failed.push((entry.id().clone(), e.to_string()));
+                        tracing::warn!(target: "reliq::audit", message_id = %entry.id(), error = %crate::ErrorChain(&e), "replay publish failed; left in the DLQ");
+                        report.failed.push((entry.id().clone(), crate::ErrorChain(&e).to_string()));
                     }
                 }
             }
@@ -284,9 +284,9 @@ impl Replay {
                 Some(e) => {
                     // Replayed but still in the DLQ: a later replay would duplicate it
                     // (the inbox absorbs that). Report it.
-                    tracing::warn!(target: "reliq::audit", message_id = %id, error = %e,
+                    tracing::warn!(target: "reliq::audit", message_id = %id, error = %crate::ErrorChain(e),
                         "replayed, but removing the DLQ copy failed");
-                    report.failed.push((id.clone(), format!("dlq remove: {e}")));
+                    report.failed.push((id.clone(), format!("dlq remove: {}", crate::ErrorChain(e))));
                 }
             }
             report.replayed.push(id);

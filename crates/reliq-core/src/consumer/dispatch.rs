@@ -83,7 +83,7 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
             Err(e) => {
                 receive_errors = receive_errors.saturating_add(1);
                 let wait = shared.backoff.delay_for(receive_errors);
-                tracing::warn!(consumer = %shared.name, error = %e, retry_in = ?wait, "receive failed");
+                tracing::warn!(consumer = %shared.name, error = %crate::ErrorChain(&e), retry_in = ?wait, "receive failed");
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = &mut stopped => break,

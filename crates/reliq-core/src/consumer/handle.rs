@@ -53,7 +53,7 @@ impl ConsumerHandle {
             tracker.wait().await;
         }
         if let Err(e) = self.receiver.close().await {
-            tracing::warn!(error = %e, "closing the receiver failed");
+            tracing::warn!(error = %crate::ErrorChain(&e), "closing the receiver failed");
         }
         ShutdownReport {
             drained,

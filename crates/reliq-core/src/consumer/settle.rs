@@ -76,7 +76,7 @@ impl<H> Shared<H> {
                 false
             }
             Err(e) => {
-                tracing::warn!(error = %e, "inbox claim failed; releasing the delivery");
+                tracing::warn!(error = %crate::ErrorChain(&e), "inbox claim failed; releasing the delivery");
                 let wait = self.backoff.failed();
                 self.release(d, wait).await;
                 false
@@ -164,7 +164,7 @@ impl<H> Shared<H> {
         if let Some(inbox) = &self.inbox
             && let Err(e) = inbox.complete(&self.name, d.id()).await
         {
-            tracing::warn!(error = %e, id = %d.id(), "inbox complete failed");
+            tracing::warn!(error = %crate::ErrorChain(&e), id = %d.id(), "inbox complete failed");
         }
     }
 
@@ -173,7 +173,7 @@ impl<H> Shared<H> {
         if let Some(inbox) = &self.inbox
             && let Err(e) = inbox.abandon(&self.name, d.id()).await
         {
-            tracing::warn!(error = %e, "inbox abandon failed");
+            tracing::warn!(error = %crate::ErrorChain(&e), "inbox abandon failed");
         }
     }
 
@@ -293,7 +293,7 @@ impl<H> Shared<H> {
         // The effect is done; the broker will redeliver and the inbox absorbs it.
         Stats::bump(&self.stats.settle_failures);
         self.metrics.settle_failures[SettleOp::Ack as usize].increment(1);
-        tracing::warn!(error = %e, id, "ack failed; the message may be delivered again");
+        tracing::warn!(error = %crate::ErrorChain(e), id, "ack failed; the message may be delivered again");
     }
 
     pub(super) async fn settle_failed(&self, d: &Delivery, op: SettleOp, e: &BrokerError) {
@@ -306,7 +306,7 @@ impl<H> Shared<H> {
             return;
         }
         let wait = self.backoff.failed();
-        tracing::error!(operation = op.as_str(), error = %e, release_delay = ?wait,
+        tracing::error!(operation = op.as_str(), error = %crate::ErrorChain(e), release_delay = ?wait,
             "settlement failed; the source message is released, not acknowledged");
         self.release(d, wait).await;
     }
@@ -317,7 +317,7 @@ impl<H> Shared<H> {
             Err(e) => {
                 Stats::bump(&self.stats.settle_failures);
                 self.metrics.settle_failures[SettleOp::Release as usize].increment(1);
-                tracing::warn!(error = %e, "release failed; the broker redelivers after the lease");
+                tracing::warn!(error = %crate::ErrorChain(&e), "release failed; the broker redelivers after the lease");
             }
         }
     }
@@ -325,17 +325,7 @@ impl<H> Shared<H> {
 
 /// The error and its sources, `outer: inner: innermost`.
 pub(super) fn chain_text(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut link = e.source();
-    while let Some(inner) = link {
-        let s = inner.to_string();
-        if !text.contains(&s) {
-            text.push_str(": ");
-            text.push_str(&s);
-        }
-        link = inner.source();
-    }
-    text
+    crate::classify::ErrorChain(e).to_string()
 }
 
 pub(super) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
