@@ -1,5 +1,5 @@
 //! The receiving side: one poll thread per Kafka consumer (the source's group, one relay
-//! per retry tier, or the DLQ reader), all feeding one stream of deliveries, with
+//! per retry tier), all feeding one stream of deliveries, with
 //! per-partition offset tracking, pause-based flow control and the crash-loop counter.
 
 use std::collections::{HashMap, VecDeque};
@@ -12,7 +12,6 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use rdkafka::ClientContext;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
-use rdkafka::producer::Producer as _;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 use reliq_core::{
@@ -66,7 +65,6 @@ const COUNTER_PREFIX: &str = "reliq-deliveries";
 enum Role {
     Source,
     Relay(Duration),
-    DeadLetters,
 }
 
 struct Client {
@@ -519,7 +517,7 @@ impl KafkaReceiver {
             }
             clients.push(Client {
                 origin: sub.source.as_str().into(),
-                group: format!("{}.retry.{}ms", sub.consumer, delay.as_millis()),
+                group: relay_group(sub, *delay),
                 topic,
                 role: Role::Relay(*delay),
             });
@@ -535,8 +533,10 @@ impl KafkaReceiver {
             });
         }
         let mut topics: Vec<String> = clients.iter().map(|c| c.topic.clone()).collect();
-        topics.push(sub.dead_letter_name());
         inner.ensure_topics(&topics).await?;
+        let dlq = sub.dead_letter_name();
+        inner.ensure_dead_letter_topics(&dlq).await?;
+        topics.push(dlq);
         inner.wait_visible(&topics).await?;
         let receiver = Self::start(inner, sub, clients).await?;
         receiver.wait_assigned().await;
@@ -557,23 +557,6 @@ impl KafkaReceiver {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         tracing::debug!(consumer = %self.shared.sub.consumer, "no partitions assigned yet; receiving anyway");
-    }
-
-    /// A reader of the consumer's DLQ topic (group `<consumer>.dlq-reader`, assigned
-    /// partitions, no group join).
-    pub(crate) async fn dead_letters(
-        inner: Arc<Inner>,
-        sub: &Subscription,
-    ) -> Result<Self, BrokerError> {
-        let topic = sub.dead_letter_name();
-        inner.ensure_topics(std::slice::from_ref(&topic)).await?;
-        let clients = vec![Client {
-            origin: topic.as_str().into(),
-            topic,
-            group: format!("{}.dlq-reader", sub.consumer),
-            role: Role::DeadLetters,
-        }];
-        Self::start(inner, sub, clients).await
     }
 
     async fn start(
@@ -613,14 +596,10 @@ impl KafkaReceiver {
                 })
                 .map_err(KafkaError::from)?;
             let consumer = ClientConsumer::new(consumer)?;
-            if c.role == Role::DeadLetters {
-                shared.assign_all(i, &consumer.consumer).await?;
-            } else {
-                consumer
-                    .consumer
-                    .subscribe(&[c.topic.as_str()])
-                    .map_err(KafkaError::from)?;
-            }
+            consumer
+                .consumer
+                .subscribe(&[c.topic.as_str()])
+                .map_err(KafkaError::from)?;
             consumers.push(consumer);
         }
         let mut threads = Vec::new();
@@ -646,6 +625,11 @@ impl KafkaReceiver {
     }
 }
 
+/// The relay group of `sub`'s tier `delay`.
+fn relay_group(sub: &Subscription, delay: Duration) -> String {
+    format!("{}.retry.{}ms", sub.consumer, delay.as_millis())
+}
+
 impl Shared {
     fn is_stopped(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
@@ -655,49 +639,6 @@ impl Shared {
     fn blocking(&self, client: usize) -> bool {
         self.clients[client].role == Role::Source
             && self.inner.config.retry_mode == RetryMode::Blocking
-    }
-
-    /// DLQ reader: assign every partition at its committed position.
-    async fn assign_all(
-        &self,
-        client: usize,
-        consumer: &BaseConsumer<Ctx>,
-    ) -> Result<(), BrokerError> {
-        let topic = self.clients[client].topic.clone();
-        self.inner
-            .wait_visible(std::slice::from_ref(&topic))
-            .await?;
-        let producer = self.inner.route_producer.clone();
-        let t = topic.clone();
-        let metadata = tokio::task::spawn_blocking(move || {
-            producer
-                .client()
-                .fetch_metadata(Some(&t), Duration::from_secs(10))
-        })
-        .await
-        .map_err(|e| BrokerError::Other(Box::new(e)))?
-        .map_err(KafkaError::from)?;
-        let mut tpl = TopicPartitionList::new();
-        for t in metadata.topics().iter().filter(|t| t.name() == topic) {
-            for p in t.partitions() {
-                tpl.add_partition_offset(&topic, p.id(), Offset::Stored)
-                    .map_err(KafkaError::from)?;
-            }
-        }
-        if tpl.count() == 0 {
-            return Err(BrokerError::Unroutable(topic));
-        }
-        consumer.context().route(&tpl);
-        consumer.assign(&tpl).map_err(KafkaError::from)?;
-        let mut s = lock(&self.state);
-        for e in tpl.elements() {
-            let generation = s.next_generation;
-            s.next_generation += 1;
-            s.parts
-                .insert((client, e.partition()), Part::new(generation, None, None));
-        }
-        self.rebalances.fetch_add(1, Ordering::Release);
-        Ok(())
     }
 
     fn poll_loop(self: Arc<Self>, client: usize, owned: Arc<ConsumerHandle>) {
@@ -961,7 +902,7 @@ impl Shared {
     ) {
         let (partition, offset) = (m.partition(), m.offset());
         let role = self.clients[client].role;
-        // Fast path: a source or DLQ partition past its first record, not in blocking
+        // Fast path: a source partition past its first record, not in blocking
         // mode — tracked with the rest of the pass under one lock, decoded by the
         // receive loop.
         let fast = if matches!(role, Role::Relay(_)) || self.blocking(client) {
@@ -1051,7 +992,7 @@ impl Shared {
         let client = &self.clients[info.client];
         let decoded = decode(m, &client.topic);
         let origin = match client.role {
-            Role::Source | Role::DeadLetters => self.origin(info),
+            Role::Source => self.origin(info),
             Role::Relay(_) => Origin {
                 partition: decoded.source_partition,
                 offset: decoded.source_offset,
@@ -1063,7 +1004,7 @@ impl Shared {
         (delivery, decoded.due)
     }
 
-    /// A record as the runtime gets it: a fast-path record (source or DLQ, see
+    /// A record as the runtime gets it: a fast-path record (source, see
     /// [`Shared::on_record`]) with its message decoded on demand.
     fn delivery_of(&self, record: Record) -> Delivery {
         match record {
@@ -1101,7 +1042,6 @@ impl Shared {
         delivery: Delivery,
         out: &mut Vec<Record>,
     ) {
-        let role = self.clients[client].role;
         let mut s = lock(&self.state);
         let Some(part) = s.parts.get_mut(&(client, partition)) else {
             return;
@@ -1120,14 +1060,13 @@ impl Shared {
             return;
         }
         part.counted = true;
-        let count =
-            (role != Role::DeadLetters && part.head.is_none_or(|h| h == offset)).then(|| {
-                let before = part
-                    .head_count
-                    .filter(|(o, _)| *o == offset)
-                    .map_or(0, |(_, n)| n);
-                before.saturating_add(1)
-            });
+        let count = part.head.is_none_or(|h| h == offset).then(|| {
+            let before = part
+                .head_count
+                .filter(|(o, _)| *o == offset)
+                .map_or(0, |(_, n)| n);
+            before.saturating_add(1)
+        });
         drop(s);
         if let Some(n) = count {
             let topic = &self.clients[client].topic;
@@ -1440,15 +1379,15 @@ fn text(bytes: &[u8]) -> std::borrow::Cow<'_, str> {
     }
 }
 
-struct Decoded {
-    message: Message,
+pub(crate) struct Decoded {
+    pub(crate) message: Message,
     due: Option<SystemTime>,
     source_partition: Option<i32>,
     source_offset: Option<i64>,
 }
 
 /// `m` of `topic`, as reliq sees it.
-fn decode(m: &impl KafkaRecord, topic: &str) -> Decoded {
+pub(crate) fn decode(m: &impl KafkaRecord, topic: &str) -> Decoded {
     let mut id = None;
     let mut due = None;
     let mut source_partition = None;
@@ -1603,12 +1542,6 @@ impl Receiver for KafkaReceiver {
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
         let shared = &self.shared;
         delivery.token().check(shared.owner)?;
-        if shared.clients.iter().any(|c| c.role == Role::DeadLetters) {
-            return Err(BrokerError::Unsupported {
-                backend: "kafka",
-                what: "retrying from a dead-letter reader",
-            });
-        }
         if let Some(info) = TokenInfo::of(delivery)
             && shared.blocking(info.client)
         {
@@ -1637,12 +1570,6 @@ impl Receiver for KafkaReceiver {
     async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {
         let shared = &self.shared;
         delivery.token().check(shared.owner)?;
-        if shared.clients.iter().any(|c| c.role == Role::DeadLetters) {
-            return Err(BrokerError::Unsupported {
-                backend: "kafka",
-                what: "dead-lettering from a dead-letter reader",
-            });
-        }
         let topic = shared.sub.dead_letter_name();
         route_produce(&shared.inner, &topic, &dead, &[]).await?;
         shared.finish(delivery);
