@@ -79,6 +79,66 @@ mod kafka {
         Ok(())
     }
 
+    /// Issue 18, defect 2: 20 retries wait in a 10 s tier when the consumer is
+    /// redeployed at once with a policy whose only tier is 1 s. The new consumer finds
+    /// its old tier's topic on the broker still holding records and drains it: all 20
+    /// are processed, each no earlier than the old tier's delay and within a tolerance
+    /// after it. (Without the drain, none of them is processed.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn retries_waiting_in_a_tier_the_new_policy_dropped_are_drained() -> anyhow::Result<()> {
+        let backend = KafkaBackend::new();
+        let ctx = Ctx::new(&backend, "stale-tier").await?;
+        let old_tier = Duration::from_secs(10);
+        let rec = Recorder::new();
+        let r = rec.clone();
+        let first = ctx
+            .consumer("c")
+            .retry(RetryPolicy::tiers([old_tier]).max_attempts(3))
+            .start(move |d: Delivery| {
+                let r = r.clone();
+                async move {
+                    r.call(&d);
+                    Err::<(), BoxError>(Transient::msg("downstream 503").into())
+                }
+            })
+            .await?;
+        let messages: Vec<Message> = (0..20).map(|i| Message::new(format!("m-{i}"))).collect();
+        let ids: Vec<_> = messages.iter().map(|m| m.id().clone()).collect();
+        ctx.publish_all(messages).await?;
+        wait_until("20 retries waiting", Duration::from_secs(30), || {
+            first.stats().retried == 20
+        })
+        .await?;
+        let s = first.shutdown().await.stats;
+        ensure!(s.retried == 20 && s.processed == 0, "{s:?}");
+        // Redeployed at once with another policy.
+        let second = ctx
+            .consumer("c")
+            .retry(RetryPolicy::tiers([Duration::from_secs(1)]).max_attempts(3))
+            .start(rec.succeeding())
+            .await?;
+        let tolerance = Duration::from_secs(5);
+        wait_until(
+            "the 20 waiting retries processed",
+            old_tier + tolerance + Duration::from_secs(5),
+            || rec.effect_count() == 20,
+        )
+        .await?;
+        for id in &ids {
+            let calls = rec.calls_for(id);
+            ensure!(calls.len() == 2, "{id}: {calls:?}");
+            let waited = calls[1].at - calls[0].at;
+            ensure!(
+                waited >= old_tier && waited <= old_tier + tolerance,
+                "{id} retried after {waited:?} (old tier {old_tier:?})"
+            );
+            ensure!(calls[1].attempt == 2, "{:?}", calls[1]);
+        }
+        let s = second.shutdown().await.stats;
+        ensure!(s.processed == 20 && s.dead_lettered == 0, "{s:?}");
+        ctx.assert_no_dead_letters("c").await
+    }
+
     /// A member of group `c` on `topic` that records into `rec` (1 ms of work each).
     /// A group member recording every record it handles, with a per-message handler or
     /// a batch handler (batches of up to 8).

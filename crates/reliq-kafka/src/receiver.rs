@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use rdkafka::ClientContext;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::producer::Producer as _;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 use reliq_core::{
@@ -522,6 +523,19 @@ impl KafkaReceiver {
                 role: Role::Relay(*delay),
             });
         }
+        if inner.config.retry_mode == RetryMode::Topics {
+            let current: Vec<String> = clients.iter().map(|c| c.topic.clone()).collect();
+            for stale in stale_tiers(&inner, sub, &current).await? {
+                tracing::info!(consumer = %sub.consumer, topic = %stale.topic, lag = stale.lag,
+                    "a retry tier the policy no longer has still holds records; draining it");
+                clients.push(Client {
+                    origin: sub.source.as_str().into(),
+                    group: relay_group(sub, stale.delay),
+                    topic: stale.topic,
+                    role: Role::Relay(stale.delay),
+                });
+            }
+        }
         if clients.len() > MAX_CLIENTS {
             return Err(BrokerError::Config {
                 field: "retry.tiers".into(),
@@ -628,6 +642,105 @@ impl KafkaReceiver {
 /// The relay group of `sub`'s tier `delay`.
 fn relay_group(sub: &Subscription, delay: Duration) -> String {
     format!("{}.retry.{}ms", sub.consumer, delay.as_millis())
+}
+
+/// A retry topic of this consumer that its current policy has no tier for.
+struct StaleTier {
+    delay: Duration,
+    topic: String,
+    /// Records its relay group has not consumed.
+    lag: i64,
+}
+
+/// This consumer's retry topics on the broker (`<source>.<consumer>.retry.<ms>ms`, by
+/// metadata) other than `current` that still hold records their relay group has not
+/// consumed: retries a redeploy with another policy would strand.
+async fn stale_tiers(
+    inner: &Arc<Inner>,
+    sub: &Subscription,
+    current: &[String],
+) -> Result<Vec<StaleTier>, BrokerError> {
+    let inner = inner.clone();
+    let sub = sub.clone();
+    let current = current.to_vec();
+    tokio::task::spawn_blocking(move || {
+        let prefix = format!("{}.{}.retry.", sub.source, sub.consumer);
+        let metadata = inner
+            .route_producer
+            .client()
+            .fetch_metadata(None, STALE_WAIT)
+            .map_err(|e| {
+                BrokerError::connection(format!("listing topics for old retry tiers: {e}"))
+                    .caused_by(e)
+            })?;
+        let mut stale = Vec::new();
+        for t in metadata.topics() {
+            let Some(ms) = t
+                .name()
+                .strip_prefix(&prefix)
+                .and_then(|rest| rest.strip_suffix("ms"))
+                .and_then(|ms| ms.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            if current.iter().any(|c| c == t.name()) || t.partitions().is_empty() {
+                continue;
+            }
+            let delay = Duration::from_millis(ms);
+            let lag = relay_lag(&inner, &relay_group(&sub, delay), t)?;
+            if lag > 0 {
+                stale.push(StaleTier {
+                    delay,
+                    topic: t.name().to_owned(),
+                    lag,
+                });
+            }
+        }
+        Ok(stale)
+    })
+    .await
+    .map_err(|e| BrokerError::Other(Box::new(e)))?
+}
+
+/// How long looking for old retry tiers may wait for one answer.
+const STALE_WAIT: Duration = Duration::from_secs(10);
+
+/// Records of `topic` that `group` has not committed past (its committed offsets read
+/// without joining the group).
+fn relay_lag(
+    inner: &Inner,
+    group: &str,
+    topic: &rdkafka::metadata::MetadataTopic,
+) -> Result<i64, BrokerError> {
+    let name = topic.name();
+    let failed = |what: &str, e: rdkafka::error::KafkaError| {
+        BrokerError::connection(format!("reading {what} of old retry tier {name}: {e}"))
+            .caused_by(e)
+    };
+    let consumer: BaseConsumer = inner
+        .config
+        .consumer(group, 1)
+        .create()
+        .map_err(|e| failed("a consumer", e))?;
+    let mut tpl = TopicPartitionList::new();
+    for p in topic.partitions() {
+        tpl.add_partition(name, p.id());
+    }
+    let committed = consumer
+        .committed_offsets(tpl, STALE_WAIT)
+        .map_err(|e| failed("the relay's committed offsets", e))?;
+    let mut lag = 0;
+    for p in topic.partitions() {
+        let (low, high) = consumer
+            .fetch_watermarks(name, p.id(), STALE_WAIT)
+            .map_err(|e| failed("the watermarks", e))?;
+        let done = match committed.find_partition(name, p.id()).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => o.max(low),
+            _ => low,
+        };
+        lag += (high - done).max(0);
+    }
+    Ok(lag)
 }
 
 impl Shared {
