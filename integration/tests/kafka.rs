@@ -139,6 +139,97 @@ mod kafka {
         ctx.assert_no_dead_letters("c").await
     }
 
+    /// Issue 18, defect 8: a clean run — subscribe (source and relay), consume, retry
+    /// once, read the DLQ, shut down, drop every client — logs no
+    /// ERROR or WARN event, from reliq or from rdkafka / librdkafka (their `log` records
+    /// reach the subscriber through tracing-log). It used to end with
+    /// `Failed to close consumer queue on drop: … BrokerDestroy` per consumer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_clean_start_consume_shutdown_logs_no_error_or_warning() -> anyhow::Result<()> {
+        let log = capture_warnings();
+        let backend = KafkaBackend::new();
+        let ctx = Ctx::new(&backend, "clean-log").await?;
+        let rec = Recorder::new();
+        let r = rec.clone();
+        let h = ctx
+            .consumer("c")
+            .retry(RetryPolicy::tiers([Duration::from_secs(1)]).max_attempts(2))
+            .start(move |d: Delivery| {
+                let r = r.clone();
+                async move {
+                    r.call(&d);
+                    match d.payload() {
+                        b"flaky" if d.attempt() == 1 => {
+                            return Err(Transient::msg("downstream 503").into());
+                        }
+                        _ => {}
+                    }
+                    r.effect(d.id());
+                    Ok::<(), BoxError>(())
+                }
+            })
+            .await?;
+        let mut messages: Vec<Message> = (0..20).map(|i| Message::new(format!("m-{i}"))).collect();
+        messages.push(Message::new("flaky"));
+        ctx.publish_all(messages).await?;
+        wait_until("21 processed", Duration::from_secs(30), || {
+            h.stats().processed == 21
+        })
+        .await?;
+        let s = h.shutdown().await.stats;
+        ensure!(s.retried == 1 && s.processed == 21, "{s:?}");
+        // (Dead-lettering logs a WARN by design: not part of a clean run.)
+        ctx.assert_no_dead_letters("c").await?;
+        drop(ctx);
+        drop(backend);
+        // A record's last holder destroys its consumer on a thread of its own: give the
+        // destroys a moment to log (an absence can only be observed over a period).
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let lines = log.lock().map(|l| l.clone()).unwrap_or_default();
+        ensure!(
+            lines.is_empty(),
+            "a clean run logged:\n{}",
+            lines.join("\n")
+        );
+        Ok(())
+    }
+
+    /// Installs (for this test's process) a subscriber that keeps every WARN and ERROR
+    /// event, `log` records included.
+    fn capture_warnings() -> Arc<std::sync::Mutex<Vec<String>>> {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        use tracing_subscriber::util::SubscriberInitExt as _;
+
+        struct Capture(Arc<std::sync::Mutex<Vec<String>>>);
+        struct Text(String);
+        impl tracing::field::Visit for Text {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!(" {}={value:?}", field.name()));
+            }
+        }
+        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
+            fn on_event(
+                &self,
+                event: &tracing::Event<'_>,
+                _ctx: tracing_subscriber::layer::Context<'_, S>,
+            ) {
+                let meta = event.metadata();
+                if *meta.level() <= tracing::Level::WARN {
+                    let mut text = Text(format!("{} {}:", meta.level(), meta.target()));
+                    event.record(&mut text);
+                    if let Ok(mut lines) = self.0.lock() {
+                        lines.push(text.0);
+                    }
+                }
+            }
+        }
+        let lines = Arc::new(std::sync::Mutex::new(Vec::new()));
+        tracing_subscriber::registry()
+            .with(Capture(lines.clone()))
+            .init();
+        lines
+    }
+
     /// A member of group `c` on `topic` that records into `rec` (1 ms of work each).
     /// A group member recording every record it handles, with a per-message handler or
     /// a batch handler (batches of up to 8).

@@ -48,6 +48,9 @@ pub(crate) const POLL_BATCH: usize = 256;
 /// queue. Routing again is idempotent and cheap (a lookup and a forward per partition);
 /// it bounds that stall to this long.
 const ROUTE_EVERY: Duration = Duration::from_millis(100);
+/// How long a stopping poll thread waits for its group leave beyond the revoke's
+/// drain.
+const LEAVE_WAIT: Duration = Duration::from_secs(5);
 /// How long a closing poll thread waits for its consumer's close events per poll.
 const CLOSE_POLL: Duration = Duration::from_millis(100);
 /// Most events (rebalances, errors, commit results) a poll pass serves before it takes
@@ -837,18 +840,21 @@ impl Shared {
             }
         }
         drop((out, pass, fetched, purge));
-        // Leave the group now (its revoke runs in `revoke`), as rdkafka's drop would:
-        // deliveries still out may hold the handle, and with it the consumer, for longer.
-        match consumer.close_queue() {
-            Ok(()) => {
-                while !consumer.closed() {
-                    // Serves the revoke; a record still arriving is dropped (uncommitted).
-                    drop(consumer.poll(CLOSE_POLL));
-                }
+        // Leave the group now (its revoke runs in `revoke`): deliveries still out may hold
+        // the handle, and with it the consumer, for longer. Unsubscribing leaves the
+        // group; closing here would too, but rdkafka's drop closes every group consumer
+        // again, and a second close fails and logs an error (`Consumer already closed`).
+        consumer.unsubscribe();
+        let deadline = Instant::now() + self.inner.config.rebalance_drain + LEAVE_WAIT;
+        while Instant::now() < deadline {
+            // Serves the revoke; a record still arriving is dropped (uncommitted).
+            drop(consumer.poll(CLOSE_POLL));
+            if consumer.assignment().is_ok_and(|a| a.count() == 0) {
+                break;
             }
-            Err(e) => tracing::warn!(error = %e, "closing a kafka consumer failed"),
         }
-        // The last reference destroys the consumer (its fetch queue first).
+        // The last reference closes (nothing left to leave) and destroys the consumer,
+        // its fetch queue first.
         drop(owned);
     }
 
