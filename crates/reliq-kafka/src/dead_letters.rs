@@ -25,6 +25,13 @@
 //!
 //! The reader's caches (ledger, index) are copies of what the broker holds, brought up
 //! to date at the start of every call, never a position: a cancelled call skips nothing.
+//!
+//! Limits, stated honestly: a ledger record hides an entry only if its id matches the
+//! record at that position (browse, get, remove), so a DLQ topic deleted and created
+//! again is not hidden by the old ledger — but `count`, which reads no entries, trusts
+//! the ledger's positions, and may count such a DLQ short until its old ledger is
+//! deleted too. Two readers (processes) removing the same entry at the same time both
+//! record it and both report it removed; the entry goes once.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -201,7 +208,9 @@ impl KafkaDeadLetters {
             match r {
                 Ok(_) => confirmed.push(key.clone()),
                 Err((e, _)) => {
-                    error.get_or_insert_with(|| client_error(e, ledger));
+                    error.get_or_insert_with(|| {
+                        client_error(e, "recording dead-letter removals in", ledger)
+                    });
                 }
             }
         }

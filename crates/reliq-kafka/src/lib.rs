@@ -125,13 +125,16 @@ pub enum KafkaError {
     /// The Kafka client failed.
     #[error("kafka client: {0}")]
     Client(#[from] RdError),
-    /// Creating or deleting a topic failed.
+    /// Creating, deleting or looking up a topic failed.
     #[error("kafka admin on `{topic}`: {reason}")]
     Admin {
         /// The topic.
         topic: String,
-        /// What the broker said.
+        /// What was being done, and what the broker said.
         reason: String,
+        /// The broker's error code or the client's error, if there was one.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
 }
 
@@ -139,31 +142,33 @@ impl From<KafkaError> for BrokerError {
     fn from(e: KafkaError) -> Self {
         match e {
             KafkaError::Config { field, reason } => BrokerError::Config { field, reason },
-            KafkaError::Client(e) => client_error(e, "kafka"),
+            KafkaError::Client(e) => client_error(e, "using the Kafka client for", "kafka"),
             other => BrokerError::Other(Box::new(other)),
         }
     }
 }
 
-/// Map a client error to the seam's error, naming `what` (a topic) where it helps.
-pub(crate) fn client_error(e: RdError, what: &str) -> BrokerError {
+/// Map a client error to the seam's error, keeping it as the source; `doing` and `topic`
+/// say what failed (`producing to`, `orders.billing.dlq`).
+pub(crate) fn client_error(e: RdError, doing: &str, topic: &str) -> BrokerError {
     match e.rdkafka_error_code() {
         Some(
             RDKafkaErrorCode::UnknownTopicOrPartition
             | RDKafkaErrorCode::UnknownTopic
             | RDKafkaErrorCode::UnknownPartition,
-        ) => BrokerError::Unroutable(what.to_owned()),
+        ) => BrokerError::Unroutable(topic.to_owned()),
         Some(RDKafkaErrorCode::MessageTimedOut | RDKafkaErrorCode::RequestTimedOut) => {
             BrokerError::Timeout(Duration::ZERO)
         }
-        Some(RDKafkaErrorCode::QueueFull) => {
-            BrokerError::rejected("producer buffer full (queue.buffering.max.messages)")
-        }
+        Some(RDKafkaErrorCode::QueueFull) => BrokerError::rejected(format!(
+            "{doing} {topic}: producer buffer full (queue.buffering.max.messages)"
+        ))
+        .caused_by(e),
         Some(
             RDKafkaErrorCode::AllBrokersDown
             | RDKafkaErrorCode::BrokerTransportFailure
             | RDKafkaErrorCode::Resolve,
-        ) => BrokerError::connection(e.to_string()),
+        ) => BrokerError::connection(format!("{doing} {topic}: {e}")).caused_by(e),
         _ => BrokerError::Other(Box::new(KafkaError::Client(e))),
     }
 }
@@ -233,7 +238,8 @@ impl KafkaBroker {
             {
                 return Err(KafkaError::Admin {
                     topic,
-                    reason: code.to_string(),
+                    reason: format!("deleting the topic: {code}"),
+                    source: Some(Box::new(code)),
                 });
             }
         }
@@ -297,7 +303,8 @@ impl Inner {
             {
                 return Err(KafkaError::Admin {
                     topic,
-                    reason: code.to_string(),
+                    reason: format!("creating the topic: {code}"),
+                    source: Some(Box::new(code)),
                 });
             }
         }
@@ -329,7 +336,8 @@ impl Inner {
         .await
         .map_err(|e| KafkaError::Admin {
             topic: topic.to_owned(),
-            reason: format!("metadata task failed: {e}"),
+            reason: format!("looking the topic up: the metadata task failed: {e}"),
+            source: Some(Box::new(e)),
         })??;
         Ok(metadata
             .topics()
@@ -383,7 +391,7 @@ impl Inner {
         };
         match producer.send(record, queue_timeout).await {
             Ok(delivery) => Ok((delivery.partition, delivery.offset)),
-            Err((e, _)) => Err(match client_error(e, topic) {
+            Err((e, _)) => Err(match client_error(e, "producing to", topic) {
                 BrokerError::Timeout(_) => BrokerError::Timeout(self.config.send_timeout),
                 other => other,
             }),
@@ -477,5 +485,45 @@ impl Broker for KafkaBroker {
             .produce(true, &topic, &message, &due)
             .await
             .map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn client_errors_keep_their_cause_and_say_what_was_done() {
+        let down = RdError::MessageProduction(RDKafkaErrorCode::AllBrokersDown);
+        let e = client_error(down, "producing to", "orders");
+        assert!(
+            matches!(&e, BrokerError::Connection { context, .. }
+            if context.starts_with("producing to orders: ")),
+            "{e:?}"
+        );
+        assert!(
+            e.source()
+                .and_then(|s| s.downcast_ref::<RdError>())
+                .is_some_and(|s| s.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown)),
+            "{e:?}"
+        );
+        let full = RdError::MessageProduction(RDKafkaErrorCode::QueueFull);
+        let e = client_error(full, "producing to", "orders");
+        assert!(
+            matches!(
+                &e,
+                BrokerError::Rejected {
+                    source: Some(_),
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let gone = RdError::MessageProduction(RDKafkaErrorCode::UnknownTopicOrPartition);
+        assert!(
+            matches!(client_error(gone, "producing to", "orders"), BrokerError::Unroutable(t) if t == "orders")
+        );
     }
 }
