@@ -146,7 +146,7 @@ mod kafka {
     /// `Failed to close consumer queue on drop: … BrokerDestroy` per consumer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_clean_start_consume_shutdown_logs_no_error_or_warning() -> anyhow::Result<()> {
-        let log = capture_warnings();
+        let log = reliq_conformance::support::captured_log()?;
         let backend = KafkaBackend::new();
         let ctx = Ctx::new(&backend, "clean-log").await?;
         let rec = Recorder::new();
@@ -185,49 +185,13 @@ mod kafka {
         // A record's last holder destroys its consumer on a thread of its own: give the
         // destroys a moment to log (an absence can only be observed over a period).
         tokio::time::sleep(Duration::from_secs(2)).await;
-        let lines = log.lock().map(|l| l.clone()).unwrap_or_default();
+        let lines = log.warnings();
         ensure!(
             lines.is_empty(),
             "a clean run logged:\n{}",
             lines.join("\n")
         );
         Ok(())
-    }
-
-    /// Installs (for this test's process) a subscriber that keeps every WARN and ERROR
-    /// event, `log` records included.
-    fn capture_warnings() -> Arc<std::sync::Mutex<Vec<String>>> {
-        use tracing_subscriber::layer::SubscriberExt as _;
-        use tracing_subscriber::util::SubscriberInitExt as _;
-
-        struct Capture(Arc<std::sync::Mutex<Vec<String>>>);
-        struct Text(String);
-        impl tracing::field::Visit for Text {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                self.0.push_str(&format!(" {}={value:?}", field.name()));
-            }
-        }
-        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
-            fn on_event(
-                &self,
-                event: &tracing::Event<'_>,
-                _ctx: tracing_subscriber::layer::Context<'_, S>,
-            ) {
-                let meta = event.metadata();
-                if *meta.level() <= tracing::Level::WARN {
-                    let mut text = Text(format!("{} {}:", meta.level(), meta.target()));
-                    event.record(&mut text);
-                    if let Ok(mut lines) = self.0.lock() {
-                        lines.push(text.0);
-                    }
-                }
-            }
-        }
-        let lines = Arc::new(std::sync::Mutex::new(Vec::new()));
-        tracing_subscriber::registry()
-            .with(Capture(lines.clone()))
-            .init();
-        lines
     }
 
     /// A member of group `c` on `topic` that records into `rec` (1 ms of work each).
