@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::ensure;
-use reliq_conformance::support::{Recorder, unique, wait_until};
+use reliq_conformance::support::{Recorder, browse_all, unique, wait_until};
 use reliq_conformance::{Backend, Ctx};
 use reliq_core::{
     Batch, BoxError, Broker, Consumer, ConsumerHandle, DeadLetter, DeadLetterReason, Delivery,
@@ -76,6 +76,121 @@ mod kafka {
             "{s:?}"
         );
         ensure!(backend.name() == "kafka");
+        Ok(())
+    }
+
+    /// Issue 18, defect 2: 20 retries wait in a 10 s tier when the consumer is
+    /// redeployed at once with a policy whose only tier is 1 s. The new consumer finds
+    /// its old tier's topic on the broker still holding records and drains it: all 20
+    /// are processed, each no earlier than the old tier's delay and within a tolerance
+    /// after it. (Without the drain, none of them is processed.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn retries_waiting_in_a_tier_the_new_policy_dropped_are_drained() -> anyhow::Result<()> {
+        let backend = KafkaBackend::new();
+        let ctx = Ctx::new(&backend, "stale-tier").await?;
+        let old_tier = Duration::from_secs(10);
+        let rec = Recorder::new();
+        let r = rec.clone();
+        let first = ctx
+            .consumer("c")
+            .retry(RetryPolicy::tiers([old_tier]).max_attempts(3))
+            .start(move |d: Delivery| {
+                let r = r.clone();
+                async move {
+                    r.call(&d);
+                    Err::<(), BoxError>(Transient::msg("downstream 503").into())
+                }
+            })
+            .await?;
+        let messages: Vec<Message> = (0..20).map(|i| Message::new(format!("m-{i}"))).collect();
+        let ids: Vec<_> = messages.iter().map(|m| m.id().clone()).collect();
+        ctx.publish_all(messages).await?;
+        wait_until("20 retries waiting", Duration::from_secs(30), || {
+            first.stats().retried == 20
+        })
+        .await?;
+        let s = first.shutdown().await.stats;
+        ensure!(s.retried == 20 && s.processed == 0, "{s:?}");
+        // Redeployed at once with another policy.
+        let second = ctx
+            .consumer("c")
+            .retry(RetryPolicy::tiers([Duration::from_secs(1)]).max_attempts(3))
+            .start(rec.succeeding())
+            .await?;
+        let tolerance = Duration::from_secs(5);
+        wait_until(
+            "the 20 waiting retries processed",
+            old_tier + tolerance + Duration::from_secs(5),
+            || rec.effect_count() == 20,
+        )
+        .await?;
+        for id in &ids {
+            let calls = rec.calls_for(id);
+            ensure!(calls.len() == 2, "{id}: {calls:?}");
+            let waited = calls[1].at - calls[0].at;
+            ensure!(
+                waited >= old_tier && waited <= old_tier + tolerance,
+                "{id} retried after {waited:?} (old tier {old_tier:?})"
+            );
+            ensure!(calls[1].attempt == 2, "{:?}", calls[1]);
+        }
+        let s = second.shutdown().await.stats;
+        ensure!(s.processed == 20 && s.dead_lettered == 0, "{s:?}");
+        ctx.assert_no_dead_letters("c").await
+    }
+
+    /// Issue 18, defect 8: a clean run — subscribe (source and relay), consume, retry
+    /// once, read the DLQ, shut down, drop every client — logs no
+    /// ERROR or WARN event, from reliq or from rdkafka / librdkafka (their `log` records
+    /// reach the subscriber through tracing-log). It used to end with
+    /// `Failed to close consumer queue on drop: … BrokerDestroy` per consumer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_clean_start_consume_shutdown_logs_no_error_or_warning() -> anyhow::Result<()> {
+        let log = reliq_conformance::support::captured_log()?;
+        let backend = KafkaBackend::new();
+        let ctx = Ctx::new(&backend, "clean-log").await?;
+        let rec = Recorder::new();
+        let r = rec.clone();
+        let h = ctx
+            .consumer("c")
+            .retry(RetryPolicy::tiers([Duration::from_secs(1)]).max_attempts(2))
+            .start(move |d: Delivery| {
+                let r = r.clone();
+                async move {
+                    r.call(&d);
+                    match d.payload() {
+                        b"flaky" if d.attempt() == 1 => {
+                            return Err(Transient::msg("downstream 503").into());
+                        }
+                        _ => {}
+                    }
+                    r.effect(d.id());
+                    Ok::<(), BoxError>(())
+                }
+            })
+            .await?;
+        let mut messages: Vec<Message> = (0..20).map(|i| Message::new(format!("m-{i}"))).collect();
+        messages.push(Message::new("flaky"));
+        ctx.publish_all(messages).await?;
+        wait_until("21 processed", Duration::from_secs(30), || {
+            h.stats().processed == 21
+        })
+        .await?;
+        let s = h.shutdown().await.stats;
+        ensure!(s.retried == 1 && s.processed == 21, "{s:?}");
+        // (Dead-lettering logs a WARN by design: not part of a clean run.)
+        ctx.assert_no_dead_letters("c").await?;
+        drop(ctx);
+        drop(backend);
+        // A record's last holder destroys its consumer on a thread of its own: give the
+        // destroys a moment to log (an absence can only be observed over a period).
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let lines = log.warnings();
+        ensure!(
+            lines.is_empty(),
+            "a clean run logged:\n{}",
+            lines.join("\n")
+        );
         Ok(())
     }
 
@@ -352,13 +467,16 @@ mod kafka {
             !broker.topic_exists(&sub.retry_name(tiers[0])).await?,
             "blocking mode created a retry topic"
         );
-        let dlq = broker.dead_letter_receiver(&sub).await?;
-        let parked = tokio::time::timeout(Duration::from_secs(30), dlq.receive()).await??;
-        ensure!(parked.payload() == b"poison");
-        let record = DeadLetter::read(parked.headers())?;
+        let dlq = broker.dead_letters(&sub).await?;
+        let parked = browse_all(dlq.as_ref()).await?;
+        ensure!(
+            parked.len() == 1 && parked[0].payload() == b"poison",
+            "{parked:?}"
+        );
+        let record = DeadLetter::read(parked[0].headers())?;
         ensure!(record.reason == DeadLetterReason::Poison, "{record:?}");
-        dlq.ack(&parked).await?;
-        dlq.close().await?;
+        ensure!(dlq.remove(&[parked[0].id().clone()]).await?.len() == 1);
+        ensure!(dlq.count().await?.count == 0);
         Ok(())
     }
 
@@ -515,6 +633,360 @@ mod kafka {
         }
         ensure!(effects.len() == TOTAL, "{} distinct records", effects.len());
         ensure!(s.settle_failures == 0, "{s:?}");
+        Ok(())
+    }
+}
+
+/// The dead-letter reader on Kafka: the DLQ read by offset, removals in a ledger.
+mod kafka_dead_letters {
+    use std::collections::{HashMap, HashSet};
+    use std::time::SystemTime;
+
+    use rdkafka::config::ClientConfig;
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+    use reliq_core::{Cursor, DeadLetters, MessageId, Origin};
+
+    use super::*;
+
+    struct Dlq {
+        broker: KafkaBroker,
+        sub: Subscription,
+        base: SystemTime,
+    }
+
+    impl Dlq {
+        fn new(name: &str) -> anyhow::Result<Self> {
+            let url = reliq_integration::kafka::url_with_group_prefix(&unique(name));
+            Ok(Self {
+                broker: KafkaBroker::connect(&url)?,
+                sub: Subscription::new("c", unique(name)),
+                base: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
+            })
+        }
+
+        async fn reader(&self) -> anyhow::Result<Box<dyn DeadLetters>> {
+            Ok(self.broker.dead_letters(&self.sub).await?)
+        }
+
+        /// Dead-letter `n` messages (dead-lettered at base + i s), spread over the
+        /// partitions by key.
+        async fn fill(&self, n: usize) -> anyhow::Result<Vec<MessageId>> {
+            let mut ids = Vec::new();
+            for i in 0..n {
+                let m = Message::new(format!("dead-{i}")).with_key(format!("k{i}"));
+                ids.push(m.id().clone());
+                self.park(m, i as u64).await?;
+            }
+            Ok(ids)
+        }
+
+        async fn park(&self, mut m: Message, at_s: u64) -> anyhow::Result<()> {
+            DeadLetter {
+                reason: DeadLetterReason::Permanent,
+                error_class: None,
+                error: Some("bad order".into()),
+                attempts: 1,
+                first_failure_at: None,
+                dead_lettered_at: self.base + Duration::from_secs(at_s),
+                consumer: "c".into(),
+                origin: Origin::default(),
+            }
+            .write(m.headers_mut());
+            let dest = Destination::new(self.sub.dead_letter_name());
+            Ok(self.broker.publish(&dest, m).await?)
+        }
+
+        fn client(&self, group: Option<&str>) -> anyhow::Result<BaseConsumer> {
+            let mut config = ClientConfig::new();
+            config.set("bootstrap.servers", &self.broker.config().bootstrap);
+            if let Some(g) = group {
+                config.set(
+                    "group.id",
+                    format!("{}{g}", self.broker.config().group_prefix),
+                );
+            }
+            Ok(config.create()?)
+        }
+
+        /// (low, high) per partition of the DLQ topic, in partition order.
+        fn watermarks(&self) -> anyhow::Result<Vec<(i64, i64)>> {
+            let c = self.client(None)?;
+            let topic = self.sub.dead_letter_name();
+            let md = c.fetch_metadata(Some(&topic), Duration::from_secs(10))?;
+            let mut out = Vec::new();
+            for t in md.topics().iter().filter(|t| t.name() == topic) {
+                for p in t.partitions() {
+                    out.push(c.fetch_watermarks(&topic, p.id(), Duration::from_secs(10))?);
+                }
+            }
+            ensure!(!out.is_empty(), "no partitions for {topic}");
+            Ok(out)
+        }
+
+        /// Offsets `group` has committed on the DLQ (none is `Offset::Invalid`).
+        fn committed(&self, group: &str) -> anyhow::Result<Vec<Offset>> {
+            let c = self.client(Some(group))?;
+            let topic = self.sub.dead_letter_name();
+            let mut tpl = TopicPartitionList::new();
+            for p in 0..self.watermarks()?.len() as i32 {
+                tpl.add_partition(&topic, p);
+            }
+            let got = c.committed_offsets(tpl, Duration::from_secs(10))?;
+            Ok(got.elements().iter().map(|e| e.offset()).collect())
+        }
+    }
+
+    /// Every page, from the start, with the cursors that led to them.
+    async fn pages(
+        dlq: &dyn DeadLetters,
+        size: usize,
+    ) -> anyhow::Result<Vec<(Cursor, reliq_core::DeadLetterPage)>> {
+        let mut cursor = Cursor::start();
+        let mut out = Vec::new();
+        loop {
+            let page = dlq.browse(&cursor, size).await?;
+            let (end, next) = (page.at_end, page.next.clone());
+            out.push((cursor, page));
+            if end {
+                return Ok(out);
+            }
+            cursor = next;
+            ensure!(out.len() < 1_000, "browsing does not end");
+        }
+    }
+
+    fn ids(entries: &[reliq_core::DeadLetterEntry]) -> Vec<MessageId> {
+        entries.iter().map(|e| e.id().clone()).collect()
+    }
+
+    /// Pages of 7 over 40 dead letters on 3 partitions cover each entry exactly once; the
+    /// cursor is each partition's next offset; browsing leaves the log (watermarks) and
+    /// every group's committed offsets as they were, and a browse cancelled mid-read
+    /// changes nothing either; count and the oldest dead-lettered-at are exact.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pages_cover_every_entry_once_and_browsing_changes_nothing() -> anyhow::Result<()> {
+        let d = Dlq::new("dlq-pages")?;
+        let dlq = d.reader().await?;
+        let published = d.fill(40).await?;
+        let before = d.watermarks()?;
+        ensure!(
+            before.iter().map(|(l, h)| h - l).sum::<i64>() == 40 && before.len() == 3,
+            "{before:?}"
+        );
+        let count = dlq.count().await?;
+        ensure!(count.count == 40, "{count:?}");
+        ensure!(count.oldest_dead_lettered_at == Some(d.base), "{count:?}");
+
+        let pages = pages(dlq.as_ref(), 7).await?;
+        let mut seen: Vec<MessageId> = Vec::new();
+        for (from, page) in &pages {
+            ensure!(page.entries.len() <= 7, "a page of {}", page.entries.len());
+            let text = page.next.to_string();
+            let parts: Vec<(i32, i64)> = text
+                .split(',')
+                .map(|p| {
+                    let (a, b) = p.split_once(':').unwrap_or(("x", "x"));
+                    (a.parse().unwrap_or(-1), b.parse().unwrap_or(-1))
+                })
+                .collect();
+            ensure!(
+                parts.len() == 3
+                    && parts
+                        .iter()
+                        .enumerate()
+                        .all(|(i, (p, o))| *p == i as i32 && *o >= 0),
+                "cursor `{text}` after `{from}`"
+            );
+            seen.extend(ids(&page.entries));
+        }
+        ensure!(
+            pages.len() >= 6,
+            "{} pages of 7 for 40 entries",
+            pages.len()
+        );
+        let distinct: HashSet<&MessageId> = seen.iter().collect();
+        ensure!(
+            seen.len() == 40 && distinct.len() == 40,
+            "{} entries seen, {} distinct",
+            seen.len(),
+            distinct.len()
+        );
+        ensure!(published.iter().all(|id| distinct.contains(id)));
+        // At the end, the cursor is every partition's high watermark.
+        let end = pages
+            .last()
+            .map(|(_, p)| p.next.to_string())
+            .unwrap_or_default();
+        let highs: Vec<String> = before
+            .iter()
+            .enumerate()
+            .map(|(i, (_, h))| format!("{i}:{h}"))
+            .collect();
+        ensure!(
+            end == highs.join(","),
+            "end cursor {end}, watermarks {before:?}"
+        );
+        // A page read again from its cursor is the same page.
+        let (from, third) = &pages[2];
+        let again = dlq.browse(from, 7).await?;
+        ensure!(ids(&again.entries) == ids(&third.entries) && again.next == third.next);
+        // A browse cancelled mid-read, then the same browse: the same entries.
+        let cancelled = tokio::time::timeout(Duration::from_millis(1), dlq.browse(from, 7)).await;
+        ensure!(cancelled.is_err(), "the browse was not cancelled");
+        let after_cancel = dlq.browse(from, 7).await?;
+        ensure!(ids(&after_cancel.entries) == ids(&third.entries));
+        // Nothing changed on the broker.
+        ensure!(d.watermarks()? == before, "browsing changed the log");
+        for group in ["c", "c.dlq-reader"] {
+            let committed = d.committed(group)?;
+            ensure!(
+                committed.iter().all(|o| *o == Offset::Invalid),
+                "group {group} has committed {committed:?}"
+            );
+        }
+        let count = dlq.count().await?;
+        ensure!(count.count == 40 && count.oldest_dead_lettered_at == Some(d.base));
+        // From the end, a later browse reads what was dead-lettered since, only that.
+        let late = Message::new("late").with_key("k0");
+        let late_id = late.id().clone();
+        d.park(late, 100).await?;
+        let tail = dlq
+            .browse(
+                &pages
+                    .last()
+                    .map(|(_, p)| p.next.clone())
+                    .unwrap_or_default(),
+                7,
+            )
+            .await?;
+        ensure!(
+            ids(&tail.entries) == vec![late_id] && tail.at_end,
+            "{tail:?}"
+        );
+        Ok(())
+    }
+
+    /// Removed entries never come back — not to this reader, not to a new reader on a new
+    /// connection — while count and get stay exact; an id dead-lettered twice loses its
+    /// oldest copy first; removed prefixes are truncated from the log (DeleteRecords), and
+    /// a DLQ emptied by removals is empty on the broker too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn removed_entries_never_reappear_after_a_restart_and_prefixes_are_truncated()
+    -> anyhow::Result<()> {
+        let d = Dlq::new("dlq-remove")?;
+        let dlq = d.reader().await?;
+        let mut published = d.fill(30).await?;
+        // One id dead-lettered twice (an entry replayed and dead-lettered again).
+        let twice = Message::new("twice").with_key("k-twice");
+        let twice_id = twice.id().clone();
+        d.park(twice.clone(), 50).await?;
+        d.park(twice, 60).await?;
+        published.push(twice_id.clone());
+        let all = browse_all(dlq.as_ref()).await?;
+        ensure!(all.len() == 32, "{} entries", all.len());
+        // Each partition's first entry (so its prefix can go), one from the middle, and
+        // one copy of the twice-dead-lettered id.
+        let heads: Vec<MessageId> = all
+            .iter()
+            .filter(|e| e.position.ends_with(" offset 0") && e.id() != &twice_id)
+            .map(|e| e.id().clone())
+            .collect();
+        ensure!(heads.len() == 3, "{heads:?}");
+        let middle = all
+            .iter()
+            .find(|e| e.position.ends_with(" offset 3"))
+            .map(|e| e.id().clone())
+            .ok_or_else(|| anyhow::anyhow!("no entry at offset 3"))?;
+        ensure!(middle != twice_id);
+        let mut gone: Vec<MessageId> = heads.clone();
+        gone.push(middle.clone());
+        gone.push(twice_id.clone());
+        let unknown = MessageId::from("never-dead-lettered");
+        let mut asked = gone.clone();
+        asked.push(unknown.clone());
+        let removed = dlq.remove(&asked).await?;
+        ensure!(removed == gone, "removed {removed:?}, asked {asked:?}");
+
+        let expect_left = |entries: &[reliq_core::DeadLetterEntry]| -> anyhow::Result<()> {
+            let left: HashMap<MessageId, usize> =
+                entries.iter().fold(HashMap::new(), |mut m, e| {
+                    *m.entry(e.id().clone()).or_default() += 1;
+                    m
+                });
+            ensure!(entries.len() == 32 - 5, "{} entries left", entries.len());
+            for id in &gone {
+                let n = left.get(id).copied().unwrap_or(0);
+                ensure!(
+                    n == usize::from(id == &twice_id),
+                    "{id}: {n} copies after its removal"
+                );
+            }
+            let copy = entries.iter().find(|e| e.id() == &twice_id);
+            let at = copy
+                .and_then(|e| e.record().ok())
+                .map(|r| r.dead_lettered_at);
+            ensure!(
+                at == Some(d.base + Duration::from_secs(60)),
+                "the newer copy must stay: {at:?}"
+            );
+            Ok(())
+        };
+        expect_left(&browse_all(dlq.as_ref()).await?)?;
+        ensure!(dlq.count().await?.count == 27);
+        // The three heads' partitions were truncated past them (the middle entry stays
+        // in the log, hidden by the ledger).
+        let marks = d.watermarks()?;
+        ensure!(marks.iter().all(|(low, _)| *low >= 1), "{marks:?}");
+
+        // A new connection, a new reader: the same view.
+        drop(dlq);
+        let d2 = Dlq {
+            broker: KafkaBroker::connect(&reliq_integration::kafka::url())?,
+            sub: d.sub.clone(),
+            base: d.base,
+        };
+        let dlq = d2.reader().await?;
+        expect_left(&browse_all(dlq.as_ref()).await?)?;
+        let count = dlq.count().await?;
+        ensure!(count.count == 27, "{count:?}");
+        ensure!(
+            dlq.get(&middle).await?.is_none(),
+            "a removed entry is found by id"
+        );
+        let kept = published
+            .iter()
+            .find(|id| !gone.contains(id))
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("nothing kept"))?;
+        ensure!(dlq.get(&kept).await?.is_some_and(|e| e.id() == &kept));
+        let newer = dlq.get(&twice_id).await?;
+        ensure!(
+            newer
+                .and_then(|e| e.record().ok())
+                .map(|r| r.dead_lettered_at)
+                == Some(d.base + Duration::from_secs(60))
+        );
+        ensure!(
+            dlq.remove(std::slice::from_ref(&middle)).await?.is_empty(),
+            "removed twice"
+        );
+
+        // Remove the rest: the log is empty on the broker, and stays empty to a new reader.
+        let rest = ids(&browse_all(dlq.as_ref()).await?);
+        ensure!(dlq.remove(&rest).await?.len() == 27);
+        let marks = d.watermarks()?;
+        ensure!(marks.iter().all(|(low, high)| low == high), "{marks:?}");
+        let count = dlq.count().await?;
+        ensure!(
+            count.count == 0 && count.oldest_dead_lettered_at.is_none(),
+            "{count:?}"
+        );
+        drop(dlq);
+        let dlq = d.reader().await?;
+        let page = dlq.browse(&Cursor::start(), 100).await?;
+        ensure!(page.entries.is_empty() && page.at_end, "{page:?}");
+        ensure!(dlq.count().await?.count == 0);
         Ok(())
     }
 }

@@ -241,6 +241,23 @@ impl KafkaConfig {
         ])
     }
 
+    /// Configuration of the dead-letter reader's consumer: assigned partitions only —
+    /// librdkafka assigns only in a consumer with a `group.id`, but `group` is never
+    /// joined and nothing is committed to it — and end-of-partition events to know a
+    /// read is complete.
+    pub(crate) fn reader(&self, group: &str) -> ClientConfig {
+        self.base(&[
+            ("group.id", format!("{}{group}", self.group_prefix)),
+            ("enable.auto.commit", "false".into()),
+            ("enable.auto.offset.store", "false".into()),
+            ("enable.partition.eof", "true".into()),
+            ("auto.offset.reset", "earliest".into()),
+            ("fetch.wait.max.ms", "100".into()),
+            ("queued.max.messages.kbytes", "4096".into()),
+            ("allow.auto.create.topics", "false".into()),
+        ])
+    }
+
     /// Configuration of the admin client.
     pub(crate) fn admin(&self) -> ClientConfig {
         self.base(&[])

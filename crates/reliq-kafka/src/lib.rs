@@ -27,7 +27,7 @@
 //! | reliq | Kafka |
 //! |---|---|
 //! | `publish` | produce with `acks=all`, `enable.idempotence=true`; returns after the delivery report. The message id travels in the `reliq-id` record header, the key is the record key, every reliq header is a record header. The producer buffer is bounded (`queue.buffering.max.messages`) with a [`BufferPolicy`]: block up to a timeout, or fail fast. |
-//! | `subscribe` | creates (admin API, idempotently) the source, one retry topic per tier `<topic>.<group>.retry.<ms>ms` and the DLQ `<topic>.<group>.dlq`; joins consumer group `<group>` on the source and one **relay** group `<group>.retry.<ms>ms` per tier. |
+//! | `subscribe` | creates (admin API, idempotently) the source, one retry topic per tier `<topic>.<group>.retry.<ms>ms`, the DLQ `<topic>.<group>.dlq` and its removal ledger `<topic>.<group>.dlq.removed`; joins consumer group `<group>` on the source and one **relay** group `<group>.retry.<ms>ms` per tier. It also finds, by metadata, this consumer's retry topics the current policy has no tier for (`<topic>.<group>.retry.<ms>ms`, left by an earlier policy) whose relay group has not consumed all their records, logs each (info: topic and lag) and runs a relay for it too, with that tier's delay, so a redeploy with another policy strands no waiting retry (not in blocking mode). |
 //! | `receive` / `receive_batch` | one poll thread per Kafka consumer hands records to one bounded stream, in chunks: a poll pass serves the consumer's events (rebalances, errors, commit results) through rdkafka's `poll`, then takes up to 256 records in one `rd_kafka_consume_batch_queue` call from a queue of the consumer's own, to which its partitions' fetched records are routed (before each assignment starts their fetch, and again every 100 ms), tracks their offsets under one lock and sends them as one chunk (one wake-up), **undecoded**: each becomes a delivery whose payload and key are read in place and whose message (id, headers — librdkafka parses a record's headers only when asked, and that parse was most of a record's cost) is decoded when something first reads it, on that thread ([`reliq_core::RawMessage`]); the single poll thread does no more per record than polling and tracking. A delivery holds librdkafka's record, and with it the record's consumer, until it is dropped: a stopping poll thread *closes* its consumer (final commit, group leave — nothing waits for deliveries), and the last record *destroys* it. A handler that keeps deliveries after handling them keeps their fetch buffers too. The runtime takes up to its free in-flight room per receive. librdkafka fetches ahead while its queue holds under `queued.min.messages` (100,000) records, bounded by `queued.max.messages.kbytes` (4 MiB). While that buffer is full (4 × [`Subscription::prefetch`](reliq_core::Subscription)) the thread stops taking records, which wait in librdkafka's bounded fetch queue, until the runtime takes some; a buffer full for over a second **pauses** every partition, so the thread goes back to serving rebalances, and resumes them when a quarter is left. |
 //! | `ack` / `ack_batch` | marks the offset(s) done in a per-partition [`OffsetTracker`] (one lock for a batch); the poll thread commits the **highest contiguous done position** (never past an unfinished record), asynchronously, at most every 2 ms. |
 //! | `retry` (blocking, `reliq.retry=blocking`) | see [`RetryMode::Blocking`]: one record per partition at a time; the failed record is held, its partition paused and sought back to the record after it, and the record handed out again after the policy's delay; no retry topics. |
@@ -35,7 +35,7 @@
 //! | `dead_letter` | produces to `<topic>.<group>.dlq`, waits for the report, then marks the source done. The record carries the dead-letter record plus original topic, partition and offset. |
 //! | `release` | the offset stays uncommitted; the same record is handed out again after the delay (in this process), or by the next owner of the partition. |
 //! | delivery limit | the framework's own counter, kept durably in the **commit metadata** of the partition's committed position (see below). |
-//! | `dead_letters` | reads the DLQ with group `<group>.dlq-reader` (assigned partitions, no group join); `ack` = commit. |
+//! | `dead_letters` | a reader of the DLQ topic by offset. **browse**: a consumer of the reader's own is *assigned* the DLQ's partitions at the cursor's offsets (its group `<group>.dlq-browse` is never joined, nothing is committed) and reads up to the high watermarks taken when the page starts — up to `max` entries of each partition, merged oldest first (record timestamp, partition, offset), so a cursor always gives the same page; the cursor is each partition's next offset (`0:17,1:4,2:0`). **remove** (Kafka cannot delete one record): one record per entry, key `<partition>:<offset>`, value the message id, to the compacted **removal ledger** `<dlq>.removed` (one partition), confirmed (`acks=all`) before it returns; browse, get and count skip what the ledger names. Then each partition's prefix of removed entries is cut off with the admin **DeleteRecords** API, and only after the broker confirmed the new low watermark are the ledger's keys below it tombstoned, so neither topic grows with removals. **count**: the watermark spans minus the ledger's entries inside them (no read of the DLQ), the oldest `reliq-dead-lettered-at` from each partition's first live entry. **get** / **remove** find ids in an index the reader builds as it reads (each record read once per reader). The DLQ topic is created without a retention limit (`retention.ms=-1`): a dead letter leaves only through `remove`. |
 //! | `send_to_consumer` | produces to this consumer's first retry topic, marked due at once (replay reaches this group only). |
 //!
 //! Retry and DLQ copies go through a second producer with `allow.auto.create.topics=false`
@@ -78,6 +78,7 @@
 //! Settings come from the URL, see [`KafkaConfig`].
 
 mod config;
+mod dead_letters;
 mod fetch;
 mod receiver;
 pub mod tracker;
@@ -124,13 +125,16 @@ pub enum KafkaError {
     /// The Kafka client failed.
     #[error("kafka client: {0}")]
     Client(#[from] RdError),
-    /// Creating or deleting a topic failed.
+    /// Creating, deleting or looking up a topic failed.
     #[error("kafka admin on `{topic}`: {reason}")]
     Admin {
         /// The topic.
         topic: String,
-        /// What the broker said.
+        /// What was being done, and what the broker said.
         reason: String,
+        /// The broker's error code or the client's error, if there was one.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
 }
 
@@ -138,31 +142,33 @@ impl From<KafkaError> for BrokerError {
     fn from(e: KafkaError) -> Self {
         match e {
             KafkaError::Config { field, reason } => BrokerError::Config { field, reason },
-            KafkaError::Client(e) => client_error(e, "kafka"),
+            KafkaError::Client(e) => client_error(e, "using the Kafka client for", "kafka"),
             other => BrokerError::Other(Box::new(other)),
         }
     }
 }
 
-/// Map a client error to the seam's error, naming `what` (a topic) where it helps.
-pub(crate) fn client_error(e: RdError, what: &str) -> BrokerError {
+/// Map a client error to the seam's error, keeping it as the source; `doing` and `topic`
+/// say what failed (`producing to`, `orders.billing.dlq`).
+pub(crate) fn client_error(e: RdError, doing: &str, topic: &str) -> BrokerError {
     match e.rdkafka_error_code() {
         Some(
             RDKafkaErrorCode::UnknownTopicOrPartition
             | RDKafkaErrorCode::UnknownTopic
             | RDKafkaErrorCode::UnknownPartition,
-        ) => BrokerError::Unroutable(what.to_owned()),
+        ) => BrokerError::Unroutable(topic.to_owned()),
         Some(RDKafkaErrorCode::MessageTimedOut | RDKafkaErrorCode::RequestTimedOut) => {
             BrokerError::Timeout(Duration::ZERO)
         }
-        Some(RDKafkaErrorCode::QueueFull) => {
-            BrokerError::rejected("producer buffer full (queue.buffering.max.messages)")
-        }
+        Some(RDKafkaErrorCode::QueueFull) => BrokerError::rejected(format!(
+            "{doing} {topic}: producer buffer full (queue.buffering.max.messages)"
+        ))
+        .caused_by(e),
         Some(
             RDKafkaErrorCode::AllBrokersDown
             | RDKafkaErrorCode::BrokerTransportFailure
             | RDKafkaErrorCode::Resolve,
-        ) => BrokerError::connection(e.to_string()),
+        ) => BrokerError::connection(format!("{doing} {topic}: {e}")).caused_by(e),
         _ => BrokerError::Other(Box::new(KafkaError::Client(e))),
     }
 }
@@ -232,7 +238,8 @@ impl KafkaBroker {
             {
                 return Err(KafkaError::Admin {
                     topic,
-                    reason: code.to_string(),
+                    reason: format!("deleting the topic: {code}"),
+                    source: Some(Box::new(code)),
                 });
             }
         }
@@ -251,18 +258,42 @@ impl Inner {
     pub(crate) async fn ensure_topics(&self, topics: &[String]) -> Result<(), KafkaError> {
         let new: Vec<NewTopic<'_>> = topics
             .iter()
-            .map(|t| {
-                NewTopic::new(
-                    t,
-                    self.config.partitions,
-                    TopicReplication::Fixed(self.config.replication),
-                )
-            })
+            .map(|t| self.new_topic(t, self.config.partitions))
             .collect();
+        self.create_topics(&new).await
+    }
+
+    fn new_topic<'a>(&self, name: &'a str, partitions: i32) -> NewTopic<'a> {
+        NewTopic::new(
+            name,
+            partitions,
+            TopicReplication::Fixed(self.config.replication),
+        )
+    }
+
+    /// Create `sub`'s DLQ topic `dlq` where missing — kept until removed (no retention
+    /// limit: a dead letter leaves only through the reader's `remove`) — and its removal
+    /// ledger `<dlq>.removed` (one partition, compacted; see `dead_letters`).
+    pub(crate) async fn ensure_dead_letter_topics(&self, dlq: &str) -> Result<(), KafkaError> {
+        let ledger = format!("{dlq}{}", dead_letters::LEDGER_SUFFIX);
+        let new = [
+            self.new_topic(dlq, self.config.partitions)
+                .set("retention.ms", "-1")
+                .set("retention.bytes", "-1"),
+            self.new_topic(&ledger, 1)
+                .set("cleanup.policy", "compact")
+                // Compaction skips the active segment: roll it hourly so tombstoned
+                // keys really go.
+                .set("segment.ms", "3600000"),
+        ];
+        self.create_topics(&new).await
+    }
+
+    async fn create_topics(&self, new: &[NewTopic<'_>]) -> Result<(), KafkaError> {
         let results = self
             .admin
             .create_topics(
-                &new,
+                new,
                 &AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT)),
             )
             .await?;
@@ -272,7 +303,8 @@ impl Inner {
             {
                 return Err(KafkaError::Admin {
                     topic,
-                    reason: code.to_string(),
+                    reason: format!("creating the topic: {code}"),
+                    source: Some(Box::new(code)),
                 });
             }
         }
@@ -304,7 +336,8 @@ impl Inner {
         .await
         .map_err(|e| KafkaError::Admin {
             topic: topic.to_owned(),
-            reason: format!("metadata task failed: {e}"),
+            reason: format!("looking the topic up: the metadata task failed: {e}"),
+            source: Some(Box::new(e)),
         })??;
         Ok(metadata
             .topics()
@@ -358,7 +391,7 @@ impl Inner {
         };
         match producer.send(record, queue_timeout).await {
             Ok(delivery) => Ok((delivery.partition, delivery.offset)),
-            Err((e, _)) => Err(match client_error(e, topic) {
+            Err((e, _)) => Err(match client_error(e, "producing to", topic) {
                 BrokerError::Timeout(_) => BrokerError::Timeout(self.config.send_timeout),
                 other => other,
             }),
@@ -423,19 +456,8 @@ impl Broker for KafkaBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
-        Ok(Box::new(reliq_core::dead_letters::ReceiverScan::new(
-            std::sync::Arc::new(self.clone()),
-            subscription.clone(),
-        )))
-    }
-
-    async fn dead_letter_receiver(
-        &self,
-        subscription: &Subscription,
-    ) -> Result<Box<dyn Receiver>, BrokerError> {
-        let receiver =
-            receiver::KafkaReceiver::dead_letters(self.inner.clone(), subscription).await?;
-        Ok(Box::new(receiver))
+        let reader = dead_letters::KafkaDeadLetters::open(self.inner.clone(), subscription).await?;
+        Ok(Box::new(reader))
     }
 
     async fn send_to_consumer(
@@ -463,5 +485,45 @@ impl Broker for KafkaBroker {
             .produce(true, &topic, &message, &due)
             .await
             .map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn client_errors_keep_their_cause_and_say_what_was_done() {
+        let down = RdError::MessageProduction(RDKafkaErrorCode::AllBrokersDown);
+        let e = client_error(down, "producing to", "orders");
+        assert!(
+            matches!(&e, BrokerError::Connection { context, .. }
+            if context.starts_with("producing to orders: ")),
+            "{e:?}"
+        );
+        assert!(
+            e.source()
+                .and_then(|s| s.downcast_ref::<RdError>())
+                .is_some_and(|s| s.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown)),
+            "{e:?}"
+        );
+        let full = RdError::MessageProduction(RDKafkaErrorCode::QueueFull);
+        let e = client_error(full, "producing to", "orders");
+        assert!(
+            matches!(
+                &e,
+                BrokerError::Rejected {
+                    source: Some(_),
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let gone = RdError::MessageProduction(RDKafkaErrorCode::UnknownTopicOrPartition);
+        assert!(
+            matches!(client_error(gone, "producing to", "orders"), BrokerError::Unroutable(t) if t == "orders")
+        );
     }
 }

@@ -1,5 +1,5 @@
 //! The receiving side: one poll thread per Kafka consumer (the source's group, one relay
-//! per retry tier, or the DLQ reader), all feeding one stream of deliveries, with
+//! per retry tier), all feeding one stream of deliveries, with
 //! per-partition offset tracking, pause-based flow control and the crash-loop counter.
 
 use std::collections::{HashMap, VecDeque};
@@ -48,6 +48,9 @@ pub(crate) const POLL_BATCH: usize = 256;
 /// queue. Routing again is idempotent and cheap (a lookup and a forward per partition);
 /// it bounds that stall to this long.
 const ROUTE_EVERY: Duration = Duration::from_millis(100);
+/// How long a stopping poll thread waits for its group leave beyond the revoke's
+/// drain.
+const LEAVE_WAIT: Duration = Duration::from_secs(5);
 /// How long a closing poll thread waits for its consumer's close events per poll.
 const CLOSE_POLL: Duration = Duration::from_millis(100);
 /// Most events (rebalances, errors, commit results) a poll pass serves before it takes
@@ -66,7 +69,6 @@ const COUNTER_PREFIX: &str = "reliq-deliveries";
 enum Role {
     Source,
     Relay(Duration),
-    DeadLetters,
 }
 
 struct Client {
@@ -519,10 +521,23 @@ impl KafkaReceiver {
             }
             clients.push(Client {
                 origin: sub.source.as_str().into(),
-                group: format!("{}.retry.{}ms", sub.consumer, delay.as_millis()),
+                group: relay_group(sub, *delay),
                 topic,
                 role: Role::Relay(*delay),
             });
+        }
+        if inner.config.retry_mode == RetryMode::Topics {
+            let current: Vec<String> = clients.iter().map(|c| c.topic.clone()).collect();
+            for stale in stale_tiers(&inner, sub, &current).await? {
+                tracing::info!(consumer = %sub.consumer, topic = %stale.topic, lag = stale.lag,
+                    "a retry tier the policy no longer has still holds records; draining it");
+                clients.push(Client {
+                    origin: sub.source.as_str().into(),
+                    group: relay_group(sub, stale.delay),
+                    topic: stale.topic,
+                    role: Role::Relay(stale.delay),
+                });
+            }
         }
         if clients.len() > MAX_CLIENTS {
             return Err(BrokerError::Config {
@@ -535,8 +550,10 @@ impl KafkaReceiver {
             });
         }
         let mut topics: Vec<String> = clients.iter().map(|c| c.topic.clone()).collect();
-        topics.push(sub.dead_letter_name());
         inner.ensure_topics(&topics).await?;
+        let dlq = sub.dead_letter_name();
+        inner.ensure_dead_letter_topics(&dlq).await?;
+        topics.push(dlq);
         inner.wait_visible(&topics).await?;
         let receiver = Self::start(inner, sub, clients).await?;
         receiver.wait_assigned().await;
@@ -557,23 +574,6 @@ impl KafkaReceiver {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         tracing::debug!(consumer = %self.shared.sub.consumer, "no partitions assigned yet; receiving anyway");
-    }
-
-    /// A reader of the consumer's DLQ topic (group `<consumer>.dlq-reader`, assigned
-    /// partitions, no group join).
-    pub(crate) async fn dead_letters(
-        inner: Arc<Inner>,
-        sub: &Subscription,
-    ) -> Result<Self, BrokerError> {
-        let topic = sub.dead_letter_name();
-        inner.ensure_topics(std::slice::from_ref(&topic)).await?;
-        let clients = vec![Client {
-            origin: topic.as_str().into(),
-            topic,
-            group: format!("{}.dlq-reader", sub.consumer),
-            role: Role::DeadLetters,
-        }];
-        Self::start(inner, sub, clients).await
     }
 
     async fn start(
@@ -613,14 +613,10 @@ impl KafkaReceiver {
                 })
                 .map_err(KafkaError::from)?;
             let consumer = ClientConsumer::new(consumer)?;
-            if c.role == Role::DeadLetters {
-                shared.assign_all(i, &consumer.consumer).await?;
-            } else {
-                consumer
-                    .consumer
-                    .subscribe(&[c.topic.as_str()])
-                    .map_err(KafkaError::from)?;
-            }
+            consumer
+                .consumer
+                .subscribe(&[c.topic.as_str()])
+                .map_err(KafkaError::from)?;
             consumers.push(consumer);
         }
         let mut threads = Vec::new();
@@ -646,6 +642,110 @@ impl KafkaReceiver {
     }
 }
 
+/// The relay group of `sub`'s tier `delay`.
+fn relay_group(sub: &Subscription, delay: Duration) -> String {
+    format!("{}.retry.{}ms", sub.consumer, delay.as_millis())
+}
+
+/// A retry topic of this consumer that its current policy has no tier for.
+struct StaleTier {
+    delay: Duration,
+    topic: String,
+    /// Records its relay group has not consumed.
+    lag: i64,
+}
+
+/// This consumer's retry topics on the broker (`<source>.<consumer>.retry.<ms>ms`, by
+/// metadata) other than `current` that still hold records their relay group has not
+/// consumed: retries a redeploy with another policy would strand.
+async fn stale_tiers(
+    inner: &Arc<Inner>,
+    sub: &Subscription,
+    current: &[String],
+) -> Result<Vec<StaleTier>, BrokerError> {
+    let inner = inner.clone();
+    let sub = sub.clone();
+    let current = current.to_vec();
+    tokio::task::spawn_blocking(move || {
+        let prefix = format!("{}.{}.retry.", sub.source, sub.consumer);
+        let metadata = inner
+            .route_producer
+            .client()
+            .fetch_metadata(None, STALE_WAIT)
+            .map_err(|e| {
+                BrokerError::connection(format!("listing topics for old retry tiers: {e}"))
+                    .caused_by(e)
+            })?;
+        let mut stale = Vec::new();
+        for t in metadata.topics() {
+            let Some(ms) = t
+                .name()
+                .strip_prefix(&prefix)
+                .and_then(|rest| rest.strip_suffix("ms"))
+                .and_then(|ms| ms.parse::<u64>().ok())
+            else {
+                continue;
+            };
+            if current.iter().any(|c| c == t.name()) || t.partitions().is_empty() {
+                continue;
+            }
+            let delay = Duration::from_millis(ms);
+            let lag = relay_lag(&inner, &relay_group(&sub, delay), t)?;
+            if lag > 0 {
+                stale.push(StaleTier {
+                    delay,
+                    topic: t.name().to_owned(),
+                    lag,
+                });
+            }
+        }
+        Ok(stale)
+    })
+    .await
+    .map_err(|e| BrokerError::Other(Box::new(e)))?
+}
+
+/// How long looking for old retry tiers may wait for one answer.
+const STALE_WAIT: Duration = Duration::from_secs(10);
+
+/// Records of `topic` that `group` has not committed past (its committed offsets read
+/// without joining the group).
+fn relay_lag(
+    inner: &Inner,
+    group: &str,
+    topic: &rdkafka::metadata::MetadataTopic,
+) -> Result<i64, BrokerError> {
+    let name = topic.name();
+    let failed = |what: &str, e: rdkafka::error::KafkaError| {
+        BrokerError::connection(format!("reading {what} of old retry tier {name}: {e}"))
+            .caused_by(e)
+    };
+    let consumer: BaseConsumer = inner
+        .config
+        .consumer(group, 1)
+        .create()
+        .map_err(|e| failed("a consumer", e))?;
+    let mut tpl = TopicPartitionList::new();
+    for p in topic.partitions() {
+        tpl.add_partition(name, p.id());
+    }
+    let committed = consumer
+        .committed_offsets(tpl, STALE_WAIT)
+        .map_err(|e| failed("the relay's committed offsets", e))?;
+    let mut lag = 0;
+    for p in topic.partitions() {
+        let (low, high) = consumer
+            .fetch_watermarks(name, p.id(), STALE_WAIT)
+            .map_err(|e| failed("the watermarks", e))?;
+        let done = match committed.find_partition(name, p.id()).map(|e| e.offset()) {
+            Some(Offset::Offset(o)) => o.max(low),
+            _ => low,
+        };
+        lag += (high - done).max(0);
+    }
+    Ok(lag)
+}
+
 impl Shared {
     fn is_stopped(&self) -> bool {
         self.stop.load(Ordering::SeqCst)
@@ -655,49 +755,6 @@ impl Shared {
     fn blocking(&self, client: usize) -> bool {
         self.clients[client].role == Role::Source
             && self.inner.config.retry_mode == RetryMode::Blocking
-    }
-
-    /// DLQ reader: assign every partition at its committed position.
-    async fn assign_all(
-        &self,
-        client: usize,
-        consumer: &BaseConsumer<Ctx>,
-    ) -> Result<(), BrokerError> {
-        let topic = self.clients[client].topic.clone();
-        self.inner
-            .wait_visible(std::slice::from_ref(&topic))
-            .await?;
-        let producer = self.inner.route_producer.clone();
-        let t = topic.clone();
-        let metadata = tokio::task::spawn_blocking(move || {
-            producer
-                .client()
-                .fetch_metadata(Some(&t), Duration::from_secs(10))
-        })
-        .await
-        .map_err(|e| BrokerError::Other(Box::new(e)))?
-        .map_err(KafkaError::from)?;
-        let mut tpl = TopicPartitionList::new();
-        for t in metadata.topics().iter().filter(|t| t.name() == topic) {
-            for p in t.partitions() {
-                tpl.add_partition_offset(&topic, p.id(), Offset::Stored)
-                    .map_err(KafkaError::from)?;
-            }
-        }
-        if tpl.count() == 0 {
-            return Err(BrokerError::Unroutable(topic));
-        }
-        consumer.context().route(&tpl);
-        consumer.assign(&tpl).map_err(KafkaError::from)?;
-        let mut s = lock(&self.state);
-        for e in tpl.elements() {
-            let generation = s.next_generation;
-            s.next_generation += 1;
-            s.parts
-                .insert((client, e.partition()), Part::new(generation, None, None));
-        }
-        self.rebalances.fetch_add(1, Ordering::Release);
-        Ok(())
     }
 
     fn poll_loop(self: Arc<Self>, client: usize, owned: Arc<ConsumerHandle>) {
@@ -783,18 +840,21 @@ impl Shared {
             }
         }
         drop((out, pass, fetched, purge));
-        // Leave the group now (its revoke runs in `revoke`), as rdkafka's drop would:
-        // deliveries still out may hold the handle, and with it the consumer, for longer.
-        match consumer.close_queue() {
-            Ok(()) => {
-                while !consumer.closed() {
-                    // Serves the revoke; a record still arriving is dropped (uncommitted).
-                    drop(consumer.poll(CLOSE_POLL));
-                }
+        // Leave the group now (its revoke runs in `revoke`): deliveries still out may hold
+        // the handle, and with it the consumer, for longer. Unsubscribing leaves the
+        // group; closing here would too, but rdkafka's drop closes every group consumer
+        // again, and a second close fails and logs an error (`Consumer already closed`).
+        consumer.unsubscribe();
+        let deadline = Instant::now() + self.inner.config.rebalance_drain + LEAVE_WAIT;
+        while Instant::now() < deadline {
+            // Serves the revoke; a record still arriving is dropped (uncommitted).
+            drop(consumer.poll(CLOSE_POLL));
+            if consumer.assignment().is_ok_and(|a| a.count() == 0) {
+                break;
             }
-            Err(e) => tracing::warn!(error = %e, "closing a kafka consumer failed"),
         }
-        // The last reference destroys the consumer (its fetch queue first).
+        // The last reference closes (nothing left to leave) and destroys the consumer,
+        // its fetch queue first.
         drop(owned);
     }
 
@@ -961,7 +1021,7 @@ impl Shared {
     ) {
         let (partition, offset) = (m.partition(), m.offset());
         let role = self.clients[client].role;
-        // Fast path: a source or DLQ partition past its first record, not in blocking
+        // Fast path: a source partition past its first record, not in blocking
         // mode — tracked with the rest of the pass under one lock, decoded by the
         // receive loop.
         let fast = if matches!(role, Role::Relay(_)) || self.blocking(client) {
@@ -1051,7 +1111,7 @@ impl Shared {
         let client = &self.clients[info.client];
         let decoded = decode(m, &client.topic);
         let origin = match client.role {
-            Role::Source | Role::DeadLetters => self.origin(info),
+            Role::Source => self.origin(info),
             Role::Relay(_) => Origin {
                 partition: decoded.source_partition,
                 offset: decoded.source_offset,
@@ -1063,7 +1123,7 @@ impl Shared {
         (delivery, decoded.due)
     }
 
-    /// A record as the runtime gets it: a fast-path record (source or DLQ, see
+    /// A record as the runtime gets it: a fast-path record (source, see
     /// [`Shared::on_record`]) with its message decoded on demand.
     fn delivery_of(&self, record: Record) -> Delivery {
         match record {
@@ -1101,7 +1161,6 @@ impl Shared {
         delivery: Delivery,
         out: &mut Vec<Record>,
     ) {
-        let role = self.clients[client].role;
         let mut s = lock(&self.state);
         let Some(part) = s.parts.get_mut(&(client, partition)) else {
             return;
@@ -1120,14 +1179,13 @@ impl Shared {
             return;
         }
         part.counted = true;
-        let count =
-            (role != Role::DeadLetters && part.head.is_none_or(|h| h == offset)).then(|| {
-                let before = part
-                    .head_count
-                    .filter(|(o, _)| *o == offset)
-                    .map_or(0, |(_, n)| n);
-                before.saturating_add(1)
-            });
+        let count = part.head.is_none_or(|h| h == offset).then(|| {
+            let before = part
+                .head_count
+                .filter(|(o, _)| *o == offset)
+                .map_or(0, |(_, n)| n);
+            before.saturating_add(1)
+        });
         drop(s);
         if let Some(n) = count {
             let topic = &self.clients[client].topic;
@@ -1440,15 +1498,15 @@ fn text(bytes: &[u8]) -> std::borrow::Cow<'_, str> {
     }
 }
 
-struct Decoded {
-    message: Message,
+pub(crate) struct Decoded {
+    pub(crate) message: Message,
     due: Option<SystemTime>,
     source_partition: Option<i32>,
     source_offset: Option<i64>,
 }
 
 /// `m` of `topic`, as reliq sees it.
-fn decode(m: &impl KafkaRecord, topic: &str) -> Decoded {
+pub(crate) fn decode(m: &impl KafkaRecord, topic: &str) -> Decoded {
     let mut id = None;
     let mut due = None;
     let mut source_partition = None;
@@ -1603,12 +1661,6 @@ impl Receiver for KafkaReceiver {
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
         let shared = &self.shared;
         delivery.token().check(shared.owner)?;
-        if shared.clients.iter().any(|c| c.role == Role::DeadLetters) {
-            return Err(BrokerError::Unsupported {
-                backend: "kafka",
-                what: "retrying from a dead-letter reader",
-            });
-        }
         if let Some(info) = TokenInfo::of(delivery)
             && shared.blocking(info.client)
         {
@@ -1637,12 +1689,6 @@ impl Receiver for KafkaReceiver {
     async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {
         let shared = &self.shared;
         delivery.token().check(shared.owner)?;
-        if shared.clients.iter().any(|c| c.role == Role::DeadLetters) {
-            return Err(BrokerError::Unsupported {
-                backend: "kafka",
-                what: "dead-lettering from a dead-letter reader",
-            });
-        }
         let topic = shared.sub.dead_letter_name();
         route_produce(&shared.inner, &topic, &dead, &[]).await?;
         shared.finish(delivery);
