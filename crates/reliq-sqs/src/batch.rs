@@ -15,8 +15,9 @@ use futures::future::BoxFuture;
 use reliq_core::BrokerError;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::SqsError;
 use crate::codec::Encoded;
-use crate::{SqsError, sdk_error};
+use crate::error::sdk_error;
 
 const MAX_ENTRIES: usize = 10;
 const MAX_BATCH_BYTES: usize = 250 * 1024;
