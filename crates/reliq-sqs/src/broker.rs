@@ -664,18 +664,8 @@ impl Broker for SqsBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
-        Ok(Box::new(reliq_core::dead_letters::ReceiverScan::new(
-            std::sync::Arc::new(self.clone()),
-            subscription.clone(),
-        )))
-    }
-
-    async fn dead_letter_receiver(
-        &self,
-        subscription: &Subscription,
-    ) -> Result<Box<dyn Receiver>, BrokerError> {
         let url = self.declare_dead_letters(subscription).await?;
-        Ok(Box::new(crate::dead_letters::DeadLetterReader::new(
+        Ok(Box::new(crate::dead_letters::SqsDeadLetters::new(
             self.clone(),
             subscription.clone(),
             url,

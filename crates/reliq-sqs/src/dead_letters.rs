@@ -1,175 +1,609 @@
-//! Reading a consumer's dead-letter queue.
+//! Reading a consumer's dead-letter queue without consuming it: [`SqsDeadLetters`].
 
-use std::collections::VecDeque;
-use std::time::{Duration, SystemTime};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
-use aws_sdk_sqs::types::MessageSystemAttributeName;
-use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
-use reliq_core::{
-    BrokerError, Delivery, DeliveryToken, Message, Receiver, ReceiverId, RetryRequest, Subscription,
+use aws_sdk_sqs::types::{
+    ChangeMessageVisibilityBatchRequestEntry, MessageSystemAttributeName, QueueAttributeName,
 };
-use tokio_util::sync::CancellationToken;
+use reliq_core::dead_letters::IdCounts;
+use reliq_core::headers::{DeadLetter, DeadLetterReason, Origin};
+use reliq_core::{
+    BrokerError, Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, MessageId,
+    Subscription,
+};
+use tokio::task::JoinHandle;
 
 use crate::broker::whole_seconds;
 use crate::error::sdk_error;
-use crate::receiver::{change_visibility, system_attributes};
+use crate::receiver::system_attributes;
 use crate::{SqsBroker, codec};
 
-/// Reads a DLQ queue. `ack` deletes the dead letter; `release` makes it visible again.
-/// A message moved here by the redrive policy carries no dead-letter record: it is read
-/// as `max-deliveries` with `attempts` = the delivery limit (the redrive policy moves a
-/// message once it was received `maxReceiveCount` times).
-pub(crate) struct DeadLetterReader {
-    owner: ReceiverId,
+/// How long a scan that saw fewer entries than SQS counts keeps trying again (another
+/// scan may hold the rest for a moment).
+const SETTLE: Duration = Duration::from_secs(2);
+
+/// A consumer's SQS dead-letter queue, read without consuming it (what
+/// [`Broker::dead_letters`](reliq_core::Broker::dead_letters) returns).
+///
+/// SQS has no non-destructive read: a message is found only by receiving it, a receive
+/// hides it for a visibility timeout and adds one to its `ApproximateReceiveCount`, and a
+/// standard queue keeps no order. Every operation here is therefore one **scan**:
+///
+/// 1. receive the whole DLQ (10 at a time, long polls of 1 s, so an empty answer means
+///    empty and not "this server sample had none") under a short **scan lease**
+///    (`VisibilityTimeout` = [`SqsOptions::dead_letter_lease`]): what a scan received
+///    stays hidden from *its own* later receives, so it sees each message once, without
+///    sampling the same few again;
+/// 2. pick what the call needs (a page, one id, the ids to remove, the oldest time);
+/// 3. delete the entries being removed with their fresh receipt handles while the lease
+///    still hides them (`DeleteMessageBatch`, each entry confirmed), and make everything
+///    else visible again at once (`ChangeMessageVisibilityBatch` to 0) **before the call
+///    returns** — so between calls nothing is hidden, and a concurrent replay, another
+///    operator or the next page sees the whole DLQ.
+///
+/// Cancel safety: each operation runs in a task of its own. A call cancelled (or timed
+/// out) mid-scan leaves it running to the end — a `ReceiveMessage` already in flight has
+/// hidden its messages though no answer came back to the caller, so only finishing the
+/// scan can give them back — and the reader's next call waits for it first, so reading
+/// again from the same cursor reads the same entries. If the process dies mid-scan, what
+/// it held shows again when the scan lease runs out.
+///
+/// Pages are cut from the scan in a total order — the entry's `reliq-dead-lettered-at`,
+/// then its SQS message id — and the cursor is the last entry's (time, SQS id): tiny,
+/// stable across calls, unaffected by removals between pages (the replay engine removes
+/// what it replayed before reading on), oldest first. Each page costs a full scan (about
+/// `n/10` receives and `n/10` visibility changes for `n` entries); a scan reads at most
+/// [`SqsOptions::dead_letter_scan_max`] entries, and a DLQ holding more shows only those
+/// (logged).
+///
+/// What SQS does not allow, and what reliq does about it:
+///
+/// - **Receive counts.** Every scan adds one to each entry's `ApproximateReceiveCount`.
+///   That count means nothing here: the DLQ has no redrive policy of its own, and a dead
+///   letter's attempts are in reliq's record (`reliq-attempt`, the dead-letter record),
+///   which a scan never changes. A browse is no delivery attempt.
+/// - **Concurrent scans.** While a scan runs (seconds), what it holds is hidden from
+///   another scan. A scan that ends with fewer entries than `ApproximateNumberOfMessages +
+///   NotVisible` promised gives everything back and scans again after a random pause, for
+///   up to 2 s, so one of two colliding scans goes first; beyond that, scans that keep
+///   colliding can each miss entries the other holds (never lose them), and a short scan
+///   (a stale approximate count, a FIFO group past its first 10) costs those 2 s.
+/// - **FIFO DLQs.** SQS hands out at most 10 messages of a message group at a time and
+///   then holds the whole group until they are settled: a scan sees at most the first 10
+///   entries of each group (reliq's own dead letters are grouped by message key; the
+///   redrive policy moves messages with their group). The rest show once those are
+///   removed (replay, purge); a scan that sees fewer entries than SQS counts says so in
+///   the log.
+/// - **No record.** A message the redrive policy moved (a crash loop: received
+///   `maxReceiveCount` times, never settled) carries no reliq record: it is read as
+///   `max-deliveries` with `attempts` = the delivery limit, and as dead-lettered-at its
+///   `SentTimestamp` in the DLQ (SQS records no time of the move; on a standard queue it
+///   is the original send, so the entry looks at most as old as the message is).
+/// - **Counts.** `count` is `ApproximateNumberOfMessages + ApproximateNumberOfMessagesNotVisible`
+///   — approximate, as SQS says (at least what the scan saw); the oldest dead-lettered-at
+///   needs a scan, which reads at most [`SqsOptions::dead_letter_count_scan_max`] entries:
+///   beyond that, it is the oldest of those read.
+///
+/// [`SqsOptions::dead_letter_lease`]: crate::SqsOptions::dead_letter_lease
+/// [`SqsOptions::dead_letter_scan_max`]: crate::SqsOptions::dead_letter_scan_max
+/// [`SqsOptions::dead_letter_count_scan_max`]: crate::SqsOptions::dead_letter_count_scan_max
+pub struct SqsDeadLetters {
+    reader: Arc<Reader>,
+}
+
+/// What a scan needs; each operation runs in a task of its own with a clone of it.
+struct Reader {
     broker: SqsBroker,
     sub: Subscription,
     url: String,
-    buffer: tokio::sync::Mutex<VecDeque<Delivery>>,
-    closed: CancellationToken,
+    /// Operations whose caller stopped waiting (a cancelled call): they run to the end —
+    /// a receive in flight when the caller gave up still has its messages given back —
+    /// and the next call waits for them, so it does not miss what they still hide.
+    pending: Arc<Mutex<Vec<JoinHandle<()>>>>,
 }
 
-impl DeadLetterReader {
+/// An operation's task, left to the reader's next call if its caller stops waiting.
+struct Running {
+    task: Option<JoinHandle<()>>,
+    pending: Arc<Mutex<Vec<JoinHandle<()>>>>,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            self.pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(task);
+        }
+    }
+}
+
+/// Where an entry is in the order pages are cut in: its dead-lettered-at (ms since the
+/// epoch), then its SQS message id (unique per DLQ entry, unlike the reliq id: a message
+/// dead-lettered again after a replay is a second entry).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Key {
+    at_ms: u64,
+    sqs_id: String,
+}
+
+impl Key {
+    fn cursor(&self) -> Cursor {
+        Cursor::from(format!("{}.{}", self.at_ms, self.sqs_id))
+    }
+
+    fn parse(cursor: &Cursor) -> Result<Option<Self>, BrokerError> {
+        let Some(text) = cursor.as_str() else {
+            return Ok(None);
+        };
+        text.split_once('.')
+            .and_then(|(at, id)| {
+                Some(Self {
+                    at_ms: at.parse().ok()?,
+                    sqs_id: id.to_owned(),
+                })
+            })
+            .map(Some)
+            .ok_or_else(|| BrokerError::Config {
+                field: "cursor".into(),
+                reason: format!(
+                    "`{text}` is not an SQS dead-letter cursor (`<dead-lettered-at ms>.<SQS message id>`)"
+                ),
+            })
+    }
+}
+
+/// One DLQ message a scan received.
+struct Scanned {
+    key: Key,
+    entry: DeadLetterEntry,
+    /// From the scan's latest receive of it (only the latest deletes for sure).
+    receipt: String,
+}
+
+/// What one scan received, hidden under its lease until [`Scan::give_back`] (or, if the
+/// call is cancelled, until the task its drop spawns has run).
+struct Scan {
+    broker: SqsBroker,
+    url: String,
+    pending: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    /// By SQS message id: a standard queue may hand one message out twice.
+    held: HashMap<String, Scanned>,
+}
+
+impl Scan {
+    /// Everything held, oldest first.
+    fn sorted(&self) -> Vec<&Scanned> {
+        let mut all: Vec<&Scanned> = self.held.values().collect();
+        all.sort_by(|a, b| a.key.cmp(&b.key));
+        all
+    }
+
+    /// Make everything still held visible again, now.
+    async fn give_back(mut self) {
+        let receipts = self.held.drain().map(|(_, s)| s.receipt).collect();
+        make_visible(&self.broker, &self.url, receipts).await;
+    }
+}
+
+impl Drop for Scan {
+    fn drop(&mut self) {
+        if self.held.is_empty() {
+            return;
+        }
+        // A scan that failed part way: give back from a task.
+        let receipts: Vec<String> = self.held.drain().map(|(_, s)| s.receipt).collect();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return; // no runtime: the scan lease runs out
+        };
+        let (broker, url) = (self.broker.clone(), self.url.clone());
+        let task = runtime.spawn(async move { make_visible(&broker, &url, receipts).await });
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(task);
+    }
+}
+
+/// `ChangeMessageVisibilityBatch` to 0 for `receipts` (10 per call). A failure is only
+/// logged: that message becomes visible when the scan lease runs out.
+async fn make_visible(broker: &SqsBroker, url: &str, receipts: Vec<String>) {
+    let calls = receipts.chunks(10).map(|chunk| async move {
+        let mut request = broker
+            .inner
+            .client
+            .change_message_visibility_batch()
+            .queue_url(url);
+        for (i, receipt) in chunk.iter().enumerate() {
+            let entry = ChangeMessageVisibilityBatchRequestEntry::builder()
+                .id(i.to_string())
+                .receipt_handle(receipt)
+                .visibility_timeout(0)
+                .build();
+            match entry {
+                Ok(entry) => request = request.entries(entry),
+                Err(e) => tracing::warn!(error = %e, "cannot build a visibility change"),
+            }
+        }
+        match request.send().await {
+            Ok(out) if out.failed().is_empty() => {}
+            Ok(out) => {
+                for f in out.failed() {
+                    tracing::warn!(code = f.code(), message = f.message().unwrap_or_default(),
+                        "a scanned dead letter stays hidden until the scan lease runs out");
+                }
+            }
+            Err(e) => {
+                let e = sdk_error("ChangeMessageVisibilityBatch", e);
+                tracing::warn!(error = %e, "scanned dead letters stay hidden until the scan lease runs out");
+            }
+        }
+    });
+    futures::future::join_all(calls).await;
+}
+
+impl SqsDeadLetters {
     pub(crate) fn new(broker: SqsBroker, sub: Subscription, url: String) -> Self {
         Self {
-            owner: ReceiverId::next(),
-            broker,
-            sub,
-            url,
-            buffer: tokio::sync::Mutex::new(VecDeque::new()),
-            closed: CancellationToken::new(),
+            reader: Arc::new(Reader {
+                broker,
+                sub,
+                url,
+                pending: Arc::default(),
+            }),
         }
     }
 
-    fn convert(&self, m: &aws_sdk_sqs::types::Message) -> Option<Delivery> {
-        let receipt = m.receipt_handle()?.to_owned();
-        let (_, sent) = system_attributes(m);
-        let decoded = codec::decode(
-            m.body(),
-            m.message_attributes(),
-            m.message_id().unwrap_or(&receipt),
-        );
-        let mut message = decoded.message;
-        if message
-            .headers()
-            .get(headers::DEAD_LETTER_VERSION)
-            .is_none()
-        {
-            DeadLetter {
-                reason: DeadLetterReason::MaxDeliveries,
-                error_class: None,
-                error: None,
-                attempts: self.sub.delivery_limit,
-                first_failure_at: None,
-                dead_lettered_at: SystemTime::now(),
-                consumer: self.sub.consumer.clone(),
-                origin: Origin {
-                    destination: self.sub.source.as_str().into(),
-                    route: decoded.route,
-                    ..Origin::default()
-                },
-            }
-            .write(message.headers_mut());
-        }
-        let attempt = headers::attempt(message.headers());
-        let origin = Origin {
-            destination: crate::names::dead_letter_queue_name(
-                &self.sub,
-                crate::names::is_fifo(&self.url),
-            )
-            .into(),
-            ..Origin::default()
+    /// Run `op` in a task of its own, once the operations of cancelled calls are done.
+    /// Cancel safety: if this call is dropped, the task still runs to the end (and gives
+    /// back what its scan holds).
+    async fn run<T, F, Fut>(&self, op: F) -> Result<T, BrokerError>
+    where
+        T: Send + 'static,
+        F: FnOnce(Arc<Reader>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, BrokerError>> + Send + 'static,
+    {
+        self.reader.settle_pending().await;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let work = op(self.reader.clone());
+        let mut running = Running {
+            task: Some(tokio::spawn(async move {
+                let _ = tx.send(work.await);
+            })),
+            pending: self.reader.pending.clone(),
         };
-        let token = DeliveryToken::new(self.owner, 0).with_extra(receipt);
-        Some(match sent {
-            Some(sent) => Delivery::with_published_at(message, attempt, origin, token, sent),
-            None => Delivery::new(message, attempt, origin, token),
-        })
-    }
-
-    fn receipt<'d>(&self, d: &'d Delivery) -> Result<&'d str, BrokerError> {
-        d.token()
-            .check(self.owner)?
-            .extra::<String>()
-            .map(String::as_str)
-            .ok_or(BrokerError::ForeignDelivery)
+        let result = rx.await;
+        running.task = None; // done: nothing left for the next call to wait for
+        result.map_err(|_| {
+            BrokerError::connection("a dead-letter scan task stopped without an answer")
+        })?
     }
 }
 
-#[async_trait]
-impl Receiver for DeadLetterReader {
-    async fn receive(&self) -> Result<Delivery, BrokerError> {
-        let mut buffer = self.buffer.lock().await;
+impl Reader {
+    /// Wait for the give-backs of cancelled calls.
+    async fn settle_pending(&self) {
+        let tasks: Vec<JoinHandle<()>> = self
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        for task in tasks {
+            let _ = task.await;
+        }
+    }
+
+    /// `ApproximateNumberOfMessages + ApproximateNumberOfMessagesNotVisible`.
+    async fn approximate_count(&self) -> Result<u64, BrokerError> {
+        let out = self
+            .broker
+            .inner
+            .client
+            .get_queue_attributes()
+            .queue_url(&self.url)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+            .send()
+            .await
+            .map_err(|e| sdk_error("GetQueueAttributes", e))?;
+        let get = |name: &QueueAttributeName| {
+            out.attributes()
+                .and_then(|a| a.get(name))
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        Ok(get(&QueueAttributeName::ApproximateNumberOfMessages)
+            + get(&QueueAttributeName::ApproximateNumberOfMessagesNotVisible))
+    }
+
+    /// Receive the DLQ (at most `limit` entries) under the scan lease; `expected` is what
+    /// SQS counted before. A scan that sees fewer gives everything back and tries again
+    /// after a random pause, for at most [`SETTLE`]: two scans at the same moment each
+    /// hold part of the DLQ, and this lets one of them go first.
+    async fn scan(&self, limit: usize, expected: u64) -> Result<Scan, BrokerError> {
+        let deadline = Instant::now() + SETTLE;
         loop {
-            if let Some(d) = buffer.pop_front() {
-                return Ok(d);
+            let scan = self.scan_once(limit).await?;
+            let seen = scan.held.len();
+            if seen as u64 >= expected || seen >= limit {
+                if expected > limit as u64 {
+                    tracing::warn!(limit, counted = expected, queue = %self.url,
+                        "the DLQ holds more entries than one scan reads (SqsOptions::dead_letter_scan_max, dead_letter_count_scan_max): only the first received are used");
+                }
+                return Ok(scan);
             }
-            if self.closed.is_cancelled() {
-                return Err(BrokerError::Closed);
+            if Instant::now() >= deadline {
+                tracing::info!(seen, counted = expected, queue = %self.url,
+                    "a dead-letter scan saw fewer entries than SQS counts (approximate; held by another scan, or beyond the first 10 of a FIFO message group)");
+                return Ok(scan);
             }
-            let lease = whole_seconds(self.broker.inner.options.dead_letter_lease).max(1);
+            scan.give_back().await;
+            let jitter = u64::try_from(crate::receiver::unique_suffix() % 350).unwrap_or(0);
+            tokio::time::sleep(Duration::from_millis(50 + jitter)).await;
+        }
+    }
+
+    /// Receive until an empty answer (or `limit` entries), under the scan lease.
+    async fn scan_once(&self, limit: usize) -> Result<Scan, BrokerError> {
+        let options = &self.broker.inner.options;
+        let lease = whole_seconds(options.dead_letter_lease).max(1);
+        let mut scan = Scan {
+            broker: self.broker.clone(),
+            url: self.url.clone(),
+            pending: self.pending.clone(),
+            held: HashMap::new(),
+        };
+        while scan.held.len() < limit {
+            let want = (limit - scan.held.len()).min(10);
             let out = self
                 .broker
                 .inner
                 .client
                 .receive_message()
                 .queue_url(&self.url)
-                .max_number_of_messages(10)
+                .max_number_of_messages(i32::try_from(want).unwrap_or(10))
+                // A long poll: an empty answer means empty, not "none on the servers
+                // this short poll sampled".
                 .wait_time_seconds(1)
                 .visibility_timeout(lease)
                 .message_attribute_names("All")
-                .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
                 .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp)
+                .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
                 .send()
                 .await
                 .map_err(|e| sdk_error("ReceiveMessage", e))?;
-            buffer.extend(out.messages().iter().filter_map(|m| self.convert(m)));
+            let messages = out.messages();
+            if messages.is_empty() {
+                break;
+            }
+            let mut new = 0;
+            for m in messages {
+                let Some(s) = self.convert(m) else { continue };
+                match scan.held.get_mut(&s.key.sqs_id) {
+                    // Handed out twice (standard queues): keep the newest receipt.
+                    Some(known) => known.receipt = s.receipt,
+                    None => {
+                        scan.held.insert(s.key.sqs_id.clone(), s);
+                        new += 1;
+                    }
+                }
+            }
+            if new == 0 {
+                // Only what this scan holds came back: the scan outlasted its lease.
+                tracing::warn!(lease = ?options.dead_letter_lease, seen = scan.held.len(),
+                    "a dead-letter scan outlasted its lease; raise SqsOptions::dead_letter_lease");
+                break;
+            }
         }
+        Ok(scan)
     }
 
-    async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
-        self.broker
-            .inner
-            .client
-            .delete_message()
-            .queue_url(&self.url)
-            .receipt_handle(self.receipt(delivery)?)
-            .send()
+    /// A full scan for browse, get and remove.
+    async fn scan_all(&self) -> Result<Scan, BrokerError> {
+        let expected = self.approximate_count().await?;
+        self.scan(self.broker.inner.options.dead_letter_scan_max, expected)
             .await
-            .map_err(|e| sdk_error("DeleteMessage", e))?;
-        Ok(())
     }
 
-    async fn retry(&self, _: &Delivery, _: RetryRequest) -> Result<(), BrokerError> {
-        Err(BrokerError::Unsupported {
-            backend: "sqs",
-            what: "retrying a dead letter (replay it instead)",
+    fn convert(&self, m: &aws_sdk_sqs::types::Message) -> Option<Scanned> {
+        let receipt = m.receipt_handle()?.to_owned();
+        let sqs_id = m.message_id()?.to_owned();
+        let (_, sent) = system_attributes(m);
+        let decoded = codec::decode(m.body(), m.message_attributes(), &sqs_id);
+        let mut message = decoded.message;
+        let record = match DeadLetter::read(message.headers()) {
+            Ok(record) => Some(record),
+            Err(_)
+                if message
+                    .headers()
+                    .get(reliq_core::headers::DEAD_LETTER_VERSION)
+                    .is_none() =>
+            {
+                // Moved by the redrive policy (a crash loop): no record of reliq's.
+                let record = DeadLetter {
+                    reason: DeadLetterReason::MaxDeliveries,
+                    error_class: None,
+                    error: None,
+                    attempts: self.sub.delivery_limit,
+                    first_failure_at: None,
+                    dead_lettered_at: sent.unwrap_or(SystemTime::UNIX_EPOCH),
+                    consumer: self.sub.consumer.clone(),
+                    origin: Origin {
+                        destination: self.sub.source.as_str().into(),
+                        route: decoded.route,
+                        ..Origin::default()
+                    },
+                };
+                record.write(message.headers_mut());
+                Some(record)
+            }
+            // A record reliq cannot read: shown as it is, ordered by its send time.
+            Err(_) => None,
+        };
+        let at = record.map_or(sent.unwrap_or(SystemTime::UNIX_EPOCH), |r| {
+            r.dead_lettered_at
+        });
+        let at_ms = at
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let group = m
+            .attributes()
+            .and_then(|a| a.get(&MessageSystemAttributeName::MessageGroupId));
+        let position = match group {
+            Some(g) => format!("SQS message {sqs_id} (group {g})"),
+            None => format!("SQS message {sqs_id}"),
+        };
+        Some(Scanned {
+            key: Key { at_ms, sqs_id },
+            entry: DeadLetterEntry { message, position },
+            receipt,
+        })
+    }
+}
+
+/// The entries of `scan` after `after`, at most `max`, oldest first; the last one's key;
+/// whether none is left after them.
+fn page_of(
+    scan: &Scan,
+    after: Option<&Key>,
+    max: usize,
+) -> (Vec<DeadLetterEntry>, Option<Key>, bool) {
+    let rest: Vec<&Scanned> = scan
+        .sorted()
+        .into_iter()
+        .filter(|s| after.is_none_or(|a| &s.key > a))
+        .collect();
+    let page = &rest[..rest.len().min(max)];
+    (
+        page.iter().map(|s| s.entry.clone()).collect(),
+        page.last().map(|s| s.key.clone()),
+        page.len() == rest.len(),
+    )
+}
+
+impl Reader {
+    async fn browse(
+        &self,
+        after: Option<Key>,
+        from: Cursor,
+        max: usize,
+    ) -> Result<DeadLetterPage, BrokerError> {
+        let scan = self.scan_all().await?;
+        let (entries, last, at_end) = page_of(&scan, after.as_ref(), max);
+        scan.give_back().await;
+        Ok(DeadLetterPage {
+            entries,
+            next: last.map_or(from, |k| k.cursor()),
+            at_end,
         })
     }
 
-    async fn dead_letter(&self, _: &Delivery, _: Message) -> Result<(), BrokerError> {
-        Err(BrokerError::Unsupported {
-            backend: "sqs",
-            what: "dead-lettering a dead letter",
-        })
+    async fn get(&self, id: MessageId) -> Result<Option<DeadLetterEntry>, BrokerError> {
+        let scan = self.scan_all().await?;
+        let found = scan
+            .sorted()
+            .into_iter()
+            .find(|s| s.entry.id() == &id)
+            .map(|s| s.entry.clone());
+        scan.give_back().await;
+        Ok(found)
     }
 
-    async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
-        change_visibility(
-            &self.broker,
-            &self.url,
-            self.receipt(delivery)?,
-            whole_seconds(delay),
+    async fn remove(&self, ids: Vec<MessageId>) -> Result<Vec<MessageId>, BrokerError> {
+        let mut scan = self.scan_all().await?;
+        let mut wanted = IdCounts::new(&ids);
+        let chosen: Vec<(String, String, MessageId)> = scan
+            .sorted()
+            .into_iter()
+            .filter(|s| wanted.take(s.entry.id()))
+            .map(|s| {
+                (
+                    s.key.sqs_id.clone(),
+                    s.receipt.clone(),
+                    s.entry.id().clone(),
+                )
+            })
+            .collect();
+        // Deleted while this scan's lease still hides them, with the receipts of its
+        // own receives: each entry's success is the broker's confirmation.
+        let results = futures::future::join_all(
+            chosen
+                .iter()
+                .map(|(_, receipt, _)| self.broker.delete(&self.url, receipt)),
         )
-        .await
+        .await;
+        let mut removed = Vec::new();
+        let mut failure = None;
+        for ((sqs_id, _, id), result) in chosen.into_iter().zip(results) {
+            match result {
+                Ok(()) => {
+                    scan.held.remove(&sqs_id);
+                    removed.push(id);
+                }
+                Err(e) => {
+                    tracing::warn!(message_id = %id, error = %e, "removing a dead letter failed; it stays in the DLQ");
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        scan.give_back().await;
+        match failure {
+            None => Ok(removed),
+            Some(e) => Err(e),
+        }
     }
 
-    async fn close(&self) -> Result<(), BrokerError> {
-        self.closed.cancel();
-        let left: Vec<Delivery> = self.buffer.lock().await.drain(..).collect();
-        for d in left {
-            let _ = self.release(&d, Duration::ZERO).await;
+    async fn count(&self) -> Result<DeadLetterCount, BrokerError> {
+        let counted = self.approximate_count().await?;
+        if counted == 0 {
+            return Ok(DeadLetterCount::default());
         }
-        Ok(())
+        let scan = self
+            .scan(
+                self.broker.inner.options.dead_letter_count_scan_max,
+                counted,
+            )
+            .await?;
+        let mut count = DeadLetterCount {
+            count: counted.max(scan.held.len() as u64),
+            oldest_dead_lettered_at: None,
+        };
+        for s in scan.held.values() {
+            count.note(s.entry.headers());
+        }
+        scan.give_back().await;
+        Ok(count)
+    }
+}
+
+#[async_trait]
+impl DeadLetters for SqsDeadLetters {
+    async fn browse(&self, from: &Cursor, max: usize) -> Result<DeadLetterPage, BrokerError> {
+        let after = Key::parse(from)?;
+        let from = from.clone();
+        self.run(move |r| async move { r.browse(after, from, max).await })
+            .await
+    }
+
+    async fn get(&self, id: &MessageId) -> Result<Option<DeadLetterEntry>, BrokerError> {
+        let id = id.clone();
+        self.run(move |r| async move { r.get(id).await }).await
+    }
+
+    async fn remove(&self, ids: &[MessageId]) -> Result<Vec<MessageId>, BrokerError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids = ids.to_vec();
+        self.run(move |r| async move { r.remove(ids).await }).await
+    }
+
+    async fn count(&self) -> Result<DeadLetterCount, BrokerError> {
+        self.run(|r| async move { r.count().await }).await
     }
 }

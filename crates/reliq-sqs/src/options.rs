@@ -17,8 +17,18 @@ pub struct SqsOptions {
     pub topic_cache_ttl: Duration,
     /// How long the visibility extender keeps one delivery leased at most.
     pub max_lease_extension: Duration,
-    /// How long a delivery read from a DLQ (replay, tools) stays invisible to other readers.
+    /// The scan lease: how long a dead-letter scan (every browse, get, remove and count
+    /// is one) keeps what it received hidden at most. A scan makes everything visible
+    /// again when it ends; the lease only matters for a scan that dies mid-way (its
+    /// entries stay hidden this long) and must outlast the longest scan (a scan of the
+    /// whole DLQ).
     pub dead_letter_lease: Duration,
+    /// Most entries one dead-letter scan (browse, get, remove) reads; a DLQ holding more
+    /// shows only the first this many received (standard queues: any of them).
+    pub dead_letter_scan_max: usize,
+    /// Most entries the scan of [`DeadLetters::count`](reliq_core::DeadLetters::count)
+    /// reads to find the oldest dead-lettered-at time (the count itself is SQS's).
+    pub dead_letter_count_scan_max: usize,
     /// How long sends and deletes for one queue wait to be batched
     /// (`SendMessageBatch` / `DeleteMessageBatch`, ≤ 10 entries); zero still batches
     /// what arrives together.
@@ -44,6 +54,8 @@ impl Default for SqsOptions {
             topic_cache_ttl: Duration::from_secs(1),
             max_lease_extension: Duration::from_secs(60 * 60),
             dead_letter_lease: Duration::from_secs(60),
+            dead_letter_scan_max: 10_000,
+            dead_letter_count_scan_max: 1_000,
             batch_window: Duration::from_millis(5),
             fifo: false,
             faults: None,

@@ -255,7 +255,7 @@ pub(crate) fn system_attributes(m: &aws_sdk_sqs::types::Message) -> (u32, Option
     (attempt, sent)
 }
 
-pub(crate) async fn change_visibility(
+async fn change_visibility(
     broker: &SqsBroker,
     url: &str,
     receipt: &str,
