@@ -478,73 +478,12 @@ async fn handler_duplicate_marker_acks_skips_and_counts() {
 /// dropped for lack of an in-flight permit.
 #[tokio::test(start_paused = true)]
 async fn a_backend_returning_more_than_asked_loses_nothing() {
-    use async_trait::async_trait;
-    use reliq_core::{Broker, BrokerError, Capabilities, Receiver, RetryRequest};
-
-    /// The memory broker, with receivers that ask it for three more than the runtime
-    /// asked for (and a prefetch three higher, so it hands them out).
-    struct Greedy(Arc<MemoryBroker>);
-    struct GreedyReceiver(Box<dyn Receiver>);
-
-    #[async_trait]
-    impl Broker for Greedy {
-        fn kind(&self) -> &'static str {
-            "greedy"
-        }
-        fn capabilities(&self) -> Capabilities {
-            self.0.capabilities()
-        }
-        async fn publish(&self, d: &Destination, m: Message) -> Result<(), BrokerError> {
-            self.0.publish(d, m).await
-        }
-        async fn subscribe(&self, s: &Subscription) -> Result<Box<dyn Receiver>, BrokerError> {
-            // Room for the extra deliveries on the broker's side.
-            let mut s = s.clone();
-            s.prefetch += 3;
-            Ok(Box::new(GreedyReceiver(self.0.subscribe(&s).await?)))
-        }
-        async fn dead_letter_receiver(
-            &self,
-            s: &Subscription,
-        ) -> Result<Box<dyn Receiver>, BrokerError> {
-            self.0.dead_letter_receiver(s).await
-        }
-        async fn dead_letters(
-            &self,
-            s: &Subscription,
-        ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
-            self.0.dead_letters(s).await
-        }
-    }
-
-    #[async_trait]
-    impl Receiver for GreedyReceiver {
-        async fn receive(&self) -> Result<Delivery, BrokerError> {
-            self.0.receive().await
-        }
-        async fn receive_batch(
-            &self,
-            max: usize,
-            into: &mut Vec<Delivery>,
-        ) -> Result<(), BrokerError> {
-            self.0.receive_batch(max + 3, into).await
-        }
-        async fn ack(&self, d: &Delivery) -> Result<(), BrokerError> {
-            self.0.ack(d).await
-        }
-        async fn retry(&self, d: &Delivery, r: RetryRequest) -> Result<(), BrokerError> {
-            self.0.retry(d, r).await
-        }
-        async fn dead_letter(&self, d: &Delivery, m: Message) -> Result<(), BrokerError> {
-            self.0.dead_letter(d, m).await
-        }
-        async fn release(&self, d: &Delivery, delay: Duration) -> Result<(), BrokerError> {
-            self.0.release(d, delay).await
-        }
-    }
-
+    use reliq_core::Broker;
     let memory = Arc::new(MemoryBroker::new());
-    let broker = Arc::new(Greedy(memory.clone()));
+    let broker = Arc::new(Misbehaving {
+        inner: memory.clone(),
+        how: How::Greedy,
+    });
     let builder = Consumer::builder(broker.clone(), "greedy")
         .subscribe("orders", None::<String>)
         .max_in_flight(4)
@@ -999,4 +938,219 @@ async fn a_delivery_span_records_id_attempt_and_trace_context() {
         Some("00f067aa0ba902b7"),
         "{fields:?}"
     );
+}
+
+/// An inbox whose first `failures` claims fail (a database outage), then works.
+struct OutageInbox {
+    failures: AtomicU32,
+    inner: reliq_core::MemoryInbox,
+}
+
+#[async_trait::async_trait]
+impl reliq_core::Inbox for OutageInbox {
+    async fn claim(
+        &self,
+        consumer: &str,
+        id: &reliq_core::MessageId,
+    ) -> Result<reliq_core::Claim, reliq_core::InboxError> {
+        let down = self
+            .failures
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if down {
+            return Err(reliq_core::InboxError("database unavailable".into()));
+        }
+        self.inner.claim(consumer, id).await
+    }
+    async fn complete(
+        &self,
+        consumer: &str,
+        id: &reliq_core::MessageId,
+    ) -> Result<(), reliq_core::InboxError> {
+        self.inner.complete(consumer, id).await
+    }
+    async fn abandon(
+        &self,
+        consumer: &str,
+        id: &reliq_core::MessageId,
+    ) -> Result<(), reliq_core::InboxError> {
+        self.inner.abandon(consumer, id).await
+    }
+}
+
+/// Six failed inbox claims, then 2,000 messages whose handlers all succeed: the settle
+/// back-off ends with the first success, so the run takes about what the six released
+/// deliveries' back-off needs (virtual seconds), not a pause before every receive (102 s
+/// before the fix, with the back-off never reset by a plain success).
+#[tokio::test(start_paused = true)]
+async fn a_success_ends_the_settle_back_off() {
+    let broker = Arc::new(MemoryBroker::new());
+    let inbox = Arc::new(OutageInbox {
+        failures: AtomicU32::new(6),
+        inner: reliq_core::MemoryInbox::new(),
+    });
+    let builder = Consumer::builder(broker.clone(), "c")
+        .subscribe("t", None::<String>)
+        .inbox(inbox.clone())
+        .settle_backoff(Duration::from_millis(100), secs(10));
+    use reliq_core::Broker as _;
+    drop(
+        broker
+            .subscribe(&builder.subscription().unwrap())
+            .await
+            .unwrap(),
+    );
+    let started = tokio::time::Instant::now();
+    let h = builder
+        .start(|_d: Delivery| async { Ok::<(), BoxError>(()) })
+        .await
+        .unwrap();
+    for i in 0..2000 {
+        broker
+            .publish(&Destination::new("t"), Message::new(format!("{i}")))
+            .await
+            .unwrap();
+        // Messages arrive over time, as they do in production: each receive finds a few.
+        if i % 10 == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+    wait_for("2,000 processed", || h.stats().processed == 2000).await;
+    let took = started.elapsed();
+    let s = h.shutdown().await.stats;
+    assert_eq!(inbox.failures.load(Ordering::SeqCst), 0);
+    assert!(s.released >= 6, "{s:?}");
+    assert!(
+        took < secs(10),
+        "2,000 healthy messages after 6 failed claims took {took:?} (virtual)"
+    );
+    assert!(s.throttled <= 12, "receives held back: {s:?}");
+}
+
+/// A receive the stop cuts short after it took a delivery from the broker: the runtime
+/// releases that delivery at once instead of leaving it leased (on a broker with leases
+/// it would wait for the lease to run out, and on NATS spend a delivery attempt).
+#[tokio::test(start_paused = true)]
+async fn shutdown_releases_what_a_cut_short_receive_took() {
+    use reliq_core::Broker;
+    let memory = Arc::new(MemoryBroker::new());
+    let broker = Arc::new(Misbehaving {
+        inner: memory.clone(),
+        how: How::TakeOneThenHang,
+    });
+    let builder = Consumer::builder(broker.clone(), "c")
+        .subscribe("t", None::<String>)
+        .lease(Duration::from_secs(3600));
+    let sub = builder.subscription().unwrap();
+    drop(memory.subscribe(&sub).await.unwrap());
+    memory
+        .publish(&Destination::new("t"), Message::new("taken"))
+        .await
+        .unwrap();
+    let h = builder
+        .start(|_d: Delivery| async { Ok::<(), BoxError>(()) })
+        .await
+        .unwrap();
+    wait_for("the delivery taken", || {
+        memory.faults().depth(&sub) == (0, 1)
+    })
+    .await;
+    let s = h.shutdown().await.stats;
+    assert_eq!((s.received, s.processed, s.released), (0, 0, 1), "{s:?}");
+    assert_eq!(
+        memory.faults().depth(&sub),
+        (1, 0),
+        "released at shutdown, not left leased"
+    );
+}
+
+/// How a [`Misbehaving`] backend's receivers bend the `receive_batch` contract.
+#[derive(Clone, Copy)]
+enum How {
+    /// Ask the broker for three more than the runtime asked for (with a prefetch three
+    /// higher, so it hands them out).
+    Greedy,
+    /// Take one delivery, then wait for more forever (a receive the stop cuts short).
+    TakeOneThenHang,
+}
+
+/// The memory broker, with receivers that misbehave as `how` says.
+struct Misbehaving {
+    inner: Arc<MemoryBroker>,
+    how: How,
+}
+
+struct MisbehavingReceiver {
+    inner: Box<dyn reliq_core::Receiver>,
+    how: How,
+}
+
+#[async_trait::async_trait]
+impl reliq_core::Broker for Misbehaving {
+    fn kind(&self) -> &'static str {
+        "misbehaving"
+    }
+    fn capabilities(&self) -> reliq_core::Capabilities {
+        self.inner.capabilities()
+    }
+    async fn publish(&self, d: &Destination, m: Message) -> Result<(), reliq_core::BrokerError> {
+        self.inner.publish(d, m).await
+    }
+    async fn subscribe(
+        &self,
+        s: &Subscription,
+    ) -> Result<Box<dyn reliq_core::Receiver>, reliq_core::BrokerError> {
+        let mut s = s.clone();
+        if let How::Greedy = self.how {
+            // Room for the extra deliveries on the broker's side.
+            s.prefetch += 3;
+        }
+        Ok(Box::new(MisbehavingReceiver {
+            inner: self.inner.subscribe(&s).await?,
+            how: self.how,
+        }))
+    }
+    async fn dead_letters(
+        &self,
+        s: &Subscription,
+    ) -> Result<Box<dyn reliq_core::DeadLetters>, reliq_core::BrokerError> {
+        self.inner.dead_letters(s).await
+    }
+}
+
+#[async_trait::async_trait]
+impl reliq_core::Receiver for MisbehavingReceiver {
+    async fn receive(&self) -> Result<Delivery, reliq_core::BrokerError> {
+        self.inner.receive().await
+    }
+    async fn receive_batch(
+        &self,
+        max: usize,
+        into: &mut Vec<Delivery>,
+    ) -> Result<(), reliq_core::BrokerError> {
+        match self.how {
+            How::Greedy => self.inner.receive_batch(max + 3, into).await,
+            How::TakeOneThenHang => {
+                into.push(self.inner.receive().await?);
+                std::future::pending::<()>().await;
+                Ok(())
+            }
+        }
+    }
+    async fn ack(&self, d: &Delivery) -> Result<(), reliq_core::BrokerError> {
+        self.inner.ack(d).await
+    }
+    async fn retry(
+        &self,
+        d: &Delivery,
+        r: reliq_core::RetryRequest,
+    ) -> Result<(), reliq_core::BrokerError> {
+        self.inner.retry(d, r).await
+    }
+    async fn dead_letter(&self, d: &Delivery, m: Message) -> Result<(), reliq_core::BrokerError> {
+        self.inner.dead_letter(d, m).await
+    }
+    async fn release(&self, d: &Delivery, delay: Duration) -> Result<(), reliq_core::BrokerError> {
+        self.inner.release(d, delay).await
+    }
 }

@@ -15,14 +15,8 @@ use reliq_core::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::support::{Backend, Ctx, Recorder, wait_until};
+use crate::support::{Backend, Ctx, Recorder, soon, wait_until};
 use tokio::time::Instant;
-
-/// A generous deadline for things that should happen "soon".
-fn soon(b: &dyn Backend) -> Duration {
-    let [t1, t2] = b.tiers();
-    Duration::from_secs(30) + (t1 + t2) * 3
-}
 
 type HandlerResult = Result<(), BoxError>;
 

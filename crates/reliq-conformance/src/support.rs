@@ -48,6 +48,14 @@ pub trait Backend: Send + Sync + 'static {
         10_000
     }
 
+    /// How many messages the failure-burst scenario fails at once: more than the prefetch
+    /// plus any retry headroom a backend keeps (1,100). A backend whose local test
+    /// endpoint cannot take that many in reasonable time may use fewer, as long as it
+    /// keeps no in-flight window that many waiting retries could fill.
+    fn failure_burst(&self) -> usize {
+        1_100
+    }
+
     /// Create the source destination `topic` so publishes to it are routable even before
     /// a consumer subscribed (a no-op where subscribing declares everything).
     async fn declare_source(&self, broker: &Arc<dyn Broker>, topic: &str) -> anyhow::Result<()>;
@@ -325,6 +333,12 @@ impl Recorder {
     }
 }
 
+/// A generous deadline for things that should happen "soon".
+pub fn soon(b: &dyn Backend) -> Duration {
+    let [t1, t2] = b.tiers();
+    Duration::from_secs(30) + (t1 + t2) * 3
+}
+
 /// Wait until `cond` holds, polling; fail with `what` after `within`.
 pub async fn wait_until(
     what: &str,
@@ -358,5 +372,79 @@ pub async fn browse_all(dlq: &dyn DeadLetters) -> anyhow::Result<Vec<DeadLetterE
             return Ok(all);
         }
         cursor = page.next;
+    }
+}
+
+/// The warnings and errors this process logged (through `tracing`, and through `log` from
+/// client crates such as rdkafka), from the moment [`captured_log`] was first called.
+pub struct CapturedLog {
+    events: Arc<Mutex<Vec<String>>>,
+}
+
+impl CapturedLog {
+    /// Every WARN and ERROR event so far, as `LEVEL target: message`.
+    pub fn warnings(&self) -> Vec<String> {
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+struct CaptureLayer {
+    events: Arc<Mutex<Vec<String>>>,
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CaptureLayer {
+    fn on_event(
+        &self,
+        event: &tracing::Event<'_>,
+        _ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let level = *event.metadata().level();
+        if level > tracing::Level::WARN {
+            return;
+        }
+        struct Text(String);
+        impl tracing::field::Visit for Text {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                use std::fmt::Write as _;
+                let _ = write!(self.0, " {}={value:?}", field.name());
+            }
+        }
+        let mut text = Text(String::new());
+        event.record(&mut text);
+        let line = format!("{level} {}:{}", event.metadata().target(), text.0);
+        self.events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(line);
+    }
+}
+
+static CAPTURE: std::sync::OnceLock<Option<Arc<Mutex<Vec<String>>>>> = std::sync::OnceLock::new();
+
+/// Install (once per process) a global subscriber that keeps every WARN and ERROR event,
+/// and return its log. Fails if another global subscriber was installed first (then
+/// nothing could be seen, and a scenario reading the log would pass for nothing).
+pub fn captured_log() -> anyhow::Result<CapturedLog> {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    let events = CAPTURE.get_or_init(|| {
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let layer = CaptureLayer {
+            events: events.clone(),
+        };
+        tracing_subscriber::registry()
+            .with(layer)
+            .try_init()
+            .ok()
+            .map(|()| events)
+    });
+    match events {
+        Some(events) => Ok(CapturedLog {
+            events: events.clone(),
+        }),
+        None => bail!("another global tracing subscriber is installed: the log cannot be read"),
     }
 }

@@ -602,6 +602,12 @@ pub trait Broker: Send + Sync + 'static {
 #[async_trait]
 pub trait Receiver: Send + Sync {
     /// The next delivery; waits. [`BrokerError::Closed`] once closed.
+    ///
+    /// # Cancel safety
+    ///
+    /// Must be cancel safe: if the future is dropped before it completes, no delivery is
+    /// lost — whatever it took from the broker stays with the receiver (buffered for the
+    /// next receive) or goes back to the broker.
     async fn receive(&self) -> Result<Delivery, BrokerError>;
 
     /// Append up to `max` deliveries to `into`: waits for the first, then takes only what
@@ -609,6 +615,14 @@ pub trait Receiver: Send + Sync {
     /// received alone. The runtime receives through this, so a backend whose client
     /// already holds records in memory (Kafka's fetch queue) pays its per-receive cost —
     /// a lock, a wake-up — once per batch. The default takes one delivery.
+    ///
+    /// # Cancel safety
+    ///
+    /// Must be cancel safe, and the runtime relies on it at shutdown: a delivery taken
+    /// from the broker is either pushed into `into` before the next `.await` point or
+    /// kept by the receiver for the next receive. When the future is dropped, what is in
+    /// `into` is the caller's (the runtime releases it); nothing else is lost or left
+    /// leased.
     async fn receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> Result<(), BrokerError> {
         let _ = max;
         into.push(self.receive().await?);

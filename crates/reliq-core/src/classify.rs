@@ -348,9 +348,12 @@ mod tests {
             reason: "no host".into(),
         };
         assert_eq!(classify(Box::new(config)), ErrorClass::Permanent);
-        // A handler's own error that wraps a broker error, two links down.
-        let io = std::io::Error::other(BrokerError::Timeout(std::time::Duration::ZERO));
-        assert_eq!(classify(Box::new(Outer(io))), ErrorClass::Transient);
+        // A handler's own error that wraps a broker error.
+        #[derive(Debug, thiserror::Error)]
+        #[error("reserving stock")]
+        struct Reserve(#[source] BrokerError);
+        let wrapped = Reserve(BrokerError::Timeout(std::time::Duration::ZERO));
+        assert_eq!(classify(Box::new(wrapped)), ErrorClass::Transient);
         // `Other` is transparent: the wrapped error decides.
         let other = BrokerError::Other(Box::new(Misleading));
         assert_eq!(classify(Box::new(other)), ErrorClass::Unknown);

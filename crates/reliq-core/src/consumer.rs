@@ -410,6 +410,7 @@ pub struct Stats {
     duplicates: AtomicU64,
     released: AtomicU64,
     settle_failures: AtomicU64,
+    throttled: AtomicU64,
     panics: AtomicU64,
     in_flight: AtomicU64,
     max_in_flight: AtomicU64,
@@ -437,6 +438,9 @@ pub struct StatsSnapshot {
     pub released: u64,
     /// Settlements that failed.
     pub settle_failures: u64,
+    /// Receives held back by the settle back-off (after failed settlements or inbox
+    /// claims, until the next success).
+    pub throttled: u64,
     /// Handler panics caught.
     pub panics: u64,
     /// Held right now (received, not settled).
@@ -464,6 +468,7 @@ impl Stats {
             duplicates: r(&self.duplicates),
             released: r(&self.released),
             settle_failures: r(&self.settle_failures),
+            throttled: r(&self.throttled),
             panics: r(&self.panics),
             in_flight: r(&self.in_flight),
             max_in_flight: r(&self.max_in_flight),
@@ -527,8 +532,9 @@ impl ConsumerHandle {
     /// receiver is dropped without closing, so the broker redelivers what was unsettled
     /// (after its lease / on connection loss). For tests of crash behaviour.
     pub async fn crash(self) {
-        self.stop.cancel();
+        // Fired before the stop, so the receive loop sees the crash when it stops.
         self.shared.crash().fire();
+        self.stop.cancel();
         let _ = self.loop_task.await;
         let tracker = self.shared.tracker();
         tracker.close();
@@ -574,6 +580,10 @@ impl Signal {
     fn fire(&self) {
         self.fired.store(true, AtomicOrdering::SeqCst);
         self.token.cancel();
+    }
+
+    fn is_fired(&self) -> bool {
+        self.fired.load(AtomicOrdering::SeqCst)
     }
 
     /// `work`'s output, or `None` if the signal fired first. Checked before every poll of
@@ -711,9 +721,11 @@ async fn receive_loop<H: Send + Sync + 'static>(
     let stopped = stop.cancelled();
     tokio::pin!(stopped);
     loop {
-        // After failed settlements, slow down instead of hammering a broken route.
+        // After failed settlements, slow down instead of hammering a broken route —
+        // until a delivery is handled and acknowledged again, which resets the back-off.
         let pause = shared.backoff.current();
         if !pause.is_zero() {
+            Stats::bump(&shared.stats.throttled);
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
                 _ = &mut stopped => break,
@@ -732,6 +744,8 @@ async fn receive_loop<H: Send + Sync + 'static>(
         {
             permits.merge(extra);
         }
+        // Cancelled by the stop signal, a receive keeps in `batch` whatever it took from
+        // the broker (the `receive_batch` cancel-safety contract); it is released below.
         let received = tokio::select! {
             r = shared.receiver.receive_batch(permits.num_permits(), &mut batch) => r,
             _ = &mut stopped => break,
@@ -752,6 +766,14 @@ async fn receive_loop<H: Send + Sync + 'static>(
                     _ = &mut stopped => break,
                 }
             }
+        }
+    }
+    // Taken from the broker by a receive the stop cut short: never handed to a handler,
+    // so give them back now rather than leave them leased until their lease runs out.
+    // (A crash settles and releases nothing, as when the process dies.)
+    if !shared.crash.is_fired() {
+        for d in batch.drain(..) {
+            shared.release(&d, Duration::ZERO).await;
         }
     }
 }
@@ -1278,6 +1300,10 @@ impl<H> Shared<H> {
         }
         let failed = self.receiver.ack_batch(done).await;
         let acked = (done.len() - failed.len().min(done.len())) as u64;
+        if acked > 0 {
+            // Claimed, handled and acknowledged: whatever failed before works again.
+            self.backoff.succeeded();
+        }
         self.stats
             .processed
             .fetch_add(acked, AtomicOrdering::Relaxed);
