@@ -278,8 +278,9 @@ impl SqsDeadLetters {
         };
         let result = rx.await;
         running.task = None; // done: nothing left for the next call to wait for
-        result.map_err(|_| {
+        result.map_err(|e| {
             BrokerError::connection("a dead-letter scan task stopped without an answer")
+                .caused_by(e)
         })?
     }
 }

@@ -47,6 +47,7 @@ where
         }
         SdkError::DispatchFailure(_) | SdkError::TimeoutError(_) | SdkError::ResponseError(_) => {
             BrokerError::connection(format!("SQS {operation}: {}", DisplayErrorContext(&e)))
+                .caused_by(e)
         }
         _ => BrokerError::Other(Box::new(e)),
     }
