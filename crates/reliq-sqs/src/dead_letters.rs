@@ -1,7 +1,7 @@
 //! Reading a consumer's dead-letter queue without consuming it: [`SqsDeadLetters`].
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
@@ -14,7 +14,7 @@ use reliq_core::{
     BrokerError, Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, MessageId,
     Subscription,
 };
-use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 use crate::broker::whole_seconds;
 use crate::error::sdk_error;
@@ -44,12 +44,14 @@ const SETTLE: Duration = Duration::from_secs(2);
 ///    returns** — so between calls nothing is hidden, and a concurrent replay, another
 ///    operator or the next page sees the whole DLQ.
 ///
-/// Cancel safety: each operation runs in a task of its own. A call cancelled (or timed
-/// out) mid-scan leaves it running to the end — a `ReceiveMessage` already in flight has
-/// hidden its messages though no answer came back to the caller, so only finishing the
-/// scan can give them back — and the reader's next call waits for it first, so reading
-/// again from the same cursor reads the same entries. If the process dies mid-scan, what
-/// it held shows again when the scan lease runs out.
+/// Cancel safety: each operation runs in a task of its own, one after the other in call
+/// order. A call cancelled (or timed out) does not cut its scan off mid-request — a
+/// `ReceiveMessage` already in flight has hidden its messages though no answer came back,
+/// and only its task can give them back: the task stops receiving, gives back what it
+/// holds (a `remove` then deletes nothing), and only then does the next call scan; an
+/// operation whose caller left before its turn is skipped. Reading again from the same
+/// cursor therefore reads the same entries. If the process dies mid-scan, what it held
+/// shows again when the scan lease runs out.
 ///
 /// Pages are cut from the scan in a total order — the entry's `reliq-dead-lettered-at`,
 /// then its SQS message id — and the cursor is the last entry's (time, SQS id): tiny,
@@ -99,27 +101,11 @@ struct Reader {
     broker: SqsBroker,
     sub: Subscription,
     url: String,
-    /// Operations whose caller stopped waiting (a cancelled call): they run to the end —
-    /// a receive in flight when the caller gave up still has its messages given back —
-    /// and the next call waits for them, so it does not miss what they still hide.
-    pending: Arc<Mutex<Vec<JoinHandle<()>>>>,
-}
-
-/// An operation's task, left to the reader's next call if its caller stops waiting.
-struct Running {
-    task: Option<JoinHandle<()>>,
-    pending: Arc<Mutex<Vec<JoinHandle<()>>>>,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(task) = self.task.take() {
-            self.pending
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(task);
-        }
-    }
+    /// One operation at a time, in call order, each in a task that holds its turn to the
+    /// end: an operation whose caller stopped waiting (a cancelled call) finishes — a
+    /// receive in flight when the caller gave up still has its messages given back —
+    /// before the next one scans, so that one does not miss what it still hides.
+    serial: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// Where an entry is in the order pages are cut in: its dead-lettered-at (ms since the
@@ -170,7 +156,6 @@ struct Scanned {
 struct Scan {
     broker: SqsBroker,
     url: String,
-    pending: Arc<Mutex<Vec<JoinHandle<()>>>>,
     /// By SQS message id: a standard queue may hand one message out twice.
     held: HashMap<String, Scanned>,
 }
@@ -195,17 +180,12 @@ impl Drop for Scan {
         if self.held.is_empty() {
             return;
         }
-        // A scan that failed part way: give back from a task.
+        // Only if an operation panicked: give back from a task (else the lease runs out).
         let receipts: Vec<String> = self.held.drain().map(|(_, s)| s.receipt).collect();
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return; // no runtime: the scan lease runs out
-        };
-        let (broker, url) = (self.broker.clone(), self.url.clone());
-        let task = runtime.spawn(async move { make_visible(&broker, &url, receipts).await });
-        self.pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(task);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (broker, url) = (self.broker.clone(), self.url.clone());
+            runtime.spawn(async move { make_visible(&broker, &url, receipts).await });
+        }
     }
 }
 
@@ -253,32 +233,33 @@ impl SqsDeadLetters {
                 broker,
                 sub,
                 url,
-                pending: Arc::default(),
+                serial: Arc::default(),
             }),
         }
     }
 
-    /// Run `op` in a task of its own, once the operations of cancelled calls are done.
-    /// Cancel safety: if this call is dropped, the task still runs to the end (and gives
-    /// back what its scan holds).
+    /// Run `op` in a task of its own, after the operations called before it. Cancel
+    /// safety: if this call is dropped, the task still runs — an operation not started
+    /// yet is skipped, one scanning stops receiving — and gives back what its scan holds.
     async fn run<T, F, Fut>(&self, op: F) -> Result<T, BrokerError>
     where
         T: Send + 'static,
-        F: FnOnce(Arc<Reader>) -> Fut,
+        F: FnOnce(Arc<Reader>, CancellationToken) -> Fut,
         Fut: std::future::Future<Output = Result<T, BrokerError>> + Send + 'static,
     {
-        self.reader.settle_pending().await;
+        let gone = CancellationToken::new();
+        let work = op(self.reader.clone(), gone.clone());
+        let serial = self.reader.serial.clone();
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let work = op(self.reader.clone());
-        let mut running = Running {
-            task: Some(tokio::spawn(async move {
+        let skip = gone.clone();
+        tokio::spawn(async move {
+            let _turn = serial.lock_owned().await;
+            if !skip.is_cancelled() {
                 let _ = tx.send(work.await);
-            })),
-            pending: self.reader.pending.clone(),
-        };
-        let result = rx.await;
-        running.task = None; // done: nothing left for the next call to wait for
-        result.map_err(|e| {
+            }
+        });
+        let _on_drop = gone.drop_guard();
+        rx.await.map_err(|e| {
             BrokerError::connection("a dead-letter scan task stopped without an answer")
                 .caused_by(e)
         })?
@@ -286,19 +267,6 @@ impl SqsDeadLetters {
 }
 
 impl Reader {
-    /// Wait for the give-backs of cancelled calls.
-    async fn settle_pending(&self) {
-        let tasks: Vec<JoinHandle<()>> = self
-            .pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect();
-        for task in tasks {
-            let _ = task.await;
-        }
-    }
-
     /// `ApproximateNumberOfMessages + ApproximateNumberOfMessagesNotVisible`.
     async fn approximate_count(&self) -> Result<u64, BrokerError> {
         let out = self
@@ -326,12 +294,17 @@ impl Reader {
     /// SQS counted before. A scan that sees fewer gives everything back and tries again
     /// after a random pause, for at most [`SETTLE`]: two scans at the same moment each
     /// hold part of the DLQ, and this lets one of them go first.
-    async fn scan(&self, limit: usize, expected: u64) -> Result<Scan, BrokerError> {
+    async fn scan(
+        &self,
+        limit: usize,
+        expected: u64,
+        gone: &CancellationToken,
+    ) -> Result<Scan, BrokerError> {
         let deadline = Instant::now() + SETTLE;
         loop {
-            let scan = self.scan_once(limit).await?;
+            let scan = self.scan_once(limit, gone).await?;
             let seen = scan.held.len();
-            if seen as u64 >= expected || seen >= limit {
+            if seen as u64 >= expected || seen >= limit || gone.is_cancelled() {
                 if expected > limit as u64 {
                     tracing::warn!(limit, counted = expected, queue = %self.url,
                         "the DLQ holds more entries than one scan reads (SqsOptions::dead_letter_scan_max, dead_letter_count_scan_max): only the first received are used");
@@ -350,16 +323,16 @@ impl Reader {
     }
 
     /// Receive until an empty answer (or `limit` entries), under the scan lease.
-    async fn scan_once(&self, limit: usize) -> Result<Scan, BrokerError> {
+    async fn scan_once(&self, limit: usize, gone: &CancellationToken) -> Result<Scan, BrokerError> {
         let options = &self.broker.inner.options;
         let lease = whole_seconds(options.dead_letter_lease).max(1);
         let mut scan = Scan {
             broker: self.broker.clone(),
             url: self.url.clone(),
-            pending: self.pending.clone(),
             held: HashMap::new(),
         };
-        while scan.held.len() < limit {
+        // A cancelled caller needs no more: stop, and give back what is held.
+        while scan.held.len() < limit && !gone.is_cancelled() {
             let want = (limit - scan.held.len()).min(10);
             let out = self
                 .broker
@@ -376,8 +349,14 @@ impl Reader {
                 .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp)
                 .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
                 .send()
-                .await
-                .map_err(|e| sdk_error("ReceiveMessage", e))?;
+                .await;
+            let out = match out {
+                Ok(out) => out,
+                Err(e) => {
+                    scan.give_back().await;
+                    return Err(sdk_error("ReceiveMessage", e));
+                }
+            };
             let messages = out.messages();
             if messages.is_empty() {
                 break;
@@ -405,10 +384,14 @@ impl Reader {
     }
 
     /// A full scan for browse, get and remove.
-    async fn scan_all(&self) -> Result<Scan, BrokerError> {
+    async fn scan_all(&self, gone: &CancellationToken) -> Result<Scan, BrokerError> {
         let expected = self.approximate_count().await?;
-        self.scan(self.broker.inner.options.dead_letter_scan_max, expected)
-            .await
+        self.scan(
+            self.broker.inner.options.dead_letter_scan_max,
+            expected,
+            gone,
+        )
+        .await
     }
 
     fn convert(&self, m: &aws_sdk_sqs::types::Message) -> Option<Scanned> {
@@ -493,8 +476,9 @@ impl Reader {
         after: Option<Key>,
         from: Cursor,
         max: usize,
+        gone: CancellationToken,
     ) -> Result<DeadLetterPage, BrokerError> {
-        let scan = self.scan_all().await?;
+        let scan = self.scan_all(&gone).await?;
         let (entries, last, at_end) = page_of(&scan, after.as_ref(), max);
         scan.give_back().await;
         Ok(DeadLetterPage {
@@ -504,8 +488,12 @@ impl Reader {
         })
     }
 
-    async fn get(&self, id: MessageId) -> Result<Option<DeadLetterEntry>, BrokerError> {
-        let scan = self.scan_all().await?;
+    async fn get(
+        &self,
+        id: MessageId,
+        gone: CancellationToken,
+    ) -> Result<Option<DeadLetterEntry>, BrokerError> {
+        let scan = self.scan_all(&gone).await?;
         let found = scan
             .sorted()
             .into_iter()
@@ -515,8 +503,17 @@ impl Reader {
         Ok(found)
     }
 
-    async fn remove(&self, ids: Vec<MessageId>) -> Result<Vec<MessageId>, BrokerError> {
-        let mut scan = self.scan_all().await?;
+    async fn remove(
+        &self,
+        ids: Vec<MessageId>,
+        gone: CancellationToken,
+    ) -> Result<Vec<MessageId>, BrokerError> {
+        let mut scan = self.scan_all(&gone).await?;
+        if gone.is_cancelled() {
+            // The caller gave up mid-scan (maybe before seeing every id): delete nothing.
+            scan.give_back().await;
+            return Ok(Vec::new());
+        }
         let mut wanted = IdCounts::new(&ids);
         let chosen: Vec<(String, String, MessageId)> = scan
             .sorted()
@@ -559,7 +556,7 @@ impl Reader {
         }
     }
 
-    async fn count(&self) -> Result<DeadLetterCount, BrokerError> {
+    async fn count(&self, gone: CancellationToken) -> Result<DeadLetterCount, BrokerError> {
         let counted = self.approximate_count().await?;
         if counted == 0 {
             return Ok(DeadLetterCount::default());
@@ -568,6 +565,7 @@ impl Reader {
             .scan(
                 self.broker.inner.options.dead_letter_count_scan_max,
                 counted,
+                &gone,
             )
             .await?;
         let mut count = DeadLetterCount {
@@ -587,13 +585,14 @@ impl DeadLetters for SqsDeadLetters {
     async fn browse(&self, from: &Cursor, max: usize) -> Result<DeadLetterPage, BrokerError> {
         let after = Key::parse(from)?;
         let from = from.clone();
-        self.run(move |r| async move { r.browse(after, from, max).await })
+        self.run(move |r, gone| async move { r.browse(after, from, max, gone).await })
             .await
     }
 
     async fn get(&self, id: &MessageId) -> Result<Option<DeadLetterEntry>, BrokerError> {
         let id = id.clone();
-        self.run(move |r| async move { r.get(id).await }).await
+        self.run(move |r, gone| async move { r.get(id, gone).await })
+            .await
     }
 
     async fn remove(&self, ids: &[MessageId]) -> Result<Vec<MessageId>, BrokerError> {
@@ -601,10 +600,11 @@ impl DeadLetters for SqsDeadLetters {
             return Ok(Vec::new());
         }
         let ids = ids.to_vec();
-        self.run(move |r| async move { r.remove(ids).await }).await
+        self.run(move |r, gone| async move { r.remove(ids, gone).await })
+            .await
     }
 
     async fn count(&self) -> Result<DeadLetterCount, BrokerError> {
-        self.run(|r| async move { r.count().await }).await
+        self.run(|r, gone| async move { r.count(gone).await }).await
     }
 }
