@@ -482,3 +482,36 @@ async fn a_browse_cancelled_mid_scan_hides_nothing() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// A message this receiver holds that SQS hands out again (here: its lease runs out with
+/// the extender off, as when SQS delivers a copy twice or moto hands one message to two
+/// concurrent receives) is not a second delivery: the second copy's receipt is kept with
+/// the first, and the ack settles both — the message is gone, nothing is redelivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_copy_of_a_held_message_is_settled_with_the_first() -> anyhow::Result<()> {
+    let url = reliq_integration::settings::get("RELIQ_SQS_URL");
+    let options = reliq_sqs::SqsOptions {
+        max_lease_extension: Duration::ZERO,
+        ..reliq_sqs::SqsOptions::default()
+    };
+    let sqs = reliq_sqs::SqsBroker::connect_with(&url, options).await?;
+    let broker: Arc<dyn Broker> = Arc::new(sqs.clone());
+    let topic = unique("second-copy");
+    let mut sub = Subscription::new("c", topic.clone());
+    sub.lease = Duration::from_secs(2);
+    let rx = broker.subscribe(&sub).await?;
+    let m = Message::new("held");
+    let id = m.id().clone();
+    broker.publish(&Destination::new(topic.clone()), m).await?;
+    let first = tokio::time::timeout(Duration::from_secs(20), rx.receive()).await??;
+    ensure!(first.id() == &id);
+    // Three leases: the copy became visible and the poller received it again.
+    let again = tokio::time::timeout(Duration::from_secs(6), rx.receive()).await;
+    ensure!(again.is_err(), "a second copy was handed out: {again:?}");
+    rx.ack(&first).await?;
+    let after = tokio::time::timeout(Duration::from_secs(5), rx.receive()).await;
+    ensure!(after.is_err(), "delivered again after the ack: {after:?}");
+    rx.close().await?;
+    ensure!(sqs.not_visible(&sub).await? == 0, "a copy is still held");
+    Ok(())
+}

@@ -23,6 +23,10 @@ use crate::{SqsBroker, codec};
 #[derive(Default)]
 struct Counter {
     outstanding: AtomicU32,
+    /// The leases of the messages held, by SQS message id: a second copy of one of them
+    /// (SQS is at-least-once; moto can hand one message to two concurrent receives) adds
+    /// its receipt handle to the held one instead of becoming a second delivery.
+    held: Mutex<HashMap<String, Arc<Lease>>>,
     /// Signalled when a delivery is settled: the poller may ask for more.
     demand: Notify,
 }
@@ -33,11 +37,32 @@ struct Counter {
 struct Lease {
     settled: CancellationToken,
     lock: tokio::sync::Mutex<()>,
+    /// Every receipt handle this receiver got for the message, the latest last: each is
+    /// settled (SQS acts on the latest; an earlier one may still hold a copy hidden).
+    receipts: Mutex<Vec<String>>,
+}
+
+impl Lease {
+    fn receipts(&self) -> Vec<String> {
+        self.receipts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn latest(&self) -> Option<String> {
+        self.receipts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .last()
+            .cloned()
+    }
 }
 
 /// The settlement handle kept in each delivery's token.
 struct SqsToken {
-    receipt: String,
+    /// The SQS message id (the key of [`Counter::held`]).
+    sqs_id: String,
     /// FIFO queues: the message's `MessageGroupId`.
     group: Option<String>,
     lease: Arc<Lease>,
@@ -50,6 +75,11 @@ impl SqsToken {
     fn finish(&self) {
         self.lease.settled.cancel();
         if !self.done.swap(true, Ordering::AcqRel) {
+            self.counter
+                .held
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&self.sqs_id);
             self.counter.outstanding.fetch_sub(1, Ordering::AcqRel);
             self.counter.demand.notify_one();
         }
@@ -97,8 +127,43 @@ impl Shared {
         change_visibility(&self.broker, &self.declared.url, receipt, seconds).await
     }
 
+    /// Change the visibility of every copy `t` holds; the latest receipt's result (an
+    /// earlier one's copy may be gone already, which is no error).
+    async fn change_visibility_all(&self, t: &SqsToken, seconds: i32) -> Result<(), BrokerError> {
+        let receipts = t.lease.receipts();
+        let results =
+            futures::future::join_all(receipts.iter().map(|r| self.change_visibility(r, seconds)))
+                .await;
+        latest_result(results)
+    }
+
+    /// Delete every copy `t` holds; the latest receipt's result.
+    async fn delete_all(&self, t: &SqsToken) -> Result<(), BrokerError> {
+        let receipts = t.lease.receipts();
+        let results = futures::future::join_all(
+            receipts
+                .iter()
+                .map(|r| self.broker.delete(&self.declared.url, r)),
+        )
+        .await;
+        latest_result(results)
+    }
+
     fn convert(&self, m: &aws_sdk_sqs::types::Message) -> Option<Delivery> {
         let receipt = m.receipt_handle()?.to_owned();
+        let sqs_id = m.message_id().unwrap_or(&receipt).to_owned();
+        let mut held = self.counter.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(lease) = held.get(&sqs_id) {
+            // A second copy of a message this receiver holds: settled with it, not
+            // handed out again.
+            tracing::debug!(sqs_message_id = %sqs_id, "a second copy of a held message; settled with the first");
+            lease
+                .receipts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(receipt);
+            return None;
+        }
         let (attempt, sent) = system_attributes(m);
         let group = m
             .attributes()
@@ -113,11 +178,13 @@ impl Shared {
         let lease = Arc::new(Lease {
             settled: self.closed.child_token(),
             lock: tokio::sync::Mutex::new(()),
+            receipts: Mutex::new(vec![receipt]),
         });
+        held.insert(sqs_id.clone(), lease.clone());
+        drop(held);
         tokio::spawn(extend(
             self.broker.clone(),
             self.declared.url.clone(),
-            receipt.clone(),
             lease.clone(),
             self.sub.lease,
         ));
@@ -127,7 +194,7 @@ impl Shared {
             ..Origin::default()
         };
         let token = DeliveryToken::new(self.owner, 0).with_extra(SqsToken {
-            receipt,
+            sqs_id,
             group,
             lease,
             done: AtomicBool::new(false),
@@ -157,7 +224,7 @@ impl Shared {
     async fn give_back(&self, deliveries: Vec<Delivery>) {
         let releases = deliveries.iter().filter_map(|d| token(d).ok()).map(|t| async move {
             let _guard = t.stop_extending().await;
-            if let Err(e) = self.change_visibility(&t.receipt, 0).await {
+            if let Err(e) = self.change_visibility_all(t, 0).await {
                 tracing::debug!(error = %e, "releasing a buffered delivery failed; it returns after its lease");
             }
             t.finish();
@@ -276,13 +343,7 @@ async fn change_visibility(
 
 /// Renew a delivery's lease every lease/3 until it is settled, the receiver is gone, or
 /// the maximum extension is reached.
-async fn extend(
-    broker: SqsBroker,
-    url: String,
-    receipt: String,
-    lease: Arc<Lease>,
-    every: Duration,
-) {
+async fn extend(broker: SqsBroker, url: String, lease: Arc<Lease>, every: Duration) {
     let seconds = whole_seconds(every).max(1);
     let period = (every / 3).max(Duration::from_millis(100));
     let deadline = tokio::time::Instant::now() + broker.inner.options.max_lease_extension;
@@ -300,6 +361,10 @@ async fn extend(
                 "handler ran past the maximum lease extension; SQS may deliver the message again");
             return;
         }
+        // The latest receipt: SQS renews only through the latest receive's handle.
+        let Some(receipt) = lease.latest() else {
+            return;
+        };
         if let Err(e) = change_visibility(&broker, &url, &receipt, seconds).await {
             tracing::warn!(error = %e, "renewing a lease failed; SQS may deliver the message again");
             return;
@@ -489,11 +554,7 @@ impl Receiver for SqsReceiver {
         delivery.token().check(self.shared.owner)?;
         let t = token(delivery)?;
         let _guard = t.stop_extending().await;
-        let result = self
-            .shared
-            .broker
-            .delete(&self.shared.declared.url, &t.receipt)
-            .await;
+        let result = self.shared.delete_all(t).await;
         // Settled either way: a failed delete comes back after the visibility timeout.
         t.finish();
         match &result {
@@ -514,7 +575,7 @@ impl Receiver for SqsReceiver {
         }
         let _guard = t.stop_extending().await;
         self.shared
-            .change_visibility(&t.receipt, whole_seconds(retry.delay))
+            .change_visibility_all(t, whole_seconds(retry.delay))
             .await?;
         t.finish();
         self.shared.group_returned(t).await;
@@ -539,10 +600,7 @@ impl Receiver for SqsReceiver {
             )
             .await?;
         let _guard = t.stop_extending().await;
-        self.shared
-            .broker
-            .delete(&self.shared.declared.url, &t.receipt)
-            .await?;
+        self.shared.delete_all(t).await?;
         t.finish();
         self.shared.group_done(t);
         Ok(())
@@ -554,7 +612,7 @@ impl Receiver for SqsReceiver {
         let _guard = t.stop_extending().await;
         let result = self
             .shared
-            .change_visibility(&t.receipt, whole_seconds(delay))
+            .change_visibility_all(t, whole_seconds(delay))
             .await;
         t.finish();
         self.shared.group_returned(t).await;
@@ -574,6 +632,15 @@ impl Drop for SqsReceiver {
         // unsettled deliveries come back after their visibility timeout.
         self.shared.closed.cancel();
     }
+}
+
+/// The last result (the latest receipt's); earlier receipts' failures are only logged.
+fn latest_result(mut results: Vec<Result<(), BrokerError>>) -> Result<(), BrokerError> {
+    let latest = results.pop().unwrap_or(Ok(()));
+    for e in results.into_iter().filter_map(Result::err) {
+        tracing::debug!(error = %e, "settling an earlier copy's receipt failed (the copy is gone)");
+    }
+    latest
 }
 
 /// Nanoseconds since the epoch: makes a deduplication id unique per send.
