@@ -15,8 +15,9 @@ use futures::future::BoxFuture;
 use reliq_core::BrokerError;
 use tokio::sync::{mpsc, oneshot};
 
+use crate::SqsError;
 use crate::codec::Encoded;
-use crate::{SqsError, sdk_error};
+use crate::error::sdk_error;
 
 const MAX_ENTRIES: usize = 10;
 const MAX_BATCH_BYTES: usize = 250 * 1024;
@@ -55,9 +56,9 @@ impl<E: Send + 'static> Batcher<E> {
                 done,
             })
             .map_err(|_| BrokerError::connection("the SQS batcher stopped"))?;
-        result
-            .await
-            .map_err(|_| BrokerError::connection("the SQS batcher dropped a request"))?
+        result.await.map_err(|e| {
+            BrokerError::connection("the SQS batcher dropped a request").caused_by(e)
+        })?
     }
 }
 
@@ -133,8 +134,8 @@ fn per_entry(
     let reported = match call {
         Ok(reported) => reported,
         Err(e) => {
-            let text = e.to_string();
-            return (0..n).map(|_| Err(clone_kind(&e, text.clone()))).collect();
+            let e = Arc::new(e);
+            return (0..n).map(|_| Err(clone_kind(&e))).collect();
         }
     };
     (0..n)
@@ -158,13 +159,17 @@ fn per_entry(
         .collect()
 }
 
-/// The same kind of error for every entry of a failed call.
-fn clone_kind(e: &BrokerError, text: String) -> BrokerError {
-    match e {
+/// The same kind of error for every entry of a failed call, each with the call's error
+/// (shared) as its source.
+fn clone_kind(e: &Arc<BrokerError>) -> BrokerError {
+    let text = e.to_string();
+    match e.as_ref() {
         BrokerError::Unroutable(_) => BrokerError::Unroutable(text),
-        BrokerError::Connection { .. } => BrokerError::connection(text),
+        BrokerError::Connection { context, .. } => {
+            BrokerError::connection(format!("{context} (batch call)")).caused_by(e.clone())
+        }
         BrokerError::Timeout(d) => BrokerError::Timeout(*d),
-        _ => BrokerError::rejected(text),
+        _ => BrokerError::rejected(text).caused_by(e.clone()),
     }
 }
 

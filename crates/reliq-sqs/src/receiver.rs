@@ -1,5 +1,5 @@
 //! Receiving from a consumer queue (a background long poll bounded by the prefetch, a
-//! visibility extender per delivery) and reading a dead-letter queue.
+//! visibility extender per delivery).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -8,19 +8,25 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::MessageSystemAttributeName;
-use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
+use reliq_core::headers::Origin;
 use reliq_core::{
     BrokerError, Delivery, DeliveryToken, Message, Receiver, ReceiverId, RetryRequest, Subscription,
 };
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::{Declared, SqsBroker, codec, sdk_error, whole_seconds};
+use crate::broker::{Declared, whole_seconds};
+use crate::error::sdk_error;
+use crate::{SqsBroker, codec};
 
 /// Deliveries received from SQS and not yet settled (buffered or handed out).
 #[derive(Default)]
 struct Counter {
     outstanding: AtomicU32,
+    /// The leases of the messages held, by SQS message id: a second copy of one of them
+    /// (SQS is at-least-once; moto can hand one message to two concurrent receives) adds
+    /// its receipt handle to the held one instead of becoming a second delivery.
+    held: Mutex<HashMap<String, Arc<Lease>>>,
     /// Signalled when a delivery is settled: the poller may ask for more.
     demand: Notify,
 }
@@ -31,11 +37,32 @@ struct Counter {
 struct Lease {
     settled: CancellationToken,
     lock: tokio::sync::Mutex<()>,
+    /// Every receipt handle this receiver got for the message, the latest last: each is
+    /// settled (SQS acts on the latest; an earlier one may still hold a copy hidden).
+    receipts: Mutex<Vec<String>>,
+}
+
+impl Lease {
+    fn receipts(&self) -> Vec<String> {
+        self.receipts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn latest(&self) -> Option<String> {
+        self.receipts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .last()
+            .cloned()
+    }
 }
 
 /// The settlement handle kept in each delivery's token.
 struct SqsToken {
-    receipt: String,
+    /// The SQS message id (the key of [`Counter::held`]).
+    sqs_id: String,
     /// FIFO queues: the message's `MessageGroupId`.
     group: Option<String>,
     lease: Arc<Lease>,
@@ -48,6 +75,11 @@ impl SqsToken {
     fn finish(&self) {
         self.lease.settled.cancel();
         if !self.done.swap(true, Ordering::AcqRel) {
+            self.counter
+                .held
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&self.sqs_id);
             self.counter.outstanding.fetch_sub(1, Ordering::AcqRel);
             self.counter.demand.notify_one();
         }
@@ -95,8 +127,43 @@ impl Shared {
         change_visibility(&self.broker, &self.declared.url, receipt, seconds).await
     }
 
+    /// Change the visibility of every copy `t` holds; the latest receipt's result (an
+    /// earlier one's copy may be gone already, which is no error).
+    async fn change_visibility_all(&self, t: &SqsToken, seconds: i32) -> Result<(), BrokerError> {
+        let receipts = t.lease.receipts();
+        let results =
+            futures::future::join_all(receipts.iter().map(|r| self.change_visibility(r, seconds)))
+                .await;
+        latest_result(results)
+    }
+
+    /// Delete every copy `t` holds; the latest receipt's result.
+    async fn delete_all(&self, t: &SqsToken) -> Result<(), BrokerError> {
+        let receipts = t.lease.receipts();
+        let results = futures::future::join_all(
+            receipts
+                .iter()
+                .map(|r| self.broker.delete(&self.declared.url, r)),
+        )
+        .await;
+        latest_result(results)
+    }
+
     fn convert(&self, m: &aws_sdk_sqs::types::Message) -> Option<Delivery> {
         let receipt = m.receipt_handle()?.to_owned();
+        let sqs_id = m.message_id().unwrap_or(&receipt).to_owned();
+        let mut held = self.counter.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(lease) = held.get(&sqs_id) {
+            // A second copy of a message this receiver holds: settled with it, not
+            // handed out again.
+            tracing::debug!(sqs_message_id = %sqs_id, "a second copy of a held message; settled with the first");
+            lease
+                .receipts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(receipt);
+            return None;
+        }
         let (attempt, sent) = system_attributes(m);
         let group = m
             .attributes()
@@ -111,11 +178,13 @@ impl Shared {
         let lease = Arc::new(Lease {
             settled: self.closed.child_token(),
             lock: tokio::sync::Mutex::new(()),
+            receipts: Mutex::new(vec![receipt]),
         });
+        held.insert(sqs_id.clone(), lease.clone());
+        drop(held);
         tokio::spawn(extend(
             self.broker.clone(),
             self.declared.url.clone(),
-            receipt.clone(),
             lease.clone(),
             self.sub.lease,
         ));
@@ -125,7 +194,7 @@ impl Shared {
             ..Origin::default()
         };
         let token = DeliveryToken::new(self.owner, 0).with_extra(SqsToken {
-            receipt,
+            sqs_id,
             group,
             lease,
             done: AtomicBool::new(false),
@@ -155,7 +224,7 @@ impl Shared {
     async fn give_back(&self, deliveries: Vec<Delivery>) {
         let releases = deliveries.iter().filter_map(|d| token(d).ok()).map(|t| async move {
             let _guard = t.stop_extending().await;
-            if let Err(e) = self.change_visibility(&t.receipt, 0).await {
+            if let Err(e) = self.change_visibility_all(t, 0).await {
                 tracing::debug!(error = %e, "releasing a buffered delivery failed; it returns after its lease");
             }
             t.finish();
@@ -241,7 +310,7 @@ impl Groups {
     }
 }
 
-fn system_attributes(m: &aws_sdk_sqs::types::Message) -> (u32, Option<SystemTime>) {
+pub(crate) fn system_attributes(m: &aws_sdk_sqs::types::Message) -> (u32, Option<SystemTime>) {
     let attrs = m.attributes();
     let get = |name: &MessageSystemAttributeName| attrs.and_then(|a| a.get(name));
     let attempt = get(&MessageSystemAttributeName::ApproximateReceiveCount)
@@ -274,13 +343,7 @@ async fn change_visibility(
 
 /// Renew a delivery's lease every lease/3 until it is settled, the receiver is gone, or
 /// the maximum extension is reached.
-async fn extend(
-    broker: SqsBroker,
-    url: String,
-    receipt: String,
-    lease: Arc<Lease>,
-    every: Duration,
-) {
+async fn extend(broker: SqsBroker, url: String, lease: Arc<Lease>, every: Duration) {
     let seconds = whole_seconds(every).max(1);
     let period = (every / 3).max(Duration::from_millis(100));
     let deadline = tokio::time::Instant::now() + broker.inner.options.max_lease_extension;
@@ -298,6 +361,10 @@ async fn extend(
                 "handler ran past the maximum lease extension; SQS may deliver the message again");
             return;
         }
+        // The latest receipt: SQS renews only through the latest receive's handle.
+        let Some(receipt) = lease.latest() else {
+            return;
+        };
         if let Err(e) = change_visibility(&broker, &url, &receipt, seconds).await {
             tracing::warn!(error = %e, "renewing a lease failed; SQS may deliver the message again");
             return;
@@ -487,11 +554,7 @@ impl Receiver for SqsReceiver {
         delivery.token().check(self.shared.owner)?;
         let t = token(delivery)?;
         let _guard = t.stop_extending().await;
-        let result = self
-            .shared
-            .broker
-            .delete(&self.shared.declared.url, &t.receipt)
-            .await;
+        let result = self.shared.delete_all(t).await;
         // Settled either way: a failed delete comes back after the visibility timeout.
         t.finish();
         match &result {
@@ -512,7 +575,7 @@ impl Receiver for SqsReceiver {
         }
         let _guard = t.stop_extending().await;
         self.shared
-            .change_visibility(&t.receipt, whole_seconds(retry.delay))
+            .change_visibility_all(t, whole_seconds(retry.delay))
             .await?;
         t.finish();
         self.shared.group_returned(t).await;
@@ -537,10 +600,7 @@ impl Receiver for SqsReceiver {
             )
             .await?;
         let _guard = t.stop_extending().await;
-        self.shared
-            .broker
-            .delete(&self.shared.declared.url, &t.receipt)
-            .await?;
+        self.shared.delete_all(t).await?;
         t.finish();
         self.shared.group_done(t);
         Ok(())
@@ -552,7 +612,7 @@ impl Receiver for SqsReceiver {
         let _guard = t.stop_extending().await;
         let result = self
             .shared
-            .change_visibility(&t.receipt, whole_seconds(delay))
+            .change_visibility_all(t, whole_seconds(delay))
             .await;
         t.finish();
         self.shared.group_returned(t).await;
@@ -574,162 +634,13 @@ impl Drop for SqsReceiver {
     }
 }
 
-/// Reads a DLQ queue. `ack` deletes the dead letter; `release` makes it visible again.
-/// A message moved here by the redrive policy carries no dead-letter record: it is read
-/// as `max-deliveries` with `attempts` = the delivery limit (the redrive policy moves a
-/// message once it was received `maxReceiveCount` times).
-pub(crate) struct DeadLetterReader {
-    owner: ReceiverId,
-    broker: SqsBroker,
-    sub: Subscription,
-    url: String,
-    buffer: tokio::sync::Mutex<VecDeque<Delivery>>,
-    closed: CancellationToken,
-}
-
-impl DeadLetterReader {
-    pub(crate) fn new(broker: SqsBroker, sub: Subscription, url: String) -> Self {
-        Self {
-            owner: ReceiverId::next(),
-            broker,
-            sub,
-            url,
-            buffer: tokio::sync::Mutex::new(VecDeque::new()),
-            closed: CancellationToken::new(),
-        }
+/// The last result (the latest receipt's); earlier receipts' failures are only logged.
+fn latest_result(mut results: Vec<Result<(), BrokerError>>) -> Result<(), BrokerError> {
+    let latest = results.pop().unwrap_or(Ok(()));
+    for e in results.into_iter().filter_map(Result::err) {
+        tracing::debug!(error = %e, "settling an earlier copy's receipt failed (the copy is gone)");
     }
-
-    fn convert(&self, m: &aws_sdk_sqs::types::Message) -> Option<Delivery> {
-        let receipt = m.receipt_handle()?.to_owned();
-        let (_, sent) = system_attributes(m);
-        let decoded = codec::decode(
-            m.body(),
-            m.message_attributes(),
-            m.message_id().unwrap_or(&receipt),
-        );
-        let mut message = decoded.message;
-        if message
-            .headers()
-            .get(headers::DEAD_LETTER_VERSION)
-            .is_none()
-        {
-            DeadLetter {
-                reason: DeadLetterReason::MaxDeliveries,
-                error_class: None,
-                error: None,
-                attempts: self.sub.delivery_limit,
-                first_failure_at: None,
-                dead_lettered_at: SystemTime::now(),
-                consumer: self.sub.consumer.clone(),
-                origin: Origin {
-                    destination: self.sub.source.as_str().into(),
-                    route: decoded.route,
-                    ..Origin::default()
-                },
-            }
-            .write(message.headers_mut());
-        }
-        let attempt = headers::attempt(message.headers());
-        let origin = Origin {
-            destination: crate::names::dead_letter_queue_name(
-                &self.sub,
-                crate::names::is_fifo(&self.url),
-            )
-            .into(),
-            ..Origin::default()
-        };
-        let token = DeliveryToken::new(self.owner, 0).with_extra(receipt);
-        Some(match sent {
-            Some(sent) => Delivery::with_published_at(message, attempt, origin, token, sent),
-            None => Delivery::new(message, attempt, origin, token),
-        })
-    }
-
-    fn receipt<'d>(&self, d: &'d Delivery) -> Result<&'d str, BrokerError> {
-        d.token()
-            .check(self.owner)?
-            .extra::<String>()
-            .map(String::as_str)
-            .ok_or(BrokerError::ForeignDelivery)
-    }
-}
-
-#[async_trait]
-impl Receiver for DeadLetterReader {
-    async fn receive(&self) -> Result<Delivery, BrokerError> {
-        let mut buffer = self.buffer.lock().await;
-        loop {
-            if let Some(d) = buffer.pop_front() {
-                return Ok(d);
-            }
-            if self.closed.is_cancelled() {
-                return Err(BrokerError::Closed);
-            }
-            let lease = whole_seconds(self.broker.inner.options.dead_letter_lease).max(1);
-            let out = self
-                .broker
-                .inner
-                .client
-                .receive_message()
-                .queue_url(&self.url)
-                .max_number_of_messages(10)
-                .wait_time_seconds(1)
-                .visibility_timeout(lease)
-                .message_attribute_names("All")
-                .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
-                .message_system_attribute_names(MessageSystemAttributeName::SentTimestamp)
-                .send()
-                .await
-                .map_err(|e| sdk_error("ReceiveMessage", e))?;
-            buffer.extend(out.messages().iter().filter_map(|m| self.convert(m)));
-        }
-    }
-
-    async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
-        self.broker
-            .inner
-            .client
-            .delete_message()
-            .queue_url(&self.url)
-            .receipt_handle(self.receipt(delivery)?)
-            .send()
-            .await
-            .map_err(|e| sdk_error("DeleteMessage", e))?;
-        Ok(())
-    }
-
-    async fn retry(&self, _: &Delivery, _: RetryRequest) -> Result<(), BrokerError> {
-        Err(BrokerError::Unsupported {
-            backend: "sqs",
-            what: "retrying a dead letter (replay it instead)",
-        })
-    }
-
-    async fn dead_letter(&self, _: &Delivery, _: Message) -> Result<(), BrokerError> {
-        Err(BrokerError::Unsupported {
-            backend: "sqs",
-            what: "dead-lettering a dead letter",
-        })
-    }
-
-    async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
-        change_visibility(
-            &self.broker,
-            &self.url,
-            self.receipt(delivery)?,
-            whole_seconds(delay),
-        )
-        .await
-    }
-
-    async fn close(&self) -> Result<(), BrokerError> {
-        self.closed.cancel();
-        let left: Vec<Delivery> = self.buffer.lock().await.drain(..).collect();
-        for d in left {
-            let _ = self.release(&d, Duration::ZERO).await;
-        }
-        Ok(())
-    }
+    latest
 }
 
 /// Nanoseconds since the epoch: makes a deduplication id unique per send.
