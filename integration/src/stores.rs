@@ -712,12 +712,6 @@ impl Broker for Slow {
     ) -> Result<Box<dyn Receiver>, reliq_core::BrokerError> {
         self.inner.subscribe(s).await
     }
-    async fn dead_letter_receiver(
-        &self,
-        s: &Subscription,
-    ) -> Result<Box<dyn Receiver>, reliq_core::BrokerError> {
-        self.inner.dead_letter_receiver(s).await
-    }
     async fn dead_letters(
         &self,
         s: &Subscription,

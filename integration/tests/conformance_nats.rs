@@ -2,12 +2,9 @@
 
 use reliq_integration::nats::NatsBackend;
 
-reliq_conformance::conformance_suite!(nats, real, NatsBackend::new();
-    dead_letter_pages_cover_every_entry_once,
-    dead_letter_filtered_replay_leaves_the_rest,
-    dead_letter_browse_changes_nothing,
-    dead_letter_browse_cut_short_skips_nothing,
-    redeploy_with_another_retry_policy_processes_waiting_retries,
-    failure_burst_does_not_hold_back_healthy_messages,
-    clean_run_logs_no_warning_or_error,
-);
+// Not stamped for NATS yet (issue 18), a known gap found when the scheduled-retry
+// receiver landed: shutdown_while_receiving_holds_nothing_until_a_lease — after a
+// shutdown while messages keep arriving, some wait for the lease (ack wait) before a new
+// consumer gets them (it passed with the NakWithDelay receiver). Likely the open pull
+// request at close: the server keeps filling it after the receiver stops reading.
+reliq_conformance::conformance_suite!(nats, real, NatsBackend::new());

@@ -77,9 +77,15 @@ macro_rules! conformance_suite {
             dead_letter_count_reports_the_oldest,
             shutdown_with_retries_pending_processes_them_after_restart,
             inbox_outage_then_recovery_is_not_held_back,
-            shutdown_while_receiving_holds_nothing_until_a_lease,
             handler_publish_failure_is_classified_by_its_cause,
-            settling_on_another_receiver_is_refused
+            settling_on_another_receiver_is_refused,
+            dead_letter_pages_cover_every_entry_once,
+            dead_letter_filtered_replay_leaves_the_rest,
+            dead_letter_browse_changes_nothing,
+            dead_letter_browse_cut_short_skips_nothing,
+            redeploy_with_another_retry_policy_processes_waiting_retries,
+            failure_burst_does_not_hold_back_healthy_messages,
+            clean_run_logs_no_warning_or_error
             $(, $extra)*
         );
     };

@@ -564,20 +564,6 @@ pub trait Broker: Send + Sync + 'static {
         subscription: &Subscription,
     ) -> Result<Box<dyn DeadLetters>, BrokerError>;
 
-    /// Transitional: this consumer's dead-letter queue as a destructive receiver (`ack`
-    /// removes), behind [`crate::dead_letters::ReceiverScan`] for backends that do not
-    /// browse natively yet. Goes away once every backend does.
-    async fn dead_letter_receiver(
-        &self,
-        subscription: &Subscription,
-    ) -> Result<Box<dyn Receiver>, BrokerError> {
-        let _ = subscription;
-        Err(BrokerError::Unsupported {
-            backend: self.kind(),
-            what: "dead_letter_receiver",
-        })
-    }
-
     /// Deliver `message` to this consumer only (not to every consumer of its source),
     /// confirmed. Used by replay. Backends without a per-consumer input return
     /// [`BrokerError::Unsupported`].

@@ -237,7 +237,9 @@ impl Replay {
                     Ok(()) => confirmed.push(entry.id().clone()),
                     Err(e) => {
                         tracing::warn!(target: "reliq::audit", message_id = %entry.id(), error = %crate::ErrorChain(&e), "replay publish failed; left in the DLQ");
-                        report.failed.push((entry.id().clone(), crate::ErrorChain(&e).to_string()));
+                        report
+                            .failed
+                            .push((entry.id().clone(), crate::ErrorChain(&e).to_string()));
                     }
                 }
             }
@@ -286,7 +288,9 @@ impl Replay {
                     // (the inbox absorbs that). Report it.
                     tracing::warn!(target: "reliq::audit", message_id = %id, error = %crate::ErrorChain(e),
                         "replayed, but removing the DLQ copy failed");
-                    report.failed.push((id.clone(), format!("dlq remove: {}", crate::ErrorChain(e))));
+                    report
+                        .failed
+                        .push((id.clone(), format!("dlq remove: {}", crate::ErrorChain(e))));
                 }
             }
             report.replayed.push(id);

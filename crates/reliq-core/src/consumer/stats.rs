@@ -36,7 +36,7 @@ pub struct StatsSnapshot {
     /// Dropped by [`crate::FinalRoute::Discard`].
     pub discarded: u64,
     /// Skipped as duplicates: found by the runtime's inbox, or reported by the handler
-    /// with [`Duplicate`].
+    /// with [`Duplicate`](crate::Duplicate).
     pub duplicates: u64,
     /// Released back to the broker unsettled (failed settlement, shutdown).
     pub released: u64,
