@@ -187,17 +187,22 @@ impl NatsBroker {
         Ok(())
     }
 
+    /// The subscription's source stream, as the server describes it.
+    async fn source_stream(
+        &self,
+        sub: &Subscription,
+    ) -> Result<jetstream::stream::Stream, BrokerError> {
+        let name = stream_name(&sub.source);
+        self.inner
+            .js
+            .get_stream(&name)
+            .await
+            .map_err(api(format!("reading source stream `{name}`")))
+    }
+
     /// Unacknowledged deliveries of the subscription's consumer, from the server.
     pub async fn ack_pending(&self, sub: &Subscription) -> Result<usize, BrokerError> {
-        let stream = self
-            .inner
-            .js
-            .get_stream(stream_name(&sub.source))
-            .await
-            .map_err(api(format!(
-                "reading source stream `{}`",
-                stream_name(&sub.source)
-            )))?;
+        let stream = self.source_stream(sub).await?;
         let info = stream
             .consumer_info(consumer_name(&sub.consumer))
             .await
@@ -247,15 +252,7 @@ impl NatsBroker {
         &self,
         sub: &Subscription,
     ) -> Result<jetstream::consumer::Consumer<pull::Config>, BrokerError> {
-        let stream = self
-            .inner
-            .js
-            .get_stream(stream_name(&sub.source))
-            .await
-            .map_err(api(format!(
-                "reading source stream `{}`",
-                stream_name(&sub.source)
-            )))?;
+        let stream = self.source_stream(sub).await?;
         let wanted = pull::Config {
             durable_name: Some(consumer_name(&sub.consumer)),
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
