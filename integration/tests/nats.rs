@@ -554,3 +554,64 @@ async fn retry_copy_keeps_origin_and_crash_loop_net() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// Messages the server sends for a pull request still open when its receiver closes —
+/// already in the inbox, or arriving after the close — and a delivery released after the
+/// close all reach the next receiver long before the lease, each delivered once in
+/// between: given back with a delay that outlasts the open request, so none bounces back
+/// into it until its delivery limit dead-letters it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_receivers_open_pull_gives_everything_back() -> anyhow::Result<()> {
+    let backend = NatsBackend::new();
+    let broker: Arc<dyn Broker> = Arc::new(backend.connect_nats().await?);
+    let topic = unique("nats-close-pull");
+    let dest = Destination::new(topic.clone());
+    let sub = Subscription {
+        lease: Duration::from_secs(120),
+        prefetch: 10,
+        delivery_limit: 3,
+        ..Subscription::new("c", topic.clone())
+    };
+    let first = broker.subscribe(&sub).await?;
+    broker.publish(&dest, Message::new("m0")).await?;
+    // This receive opens a pull request for up to 10 messages; it stays open.
+    let held = tokio::time::timeout(Duration::from_secs(10), first.receive()).await??;
+    for i in 1..=3 {
+        broker.publish(&dest, Message::new(format!("m{i}"))).await?;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await; // m1..m3 are in the inbox now
+    first.close().await?;
+    for i in 4..=6 {
+        broker.publish(&dest, Message::new(format!("m{i}"))).await?;
+    }
+    first.release(&held, Duration::ZERO).await?;
+    let second = broker.subscribe(&sub).await?;
+    let mut got = std::collections::BTreeMap::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while got.len() < 7 {
+        let d = tokio::time::timeout_at(deadline, second.receive())
+            .await
+            .with_context(|| format!("only {:?} came back before 30 s (lease 120 s)", got))??;
+        second.ack(&d).await?;
+        got.insert(
+            String::from_utf8_lossy(d.payload()).into_owned(),
+            d.attempt(),
+        );
+    }
+    second.close().await?;
+    let expected: Vec<String> = (0..=6).map(|i| format!("m{i}")).collect();
+    ensure!(
+        got.keys().cloned().collect::<Vec<_>>() == expected,
+        "{got:?}"
+    );
+    // m0: handed out, released; m1..m3 reached the closed receiver's inbox; m4..m6 came
+    // to the new receiver first or after one trip through the open request.
+    ensure!(got["m0"] == 2, "m0 was delivered {} times", got["m0"]);
+    for i in 1..=6 {
+        let attempt = got[&format!("m{i}")];
+        ensure!(attempt <= 2, "m{i} bounced: delivery {attempt}: {got:?}");
+    }
+    let dlq = broker.dead_letters(&sub).await?;
+    ensure!(dlq.count().await?.count == 0, "something was dead-lettered");
+    Ok(())
+}

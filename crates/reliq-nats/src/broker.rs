@@ -21,7 +21,7 @@ use crate::names::{
     stream_name, subject,
 };
 use crate::options::{ExistingConsumer, NatsOptions};
-use crate::receiver::NatsReceiver;
+use crate::receiver::{NatsReceiver, Pulls};
 use crate::relay::AdvisoryRelay;
 
 /// A connection to NATS JetStream. Cheap to clone.
@@ -339,20 +339,20 @@ impl NatsBroker {
         relays.insert(key, tokio::spawn(relay.run()));
     }
 
-    fn pull_receiver(
+    async fn pull_receiver(
         &self,
         consumer: jetstream::consumer::Consumer<pull::Config>,
         sub: &Subscription,
-    ) -> NatsReceiver {
-        NatsReceiver {
+    ) -> Result<NatsReceiver, BrokerError> {
+        Ok(NatsReceiver {
             owner: ReceiverId::next(),
             broker: self.clone(),
             sub: sub.clone(),
             consumer,
-            batch: tokio::sync::Mutex::new(None),
+            pulls: tokio::sync::Mutex::new(Pulls::subscribe(&self.inner.client).await?),
             outstanding: Arc::new(AtomicU32::new(0)),
             closed: CancellationToken::new(),
-        }
+        })
     }
 }
 
@@ -402,7 +402,7 @@ impl Broker for NatsBroker {
         self.declare_dead_letters(subscription).await?;
         let consumer = self.consumer_config(subscription).await?;
         self.ensure_relay(subscription);
-        Ok(Box::new(self.pull_receiver(consumer, subscription)))
+        Ok(Box::new(self.pull_receiver(consumer, subscription).await?))
     }
 
     async fn dead_letters(

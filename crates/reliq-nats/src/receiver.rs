@@ -2,8 +2,9 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
+use async_nats::StatusCode;
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use async_trait::async_trait;
 use futures::{FutureExt, StreamExt};
@@ -39,7 +40,7 @@ struct NatsToken {
     origin: (u64, String),
 }
 
-/// Receives from a durable pull consumer with demand-driven batches: each pull asks for
+/// Receives from a durable pull consumer with demand-driven pull requests: each asks for
 /// at most `prefetch − outstanding` messages, so the deliveries this receiver holds never
 /// exceed the prefetch bound. A retry is scheduled on the server (a `Nats-Schedule` message
 /// in the source stream) and the delivery acked, so waiting retries never count against
@@ -50,10 +51,110 @@ pub(crate) struct NatsReceiver {
     pub(crate) broker: NatsBroker,
     pub(crate) sub: Subscription,
     pub(crate) consumer: jetstream::consumer::Consumer<pull::Config>,
-    pub(crate) batch: tokio::sync::Mutex<Option<pull::Batch>>,
+    pub(crate) pulls: tokio::sync::Mutex<Pulls>,
     /// Handed out and not yet settled.
     pub(crate) outstanding: Arc<AtomicU32>,
     pub(crate) closed: CancellationToken,
+}
+
+/// How long the server keeps a pull request open when no message comes.
+const PULL_EXPIRES: Duration = Duration::from_secs(5);
+/// How long past its expiry a pull request is taken as ended when its end (a 408 status)
+/// never arrives.
+const PULL_END_GRACE: Duration = Duration::from_secs(5);
+/// A message given back after close waits this much past the open request's expiry.
+const GIVE_BACK_MARGIN: Duration = Duration::from_millis(250);
+
+/// Every pull request of one receiver answers on one inbox, subscribed for the receiver's
+/// whole life. A per-request subscription (async-nats' `Batch`) is dropped when its stream
+/// ends or its future is cancelled, and a message the server sends for that request in
+/// the meantime is lost to the client and waits out the lease (ack wait). Here nothing is
+/// unsubscribed while a request can still deliver; `close` reads the inbox until the open
+/// request ends and gives back what arrives — with a NAK delay that outlasts the request,
+/// since the server redelivers a NAKed message at once to a waiting request, which is
+/// still ours: given back without it, a message bounces between the server and the closed
+/// receiver until its delivery limit dead-letters it.
+pub(crate) struct Pulls {
+    inbox: async_nats::Subject,
+    /// `None` once closed.
+    subscriber: Option<async_nats::Subscriber>,
+    open: Option<OpenPull>,
+}
+
+/// The pull request the server may still be filling.
+#[derive(Clone, Copy)]
+struct OpenPull {
+    /// Messages it may still bring.
+    remaining: usize,
+    /// When the server expires it.
+    expires_at: Instant,
+    /// When it is over at the latest (its end status may be lost).
+    ends_by: Instant,
+}
+
+impl OpenPull {
+    /// The NAK delay that keeps a given-back message from this request.
+    fn outlasting_delay(&self) -> Duration {
+        self.expires_at.saturating_duration_since(Instant::now()) + GIVE_BACK_MARGIN
+    }
+}
+
+/// What one message on the inbox means.
+enum Inbound {
+    Delivery(jetstream::Message),
+    /// A status that ends the open request (408 expired, 409 terminated, 404 none).
+    RequestEnded,
+    /// A heartbeat or a status that changes nothing.
+    Nothing,
+}
+
+impl Pulls {
+    pub(crate) async fn subscribe(client: &async_nats::Client) -> Result<Self, BrokerError> {
+        let inbox = async_nats::Subject::from(client.new_inbox());
+        let subscriber = client
+            .subscribe(inbox.clone())
+            .await
+            .map_err(connection("subscribing the pull inbox"))?;
+        Ok(Pulls {
+            inbox,
+            subscriber: Some(subscriber),
+            open: None,
+        })
+    }
+
+    /// The open request, unless it has run past its end.
+    fn open(&mut self) -> Option<OpenPull> {
+        if self.open.is_some_and(|o| Instant::now() >= o.ends_by) {
+            self.open = None;
+        }
+        self.open
+    }
+
+    fn classify(&mut self, message: async_nats::Message, context: &jetstream::Context) -> Inbound {
+        match message.status {
+            None | Some(StatusCode::OK) => {
+                if let Some(open) = self.open.as_mut() {
+                    open.remaining = open.remaining.saturating_sub(1);
+                    if open.remaining == 0 {
+                        self.open = None;
+                    }
+                }
+                Inbound::Delivery(jetstream::Message {
+                    message,
+                    context: context.clone(),
+                })
+            }
+            Some(StatusCode::IDLE_HEARTBEAT) => Inbound::Nothing,
+            Some(status) => {
+                if status != StatusCode::TIMEOUT && status != StatusCode::NOT_FOUND {
+                    tracing::debug!(%status, description = ?message.description,
+                        "pull request ended by the server");
+                }
+                self.open = None;
+                Inbound::RequestEnded
+            }
+        }
+    }
 }
 
 impl NatsReceiver {
@@ -193,71 +294,87 @@ impl NatsReceiver {
     }
 }
 
+impl NatsReceiver {
+    /// Ask for as many messages as the prefetch has room for, unless a request is open.
+    async fn request_more(&self, pulls: &mut Pulls) -> Result<(), BrokerError> {
+        if pulls.open().is_some() {
+            return Ok(());
+        }
+        let held = self.outstanding.load(Ordering::Relaxed);
+        let want = usize::try_from(self.sub.prefetch.saturating_sub(held).max(1)).unwrap_or(1);
+        // Counted open before the request goes out: should this future be cancelled
+        // after sending, the messages still land on the inbox and are read.
+        let now = Instant::now();
+        pulls.open = Some(OpenPull {
+            remaining: want,
+            expires_at: now + PULL_EXPIRES,
+            ends_by: now + PULL_EXPIRES + PULL_END_GRACE,
+        });
+        let request = pull::BatchConfig {
+            batch: want,
+            expires: Some(PULL_EXPIRES),
+            ..Default::default()
+        };
+        let sent = self
+            .consumer
+            .request_batch(request, pulls.inbox.clone())
+            .await;
+        sent.map_err(|e| {
+            pulls.open = None;
+            connection(format!("pulling from consumer `{}`", self.sub.consumer))(e)
+        })
+    }
+}
+
 #[async_trait]
 impl Receiver for NatsReceiver {
     async fn receive(&self) -> Result<Delivery, BrokerError> {
-        let mut batch = self.batch.lock().await;
+        let mut guard = self.pulls.lock().await;
+        let pulls = &mut *guard;
         loop {
             if self.closed.is_cancelled() {
                 return Err(BrokerError::Closed);
             }
-            if batch.is_none() {
-                let held = self.outstanding.load(Ordering::Relaxed);
-                let want = self.sub.prefetch.saturating_sub(held).max(1);
-                let pull = self
-                    .consumer
-                    .batch()
-                    .max_messages(usize::try_from(want).unwrap_or(1))
-                    .expires(Duration::from_secs(5))
-                    .messages()
-                    .await
-                    .map_err(connection(format!(
-                        "pulling from consumer `{}`",
-                        self.sub.consumer
-                    )))?;
-                *batch = Some(pull);
-            }
-            let Some(pull) = batch.as_mut() else { continue };
-            match pull.next().await {
-                Some(Ok(msg)) => {
-                    if let Some(d) = self.take(msg) {
-                        return Ok(d);
-                    }
-                }
-                // The pull request is complete or expired: ask again.
-                None => *batch = None,
-                Some(Err(e)) => {
-                    *batch = None;
-                    return Err(connection(format!(
-                        "pulling from consumer `{}`",
-                        self.sub.consumer
-                    ))(e));
+            self.request_more(pulls).await?;
+            let ends_by = pulls.open.map_or_else(Instant::now, |o| o.ends_by);
+            let Some(subscriber) = pulls.subscriber.as_mut() else {
+                return Err(BrokerError::Closed);
+            };
+            let message = tokio::select! {
+                _ = self.closed.cancelled() => return Err(BrokerError::Closed),
+                // The request's end never came: the next pass asks again.
+                _ = tokio::time::sleep_until(ends_by.into()) => continue,
+                message = subscriber.next() => message,
+            };
+            let Some(message) = message else {
+                return Err(BrokerError::connection(
+                    "the NATS connection closed the pull inbox",
+                ));
+            };
+            if let Inbound::Delivery(msg) = pulls.classify(message, &self.broker.inner.js) {
+                if let Some(d) = self.take(msg) {
+                    return Ok(d);
                 }
             }
         }
     }
 
-    /// One delivery (waiting), then what the current pull already brought (never
-    /// starting a new pull without waiting for it): a batch handler gets the pull.
+    /// One delivery (waiting), then what the inbox already holds (never waiting for
+    /// more): a batch handler gets what one pull brought.
     async fn receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> Result<(), BrokerError> {
         into.push(self.receive().await?);
-        let mut batch = self.batch.lock().await;
-        let mut taken = 1;
-        while taken < max {
-            let Some(pull) = batch.as_mut() else { break };
-            match pull.next().now_or_never() {
-                Some(Some(Ok(msg))) => {
-                    if let Some(d) = self.take(msg) {
-                        into.push(d);
-                        taken += 1;
-                    }
-                }
-                None => break,
-                // The pull is complete, expired or failed: the next `receive` pulls again.
-                Some(None) => *batch = None,
-                Some(Some(Err(e))) => {
-                    tracing::warn!(error = %e, "pull failed; pulling again");
-                    *batch = None;
+        let mut guard = self.pulls.lock().await;
+        let pulls = &mut *guard;
+        while into.len() < max {
+            let Some(subscriber) = pulls.subscriber.as_mut() else {
+                break;
+            };
+            let Some(Some(message)) = subscriber.next().now_or_never() else {
+                break;
+            };
+            if let Inbound::Delivery(msg) = pulls.classify(message, &self.broker.inner.js) {
+                if let Some(d) = self.take(msg) {
+                    into.push(d);
                 }
             }
         }
@@ -322,18 +439,56 @@ impl Receiver for NatsReceiver {
     }
 
     async fn release(&self, delivery: &Delivery, delay: Duration) -> Result<(), BrokerError> {
+        let mut delay = delay;
+        if self.closed.is_cancelled()
+            && let Some(open) = self.pulls.lock().await.open()
+        {
+            // Closed with a request open: it would take the message straight back.
+            delay = delay.max(open.outlasting_delay());
+        }
         let delay = (!delay.is_zero()).then_some(delay);
         self.settle(delivery, AckKind::Nak(delay)).await
     }
 
     async fn close(&self) -> Result<(), BrokerError> {
         self.closed.cancel();
-        if let Some(mut pull) = self.batch.lock().await.take() {
-            // Messages already pulled but never handed out go back at once.
-            while let Some(Some(Ok(msg))) = pull.next().now_or_never() {
-                let _ = msg.ack_with(AckKind::Nak(None)).await;
+        let mut pulls = self.pulls.lock().await;
+        // `open` stays: a release after close reads it (see `release`).
+        let (Some(mut subscriber), open) = (pulls.subscriber.take(), pulls.open()) else {
+            return Ok(());
+        };
+        let context = self.broker.inner.js.clone();
+        let mut rest = Pulls {
+            inbox: pulls.inbox.clone(),
+            subscriber: None,
+            open,
+        };
+        // Give back what the inbox holds and what the open request still brings, until
+        // it ends, without holding up the shutdown: a message left unread there would
+        // wait out the lease.
+        tokio::spawn(async move {
+            let mut given_back = 0u32;
+            loop {
+                let message = match rest.open() {
+                    Some(o) => tokio::select! {
+                        _ = tokio::time::sleep_until(o.ends_by.into()) => break,
+                        m = subscriber.next() => m,
+                    },
+                    None => match subscriber.next().now_or_never() {
+                        Some(m) => m,
+                        None => break,
+                    },
+                };
+                let Some(message) = message else { break };
+                if let Inbound::Delivery(msg) = rest.classify(message, &context) {
+                    let delay = rest.open().map(|o| o.outlasting_delay());
+                    if msg.ack_with(AckKind::Nak(delay)).await.is_ok() {
+                        given_back += 1;
+                    }
+                }
             }
-        }
+            tracing::debug!(given_back, "pull inbox drained after close");
+        });
         Ok(())
     }
 }
