@@ -99,15 +99,6 @@ impl OpenPull {
     }
 }
 
-/// What one message on the inbox means.
-enum Inbound {
-    Delivery(jetstream::Message),
-    /// A status that ends the open request (408 expired, 409 terminated, 404 none).
-    RequestEnded,
-    /// A heartbeat or a status that changes nothing.
-    Nothing,
-}
-
 impl Pulls {
     pub(crate) async fn subscribe(client: &async_nats::Client) -> Result<Self, BrokerError> {
         let inbox = async_nats::Subject::from(client.new_inbox());
@@ -130,7 +121,13 @@ impl Pulls {
         self.open
     }
 
-    fn classify(&mut self, message: async_nats::Message, context: &jetstream::Context) -> Inbound {
+    /// A message on the inbox as a delivery, or `None` for a status: a heartbeat, or the
+    /// end of the open request (408 expired, 409 terminated, 404 none).
+    fn classify(
+        &mut self,
+        message: async_nats::Message,
+        context: &jetstream::Context,
+    ) -> Option<jetstream::Message> {
         match message.status {
             None | Some(StatusCode::OK) => {
                 if let Some(open) = self.open.as_mut() {
@@ -139,19 +136,19 @@ impl Pulls {
                         self.open = None;
                     }
                 }
-                Inbound::Delivery(jetstream::Message {
+                Some(jetstream::Message {
                     message,
                     context: context.clone(),
                 })
             }
-            Some(StatusCode::IDLE_HEARTBEAT) => Inbound::Nothing,
+            Some(StatusCode::IDLE_HEARTBEAT) => None,
             Some(status) => {
                 if status != StatusCode::TIMEOUT && status != StatusCode::NOT_FOUND {
                     tracing::debug!(%status, description = ?message.description,
                         "pull request ended by the server");
                 }
                 self.open = None;
-                Inbound::RequestEnded
+                None
             }
         }
     }
@@ -351,10 +348,10 @@ impl Receiver for NatsReceiver {
                     "the NATS connection closed the pull inbox",
                 ));
             };
-            if let Inbound::Delivery(msg) = pulls.classify(message, &self.broker.inner.js) {
-                if let Some(d) = self.take(msg) {
-                    return Ok(d);
-                }
+            if let Some(msg) = pulls.classify(message, &self.broker.inner.js)
+                && let Some(d) = self.take(msg)
+            {
+                return Ok(d);
             }
         }
     }
@@ -372,10 +369,10 @@ impl Receiver for NatsReceiver {
             let Some(Some(message)) = subscriber.next().now_or_never() else {
                 break;
             };
-            if let Inbound::Delivery(msg) = pulls.classify(message, &self.broker.inner.js) {
-                if let Some(d) = self.take(msg) {
-                    into.push(d);
-                }
+            if let Some(msg) = pulls.classify(message, &self.broker.inner.js)
+                && let Some(d) = self.take(msg)
+            {
+                into.push(d);
             }
         }
         Ok(())
@@ -480,7 +477,7 @@ impl Receiver for NatsReceiver {
                     },
                 };
                 let Some(message) = message else { break };
-                if let Inbound::Delivery(msg) = rest.classify(message, &context) {
+                if let Some(msg) = rest.classify(message, &context) {
                     let delay = rest.open().map(|o| o.outlasting_delay());
                     if msg.ack_with(AckKind::Nak(delay)).await.is_ok() {
                         given_back += 1;
