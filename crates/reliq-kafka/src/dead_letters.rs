@@ -51,11 +51,11 @@ use reliq_core::{
     Subscription,
 };
 
-use crate::receiver::decode;
-use crate::{Inner, KafkaError, client_error};
+use crate::broker::Inner;
+use crate::codec::decode;
+use crate::error::{KafkaError, client_error};
+use crate::names::{browse_group, ledger_topic};
 
-/// Suffix of the removal ledger's topic name (after the DLQ's).
-pub(crate) const LEDGER_SUFFIX: &str = ".removed";
 /// Longest one read (a page, the ledger, the index) may take.
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest a metadata or watermark request may take.
@@ -155,12 +155,12 @@ impl KafkaDeadLetters {
     /// The reader of `sub`'s DLQ: creates the DLQ (if missing) and its ledger.
     pub(crate) async fn open(inner: Arc<Inner>, sub: &Subscription) -> Result<Self, BrokerError> {
         let dlq = sub.dead_letter_name();
-        let ledger = format!("{dlq}{LEDGER_SUFFIX}");
+        let ledger = ledger_topic(&dlq);
         inner.ensure_dead_letter_topics(&dlq).await?;
         inner.wait_visible(&[dlq.clone(), ledger.clone()]).await?;
         let consumer: BaseConsumer = inner
             .config
-            .reader(&format!("{}.dlq-browse", sub.consumer))
+            .reader(&browse_group(sub))
             .create()
             .map_err(|e| BrokerError::from(KafkaError::Client(e)))?;
         Ok(Self {

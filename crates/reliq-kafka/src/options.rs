@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use rdkafka::config::ClientConfig;
 
-use crate::KafkaError;
+use crate::error::KafkaError;
 
 /// What `publish` does when the producer's bounded in-flight buffer
 /// (`queue.buffering.max.messages` / `queue.buffering.max.kbytes`) is full.

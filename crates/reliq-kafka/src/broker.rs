@@ -1,0 +1,204 @@
+//! The broker: its clients ([`Inner`]: two producers and an admin client), publishing,
+//! and the [`Broker`] seam.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use rdkafka::admin::AdminClient;
+use rdkafka::client::DefaultClientContext;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::util::Timeout;
+use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription};
+
+use crate::codec::{DUE_AT_HEADER, record_headers};
+use crate::dead_letters::KafkaDeadLetters;
+use crate::error::{KafkaError, client_error};
+use crate::options::{BufferPolicy, KafkaConfig, RetryMode};
+use crate::receiver::KafkaReceiver;
+
+pub(crate) struct Inner {
+    pub(crate) config: KafkaConfig,
+    /// Publishes (auto-create allowed where the broker allows it).
+    pub(crate) producer: FutureProducer,
+    /// Retry / DLQ copies (auto-create off; topics are declared at subscribe).
+    pub(crate) route_producer: FutureProducer,
+    pub(crate) admin: AdminClient<DefaultClientContext>,
+}
+
+/// A Kafka connection: two idempotent producers (publish; retry/DLQ copies) and an admin
+/// client. Cheap to clone. Each `subscribe` / `dead_letters` creates its own consumers.
+#[derive(Clone)]
+pub struct KafkaBroker {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl KafkaBroker {
+    /// Connect with a `kafka://` URL (see [`KafkaConfig`]). Clients connect lazily; a
+    /// broker that is down shows up on the first operation.
+    pub fn connect(url: &str) -> Result<Self, KafkaError> {
+        Self::with_config(KafkaConfig::from_url(url)?)
+    }
+
+    /// Connect with explicit settings.
+    pub fn with_config(config: KafkaConfig) -> Result<Self, KafkaError> {
+        let producer = config.producer(true).create()?;
+        let route_producer = config.producer(false).create()?;
+        let admin = config.admin().create()?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                producer,
+                route_producer,
+                admin,
+            }),
+        })
+    }
+
+    /// The settings in use.
+    pub fn config(&self) -> &KafkaConfig {
+        &self.inner.config
+    }
+
+    /// Create `topics` (with the configured partitions and replication) where missing.
+    pub async fn ensure_topics(&self, topics: &[String]) -> Result<(), KafkaError> {
+        self.inner.ensure_topics(topics).await
+    }
+
+    /// Delete `topics` (for operators and tests; missing topics are not an error).
+    pub async fn delete_topics(&self, topics: &[String]) -> Result<(), KafkaError> {
+        self.inner.delete_topics(topics).await
+    }
+
+    /// Whether `topic` exists right now (a fresh metadata request that never creates it).
+    pub async fn topic_exists(&self, topic: &str) -> Result<bool, KafkaError> {
+        self.inner.topic_exists(topic).await
+    }
+}
+
+impl Inner {
+    /// Produce `message` and wait for its delivery report.
+    pub(crate) async fn produce(
+        &self,
+        route: bool,
+        topic: &str,
+        message: &Message,
+        extra: &[(&str, String)],
+    ) -> Result<(i32, i64), BrokerError> {
+        let producer = if route {
+            &self.route_producer
+        } else {
+            &self.producer
+        };
+        let mut record = FutureRecord::to(topic)
+            .payload(message.payload().as_ref())
+            .headers(record_headers(message, extra))
+            .timestamp(now_millis_ceil());
+        if let Some(key) = message.key() {
+            record = record.key(key);
+        }
+        let queue_timeout = match self.config.buffer {
+            BufferPolicy::Block(d) => Timeout::After(d),
+            BufferPolicy::FailFast => Timeout::After(Duration::ZERO),
+        };
+        match producer.send(record, queue_timeout).await {
+            Ok(delivery) => Ok((delivery.partition, delivery.offset)),
+            Err((e, _)) => Err(match client_error(e, "producing to", topic) {
+                BrokerError::Timeout(_) => BrokerError::Timeout(self.config.send_timeout),
+                other => other,
+            }),
+        }
+    }
+}
+
+/// Produce a retry / DLQ copy: the topic must exist (never auto-created), then wait for
+/// the delivery report.
+pub(crate) async fn route_produce(
+    inner: &Inner,
+    topic: &str,
+    message: &Message,
+    extra: &[(&str, String)],
+) -> Result<(), BrokerError> {
+    if !inner.topic_exists(topic).await.map_err(BrokerError::from)? {
+        return Err(BrokerError::Unroutable(topic.to_owned()));
+    }
+    inner.produce(true, topic, message, extra).await.map(drop)
+}
+
+/// Now in ms since the epoch, rounded up, so "timestamp + delay" is never earlier than
+/// "produce time + delay".
+pub(crate) fn now_millis_ceil() -> i64 {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
+    let ms = now.as_millis() + u128::from(!now.subsec_nanos().is_multiple_of(1_000_000));
+    i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
+#[async_trait]
+impl Broker for KafkaBroker {
+    fn kind(&self) -> &'static str {
+        "kafka"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        let blocking = self.inner.config.retry_mode == RetryMode::Blocking;
+        Capabilities {
+            rejects_unroutable: false,
+            // Blocking mode waits exactly the policy's delay (jitter included).
+            exact_retry_delay: blocking,
+            delivery_limit: true,
+            // Replay to one consumer goes through its first retry topic.
+            consumer_redelivery: !blocking,
+            // The attempt travels in the `reliq-attempt` header of the retry copy.
+            attempts_count_every_delivery: false,
+            deduplicates_publishes: false,
+        }
+    }
+
+    async fn publish(
+        &self,
+        destination: &Destination,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        if let Some(route) = &destination.route {
+            tracing::debug!(%route, "Kafka has no routing keys; the route is ignored (use the key)");
+        }
+        self.inner
+            .produce(false, &destination.topic, &message, &[])
+            .await
+            .map(drop)
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Receiver>, BrokerError> {
+        let receiver = KafkaReceiver::subscribe(self.inner.clone(), subscription).await?;
+        Ok(Box::new(receiver))
+    }
+
+    async fn dead_letters(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
+        let reader = KafkaDeadLetters::open(self.inner.clone(), subscription).await?;
+        Ok(Box::new(reader))
+    }
+
+    async fn send_to_consumer(
+        &self,
+        subscription: &Subscription,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        let Some(first) = subscription.retry_tiers.first() else {
+            return Err(BrokerError::Unsupported {
+                backend: "kafka",
+                what: "send_to_consumer without a retry tier (no per-consumer topic)",
+            });
+        };
+        let topic = subscription.retry_name(*first);
+        let due = [(DUE_AT_HEADER, now_millis_ceil().to_string())];
+        route_produce(&self.inner, &topic, &message, &due).await
+    }
+}

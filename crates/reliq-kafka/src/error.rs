@@ -1,0 +1,110 @@
+//! The crate's error type, and the conversion of client errors into reliq's: each keeps
+//! the client's error as its source and says what was being done.
+
+use std::time::Duration;
+
+use rdkafka::error::{KafkaError as RdError, RDKafkaErrorCode};
+use reliq_core::BrokerError;
+
+/// Errors of the Kafka backend (converted to [`BrokerError`] at the seam).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KafkaError {
+    /// A setting or the URL is invalid; names it.
+    #[error("invalid Kafka setting `{field}`: {reason}")]
+    Config {
+        /// The setting or URL part.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The Kafka client failed.
+    #[error("kafka client: {0}")]
+    Client(#[from] RdError),
+    /// Creating, deleting or looking up a topic failed.
+    #[error("kafka admin on `{topic}`: {reason}")]
+    Admin {
+        /// The topic.
+        topic: String,
+        /// What was being done, and what the broker said.
+        reason: String,
+        /// The broker's error code or the client's error, if there was one.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
+}
+
+impl From<KafkaError> for BrokerError {
+    fn from(e: KafkaError) -> Self {
+        match e {
+            KafkaError::Config { field, reason } => BrokerError::Config { field, reason },
+            KafkaError::Client(e) => client_error(e, "using the Kafka client for", "kafka"),
+            other => BrokerError::Other(Box::new(other)),
+        }
+    }
+}
+
+/// Map a client error to the seam's error, keeping it as the source; `doing` and `topic`
+/// say what failed (`producing to`, `orders.billing.dlq`).
+pub(crate) fn client_error(e: RdError, doing: &str, topic: &str) -> BrokerError {
+    match e.rdkafka_error_code() {
+        Some(
+            RDKafkaErrorCode::UnknownTopicOrPartition
+            | RDKafkaErrorCode::UnknownTopic
+            | RDKafkaErrorCode::UnknownPartition,
+        ) => BrokerError::Unroutable(topic.to_owned()),
+        Some(RDKafkaErrorCode::MessageTimedOut | RDKafkaErrorCode::RequestTimedOut) => {
+            BrokerError::Timeout(Duration::ZERO)
+        }
+        Some(RDKafkaErrorCode::QueueFull) => BrokerError::rejected(format!(
+            "{doing} {topic}: producer buffer full (queue.buffering.max.messages)"
+        ))
+        .caused_by(e),
+        Some(
+            RDKafkaErrorCode::AllBrokersDown
+            | RDKafkaErrorCode::BrokerTransportFailure
+            | RDKafkaErrorCode::Resolve,
+        ) => BrokerError::connection(format!("{doing} {topic}: {e}")).caused_by(e),
+        _ => BrokerError::Other(Box::new(KafkaError::Client(e))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn client_errors_keep_their_cause_and_say_what_was_done() {
+        let down = RdError::MessageProduction(RDKafkaErrorCode::AllBrokersDown);
+        let e = client_error(down, "producing to", "orders");
+        assert!(
+            matches!(&e, BrokerError::Connection { context, .. }
+            if context.starts_with("producing to orders: ")),
+            "{e:?}"
+        );
+        assert!(
+            e.source()
+                .and_then(|s| s.downcast_ref::<RdError>())
+                .is_some_and(|s| s.rdkafka_error_code() == Some(RDKafkaErrorCode::AllBrokersDown)),
+            "{e:?}"
+        );
+        let full = RdError::MessageProduction(RDKafkaErrorCode::QueueFull);
+        let e = client_error(full, "producing to", "orders");
+        assert!(
+            matches!(
+                &e,
+                BrokerError::Rejected {
+                    source: Some(_),
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let gone = RdError::MessageProduction(RDKafkaErrorCode::UnknownTopicOrPartition);
+        assert!(
+            matches!(client_error(gone, "producing to", "orders"), BrokerError::Unroutable(t) if t == "orders")
+        );
+    }
+}
