@@ -16,7 +16,9 @@
 //!
 //! The schema comes with the crate: [`migrate`] creates `reliq_inbox` and `reliq_outbox`
 //! and records its migrations in its own table, `_reliq_migrations`, so it never mixes
-//! with the application's `_sqlx_migrations`.
+//! with the application's `_sqlx_migrations`. The stores' logic is [`reliq_sql`]'s,
+//! shared with reliq-sqlite; this crate gives it the PostgreSQL statements ([`PgStore`]),
+//! the schema, the `LISTEN` wake-up and the error rules.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -74,54 +76,37 @@
 //! idempotent for their id) until [`PgOutbox::purge_sent`].
 
 mod classify;
-mod inbox;
-mod outbox;
+mod listen;
+mod store;
 
 pub use classify::{error_class, with_error_rules};
-pub use inbox::PgInbox;
-pub use outbox::{OUTBOX_CHANNEL, PgOutbox};
+pub use listen::OUTBOX_CHANNEL;
+pub use reliq_sql::MIGRATIONS_TABLE;
 /// The sqlx version these stores are built with (its pools and transactions are what
 /// the API takes).
 pub use sqlx;
-
-use std::time::Duration;
-
-use sqlx::PgPool;
-use sqlx::migrate::Migrator;
-
-/// The table where [`migrate`] records the migrations it applied.
-pub const MIGRATIONS_TABLE: &str = "_reliq_migrations";
+pub use store::{PgStore, migrate};
 
 /// Errors of the PostgreSQL stores.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// A query failed.
-    #[error("postgres: {0}")]
-    Database(#[from] sqlx::Error),
-    /// Applying the schema failed.
-    #[error("postgres: migrating the reliq schema failed: {0}")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
-    /// A duration does not fit the database's range.
-    #[error("duration {0:?} is out of range")]
-    Duration(Duration),
-}
+pub type Error = reliq_sql::Error<PgStore>;
 
-/// Create or update the `reliq_inbox` and `reliq_outbox` tables (idempotent; safe to call
-/// from several processes at once: sqlx takes an advisory lock).
-pub async fn migrate(pool: &PgPool) -> Result<(), Error> {
-    let mut migrator: Migrator = sqlx::migrate!("./migrations");
-    migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
-    migrator.run(pool).await?;
-    Ok(())
-}
+/// The PostgreSQL inbox (`reliq_inbox`): a [`reliq_sql::Inbox`], whose docs say the two
+/// ways to use it. Cheap to clone.
+///
+/// Two transactions claiming the same id with [`PgInbox::claim`]: the second waits for
+/// the first's row lock, then gets [`Claim::Duplicate`] if the first committed,
+/// [`Claim::First`] if it rolled back.
+///
+/// [`Claim::Duplicate`]: reliq_core::Claim::Duplicate
+/// [`Claim::First`]: reliq_core::Claim::First
+pub type PgInbox = reliq_sql::Inbox<PgStore>;
 
-/// A duration as seconds for `make_interval(secs => …)`.
-fn seconds(d: Duration) -> Result<f64, Error> {
-    let s = d.as_secs_f64();
-    if s.is_finite() && s < 1e12 {
-        Ok(s)
-    } else {
-        Err(Error::Duration(d))
-    }
-}
+/// The PostgreSQL outbox (`reliq_outbox`): a [`reliq_sql::Outbox`]. Cheap to clone.
+///
+/// As an [`OutboxStore`](reliq_core::outbox::OutboxStore), a claim is one short
+/// statement — `UPDATE … WHERE seq IN (SELECT … ORDER BY seq LIMIT n FOR UPDATE SKIP
+/// LOCKED)` — that sets `lease_owner` and `leased_until`: concurrent relays skip each
+/// other's rows instead of waiting, and no transaction or connection stays open while
+/// the broker confirms. Leases use the server's clock. Each running relay holds one pool
+/// connection for `LISTEN` ([`OUTBOX_CHANNEL`]).
+pub type PgOutbox = reliq_sql::Outbox<PgStore>;

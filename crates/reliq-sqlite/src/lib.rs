@@ -18,7 +18,9 @@
 //! The schema comes with the crate: [`migrate`] creates `reliq_inbox` and `reliq_outbox`
 //! and records its migrations in its own table, `_reliq_migrations`, so it never mixes
 //! with the application's `_sqlx_migrations`. [`connect`] opens a pool with the settings
-//! these stores want (WAL, a busy timeout, `synchronous = FULL`).
+//! these stores want (WAL, a busy timeout, `synchronous = FULL`). The stores' logic is
+//! [`reliq_sql`]'s, shared with reliq-postgres; this crate gives it the SQLite statements
+//! ([`SqliteStore`]), the schema, the pool settings and the error rules.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -77,69 +79,36 @@
 //! idempotent for their id) until [`SqliteOutbox::purge_sent`].
 
 mod classify;
-mod inbox;
-mod outbox;
+mod store;
 
 pub use classify::{error_class, with_error_rules};
-pub use inbox::SqliteInbox;
-pub use outbox::SqliteOutbox;
+pub use reliq_sql::MIGRATIONS_TABLE;
 /// The sqlx version these stores are built with (its pools and transactions are what
 /// the API takes).
 pub use sqlx;
-
-use std::str::FromStr;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-use sqlx::SqlitePool;
-use sqlx::migrate::Migrator;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-
-/// The table where [`migrate`] records the migrations it applied.
-pub const MIGRATIONS_TABLE: &str = "_reliq_migrations";
+pub use store::{SqliteStore, connect, migrate};
 
 /// Errors of the SQLite stores.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// A query failed.
-    #[error("sqlite: {0}")]
-    Database(#[from] sqlx::Error),
-    /// Applying the schema failed.
-    #[error("sqlite: migrating the reliq schema failed: {0}")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
-    /// A duration does not fit the database's range.
-    #[error("duration {0:?} is out of range")]
-    Duration(Duration),
-}
+pub type Error = reliq_sql::Error<SqliteStore>;
 
-/// Open a pool on `url` (`sqlite://path.db`, created if missing) with WAL journaling,
-/// `synchronous = FULL` (a committed claim survives a power cut) and a 5 s busy timeout.
-pub async fn connect(url: &str) -> Result<SqlitePool, Error> {
-    let options = SqliteConnectOptions::from_str(url)?
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal)
-        .synchronous(SqliteSynchronous::Full)
-        .busy_timeout(Duration::from_secs(5));
-    Ok(SqlitePoolOptions::new().connect_with(options).await?)
-}
+/// The SQLite inbox (`reliq_inbox`): a [`reliq_sql::Inbox`], whose docs say the two ways
+/// to use it. Cheap to clone.
+///
+/// SQLite has one writer at a time: a transaction claiming an id with
+/// [`SqliteInbox::claim`] while another holds the write lock waits (busy timeout) until
+/// that one ends, then gets [`Claim::Duplicate`] if it committed the same id,
+/// [`Claim::First`] if it rolled back. Begin handler transactions with
+/// `pool.begin_with("BEGIN IMMEDIATE")` so they take the write lock up front.
+///
+/// [`Claim::Duplicate`]: reliq_core::Claim::Duplicate
+/// [`Claim::First`]: reliq_core::Claim::First
+pub type SqliteInbox = reliq_sql::Inbox<SqliteStore>;
 
-/// Create or update the `reliq_inbox` and `reliq_outbox` tables (idempotent).
-pub async fn migrate(pool: &SqlitePool) -> Result<(), Error> {
-    let mut migrator: Migrator = sqlx::migrate!("./migrations");
-    migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
-    migrator.run(pool).await?;
-    Ok(())
-}
-
-/// Now as Unix milliseconds (the schema's time unit).
-fn now_ms() -> i64 {
-    let since = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
-}
-
-/// A duration as milliseconds.
-fn millis(d: Duration) -> Result<i64, Error> {
-    i64::try_from(d.as_millis()).map_err(|_| Error::Duration(d))
-}
+/// The SQLite outbox (`reliq_outbox`): a [`reliq_sql::Outbox`]. Cheap to clone.
+///
+/// As an [`OutboxStore`](reliq_core::outbox::OutboxStore), a claim is one `UPDATE … WHERE
+/// seq IN (SELECT … ORDER BY seq LIMIT n) RETURNING …` that sets `lease_owner` and
+/// `leased_until`. SQLite runs one writer at a time, so two relays (threads or processes
+/// on one database file) never claim the same row while its lease holds. Leases use this
+/// machine's clock (SQLite is local). SQLite cannot notify: an idle relay polls.
+pub type SqliteOutbox = reliq_sql::Outbox<SqliteStore>;

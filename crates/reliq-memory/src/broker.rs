@@ -1,0 +1,235 @@
+//! The broker: topics, their consumer groups, and the test hooks.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use async_trait::async_trait;
+use reliq_core::{
+    Broker, BrokerError, Capabilities, DeadLetters, Destination, Message, Receiver, Subscription,
+};
+
+use crate::dead_letters::MemoryDeadLetters;
+use crate::queue::{Entry, Queue, lock};
+use crate::receiver::MemoryReceiver;
+
+/// The in-process broker. Cheap to clone (shared state).
+#[derive(Clone, Default)]
+pub struct MemoryBroker {
+    inner: Arc<BrokerInner>,
+}
+
+#[derive(Default)]
+struct BrokerInner {
+    topics: Mutex<HashMap<String, Topic>>,
+    next_receiver: AtomicU64,
+}
+
+#[derive(Default)]
+struct Topic {
+    groups: HashMap<String, Arc<Queue>>,
+}
+
+impl MemoryBroker {
+    /// An empty broker.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Declare a topic so it accepts publishes before any consumer exists (messages
+    /// published to a topic with no matching group are still unroutable).
+    pub fn declare_topic(&self, topic: &str) {
+        self.topics().entry(topic.to_owned()).or_default();
+    }
+
+    /// Fault injection and inspection for tests.
+    pub fn faults(&self) -> Faults {
+        Faults {
+            broker: self.clone(),
+        }
+    }
+
+    fn topics(&self) -> MutexGuard<'_, HashMap<String, Topic>> {
+        lock(&self.inner.topics)
+    }
+
+    /// The queue of `sub`'s group, declared if missing.
+    fn group(&self, sub: &Subscription) -> Arc<Queue> {
+        let mut topics = self.topics();
+        let topic = topics.entry(sub.source.clone()).or_default();
+        topic
+            .groups
+            .entry(sub.consumer.clone())
+            .or_insert_with(|| {
+                let dlq = Arc::new(Queue::new(
+                    sub.dead_letter_name(),
+                    sub.source.clone(),
+                    None,
+                    None,
+                    None,
+                ));
+                Arc::new(Queue::new(
+                    format!("{}.{}", sub.source, sub.consumer),
+                    sub.source.clone(),
+                    sub.filter.clone(),
+                    Some(sub.delivery_limit),
+                    Some(dlq),
+                ))
+            })
+            .clone()
+    }
+
+    fn existing_group(&self, sub: &Subscription) -> Option<Arc<Queue>> {
+        self.topics()
+            .get(&sub.source)
+            .and_then(|t| t.groups.get(&sub.consumer))
+            .cloned()
+    }
+
+    fn receiver(&self, queue: Arc<Queue>, sub: &Subscription) -> MemoryReceiver {
+        let id = self.inner.next_receiver.fetch_add(1, Ordering::Relaxed);
+        MemoryReceiver::new(queue, id, sub)
+    }
+}
+
+#[async_trait]
+impl Broker for MemoryBroker {
+    fn kind(&self) -> &'static str {
+        "memory"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            rejects_unroutable: true,
+            exact_retry_delay: true,
+            delivery_limit: true,
+            consumer_redelivery: true,
+            attempts_count_every_delivery: false,
+            deduplicates_publishes: false,
+        }
+    }
+
+    async fn publish(
+        &self,
+        destination: &Destination,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        let queues: Vec<Arc<Queue>> = {
+            let topics = self.topics();
+            let topic = topics
+                .get(&destination.topic)
+                .ok_or_else(|| BrokerError::Unroutable(destination.to_string()))?;
+            topic
+                .groups
+                .values()
+                .filter(|q| q.accepts(destination.route.as_deref()))
+                .cloned()
+                .collect()
+        };
+        if queues.is_empty() {
+            return Err(BrokerError::Unroutable(destination.to_string()));
+        }
+        let last = queues.len() - 1;
+        let mut message = Some(message);
+        for (i, q) in queues.iter().enumerate() {
+            let m = if i == last {
+                message.take()
+            } else {
+                message.clone()
+            };
+            if let Some(m) = m {
+                q.push(Entry::new(m, destination.route.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Receiver>, BrokerError> {
+        let queue = self.group(subscription);
+        Ok(Box::new(self.receiver(queue, subscription)))
+    }
+
+    async fn dead_letters(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn DeadLetters>, BrokerError> {
+        let group = self.group(subscription);
+        let dlq = group.dlq.clone().ok_or(BrokerError::Unsupported {
+            backend: "memory",
+            what: "dead letters of a dead-letter queue",
+        })?;
+        Ok(Box::new(MemoryDeadLetters { dlq }))
+    }
+
+    async fn send_to_consumer(
+        &self,
+        subscription: &Subscription,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        let queue = self
+            .existing_group(subscription)
+            .ok_or_else(|| BrokerError::Unroutable(subscription.source.clone()))?;
+        queue.push(Entry::new(message, None));
+        Ok(())
+    }
+}
+
+/// Test hooks: make routes fail, look at queue depths.
+pub struct Faults {
+    broker: MemoryBroker,
+}
+
+impl Faults {
+    /// Make `sub`'s dead-letter queue refuse (or accept again) new messages.
+    pub fn set_dead_letter_available(&self, sub: &Subscription, available: bool) {
+        if let Some(dlq) = self.broker.group(sub).dlq.clone() {
+            dlq.available.store(available, Ordering::SeqCst);
+        }
+    }
+
+    /// Make `sub`'s retry route refuse (or accept again) retries.
+    pub fn set_retry_available(&self, sub: &Subscription, available: bool) {
+        self.broker
+            .group(sub)
+            .retry_available
+            .store(available, Ordering::SeqCst);
+    }
+
+    /// Messages in `sub`'s queue: (ready + delayed, unsettled).
+    pub fn depth(&self, sub: &Subscription) -> (usize, usize) {
+        let q = self.broker.group(sub);
+        let s = q.lock();
+        (s.ready.len() + s.delayed.len(), s.unacked.len())
+    }
+
+    /// Messages in `sub`'s dead-letter queue (ready + unsettled).
+    pub fn dead_letter_depth(&self, sub: &Subscription) -> usize {
+        self.broker
+            .group(sub)
+            .dlq
+            .as_ref()
+            .map(|d| {
+                let s = d.lock();
+                s.ready.len() + s.unacked.len()
+            })
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn unroutable_publish_fails() {
+        let broker = MemoryBroker::new();
+        let err = broker
+            .publish(&Destination::new("nope"), Message::new("x"))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, BrokerError::Unroutable(_)));
+    }
+}
