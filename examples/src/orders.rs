@@ -180,7 +180,7 @@ pub fn retry_policy() -> RetryPolicy {
 /// SQLite file is transient).
 pub fn consumer(broker: Arc<dyn Broker>, topic: &str, db: &Db) -> ConsumerBuilder {
     Consumer::builder(broker, CONSUMER)
-        .subscribe(topic, None::<String>)
+        .subscribe(topic)
         .retry(retry_policy())
         .classifier(db.error_rules(Classifier::default()))
         .max_in_flight(64)

@@ -590,7 +590,7 @@ async fn start_effect_consumer<H: Harness>(
 ) -> anyhow::Result<reliq_core::ConsumerHandle> {
     let name: Arc<str> = Arc::from(consumer);
     let handle = Consumer::builder(Arc::new(broker.clone()), consumer)
-        .subscribe(consumer, None::<String>)
+        .subscribe(consumer)
         .retry(RetryPolicy::tiers([Duration::from_millis(100)]).max_attempts(3))
         .start(move |d: Delivery| {
             let (h, name, flaky) = (h.clone(), name.clone(), flaky.clone());

@@ -76,7 +76,7 @@ async fn restart_mid_run_loses_nothing(
     let inbox = Arc::new(MemoryInbox::new());
     let r = rec.clone();
     let consumer = Consumer::builder(broker.clone(), "c")
-        .subscribe(topic.clone(), None::<String>)
+        .subscribe(topic.clone())
         .retry(RetryPolicy::tiers(tiers).max_attempts(5))
         .inbox(inbox.clone())
         .max_in_flight(32)

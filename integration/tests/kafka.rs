@@ -205,7 +205,7 @@ mod kafka {
     ) -> anyhow::Result<ConsumerHandle> {
         let r = rec.clone();
         let builder = Consumer::builder(Arc::new(broker.clone()) as Arc<dyn Broker>, "c")
-            .subscribe(topic.to_owned(), None::<String>)
+            .subscribe(topic.to_owned())
             .retry(RetryPolicy::tiers([Duration::from_secs(1)]))
             .max_in_flight(16);
         if batches {
@@ -400,7 +400,7 @@ mod kafka {
         let rec = Recorder::new();
         let r = rec.clone();
         let h = Consumer::builder(Arc::new(broker.clone()) as Arc<dyn Broker>, "c")
-            .subscribe(topic.clone(), None::<String>)
+            .subscribe(topic.clone())
             .retry(RetryPolicy::tiers(tiers).max_attempts(4))
             .concurrency(4)
             .start(move |d: Delivery| {

@@ -22,7 +22,7 @@ async fn long_handler_is_kept_leased_by_progress_acks() -> anyhow::Result<()> {
     let calls = Arc::new(AtomicU32::new(0));
     let c = calls.clone();
     let h = Consumer::builder(broker.clone(), "slow")
-        .subscribe(topic.clone(), None::<String>)
+        .subscribe(topic.clone())
         .lease(Duration::from_secs(1))
         .start(move |_d: Delivery| {
             let c = c.clone();
@@ -349,7 +349,7 @@ async fn burst_consumer(
 ) -> anyhow::Result<reliq_core::ConsumerHandle> {
     let seen = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
     Ok(Consumer::builder(broker.clone(), "burst")
-        .subscribe(topic.to_owned(), None::<String>)
+        .subscribe(topic.to_owned())
         .retry(RetryPolicy::tiers([tier]).max_attempts(3))
         .start(move |d: Delivery| {
             let (failed, healthy, seen) = (failed.clone(), healthy.clone(), seen.clone());

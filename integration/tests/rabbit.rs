@@ -46,7 +46,7 @@ async fn retry_of_one_consumer_never_reaches_another_on_the_same_exchange() -> a
     let (failing, other) = (Recorder::new(), Recorder::new());
     let start = |name: &'static str, rec: Recorder, fail_first: bool| {
         Consumer::builder(broker.clone(), name)
-            .subscribe(topic.clone(), None::<String>)
+            .subscribe(topic.clone())
             .retry(RetryPolicy::tiers(TIERS).max_attempts(3))
             .start(move |d: Delivery| {
                 let r = rec.clone();
@@ -293,7 +293,7 @@ async fn crash_between_retry_copy_and_ack_gives_two_copies_one_effect() -> anyho
     let inbox = Arc::new(MemoryInbox::new());
     let builder = |broker: Arc<dyn Broker>| {
         Consumer::builder(broker, "c")
-            .subscribe(topic.clone(), None::<String>)
+            .subscribe(topic.clone())
             .retry(RetryPolicy::tiers(TIERS).max_attempts(3))
             .inbox(inbox.clone())
     };
@@ -435,7 +435,7 @@ async fn connection_loss_reconnects_and_unacked_delivery_comes_back() -> anyhow:
     let gate = Arc::new(tokio::sync::Notify::new());
     let (r, g) = (rec.clone(), gate.clone());
     let h = Consumer::builder(broker.clone(), "c")
-        .subscribe(topic.clone(), None::<String>)
+        .subscribe(topic.clone())
         .retry(RetryPolicy::tiers(TIERS).max_attempts(3))
         .settle_backoff(Duration::from_millis(50), Duration::from_millis(500))
         .start(move |d: Delivery| {

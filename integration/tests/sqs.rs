@@ -50,7 +50,7 @@ async fn a_handler_three_times_the_visibility_timeout_is_not_redelivered() -> an
     let rec = Recorder::new();
     let r = rec.clone();
     let h = Consumer::builder(broker.clone(), "c")
-        .subscribe(topic.clone(), None::<String>)
+        .subscribe(topic.clone())
         .lease(Duration::from_secs(2))
         .handler_timeout(Duration::from_secs(30))
         .start(move |d: Delivery| {
@@ -88,7 +88,7 @@ async fn a_handler_three_times_the_visibility_timeout_is_not_redelivered() -> an
 async fn ten_user_attributes_still_dead_letter_with_metadata() -> anyhow::Result<()> {
     let broker = broker().await?;
     let topic = unique("ten-attrs");
-    let builder = Consumer::builder(broker.clone(), "c").subscribe(topic.clone(), None::<String>);
+    let builder = Consumer::builder(broker.clone(), "c").subscribe(topic.clone());
     let sub = builder.subscription()?;
     let h = builder
         .start(|_d: Delivery| async move {
@@ -206,9 +206,9 @@ async fn fifo_groups_keep_their_order_with_concurrency() -> anyhow::Result<()> {
     ensure!(broker.capabilities().deduplicates_publishes);
     let topic = unique("fifo");
     let builder = Consumer::builder(broker.clone(), "c")
-        .subscribe(topic.clone(), None::<String>)
+        .subscribe(topic.clone())
         .retry(reliq_core::RetryPolicy::tiers([Duration::from_secs(1)]).max_attempts(3))
-        .ordering(reliq_core::Ordering::PerKey)
+        .ordering(reliq_core::DeliveryOrder::PerKey)
         .concurrency(4)
         // A short lease keeps the long poll short (half the lease): moto does not answer
         // a waiting poll when a FIFO group frees up, SQS does.
@@ -290,7 +290,7 @@ async fn move_task_is_probed_and_the_dead_letters_stay_for_the_replay_engine() -
     let sqs = SqsBackend::new().connect_sqs().await?;
     let broker: Arc<dyn Broker> = Arc::new(sqs.clone());
     let topic = unique("move-task");
-    let builder = Consumer::builder(broker.clone(), "c").subscribe(topic.clone(), None::<String>);
+    let builder = Consumer::builder(broker.clone(), "c").subscribe(topic.clone());
     let sub = builder.subscription()?;
     let h = builder
         .start(|_d: Delivery| async move { Err::<(), BoxError>(Permanent::msg("no").into()) })
@@ -318,7 +318,7 @@ async fn dead_lettered(
     n: usize,
 ) -> anyhow::Result<(Subscription, Vec<MessageId>)> {
     let topic = unique(base);
-    let builder = Consumer::builder(broker.clone(), "c").subscribe(topic.clone(), None::<String>);
+    let builder = Consumer::builder(broker.clone(), "c").subscribe(topic.clone());
     let sub = builder.subscription()?;
     let h = builder
         .start(|_d: Delivery| async move { Err::<(), BoxError>(Permanent::msg("no").into()) })

@@ -9,9 +9,9 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use reliq_core::headers;
 use reliq_core::{
-    Batch, BatchError, BoxError, BrokerError, DeadLetterReason, Delivery, Destination, ErrorClass,
-    MemoryInbox, Message, MessageId, Ordering, PanicAction, Permanent, Poison, Replay,
-    ReplayFilter, RetryPolicy, Transient,
+    Batch, BatchError, BoxError, BrokerError, DeadLetterReason, Delivery, DeliveryOrder,
+    Destination, ErrorClass, MemoryInbox, Message, MessageId, PanicAction, Permanent, Poison,
+    Replay, ReplayFilter, RetryPolicy, Transient,
 };
 use serde::{Deserialize, Serialize};
 
@@ -963,7 +963,7 @@ pub async fn per_key_order_kept_with_concurrency(b: &dyn Backend) -> anyhow::Res
         .consumer("c")
         .max_in_flight(64)
         .concurrency(8)
-        .ordering(Ordering::PerKey)
+        .ordering(DeliveryOrder::PerKey)
         .start(move |d: Delivery| {
             let seen = s2.clone();
             async move {

@@ -118,7 +118,7 @@ impl<'a> Ctx<'a> {
     pub fn consumer_on(&self, broker: Arc<dyn Broker>, name: &str) -> ConsumerBuilder {
         let [t1, t2] = self.backend.tiers();
         Consumer::builder(broker, name)
-            .subscribe(self.topic.clone(), None::<String>)
+            .subscribe(self.topic.clone())
             .retry(RetryPolicy::tiers([t1, t2]).max_attempts(3))
             .max_in_flight(32)
             .settle_backoff(Duration::from_millis(50), Duration::from_millis(500))

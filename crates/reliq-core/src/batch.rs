@@ -18,7 +18,7 @@
 //! use reliq_core::{Batch, BatchError, Consumer, Poison};
 //! # async fn demo(broker: std::sync::Arc<dyn reliq_core::Broker>) -> Result<(), Box<dyn std::error::Error>> {
 //! let handle = Consumer::builder(broker, "indexer")
-//!     .subscribe("orders", None::<String>)
+//!     .subscribe("orders")
 //!     .batch_size(256)
 //!     .start_batch(|batch: Batch| async move {
 //!         let mut failed = BatchError::new();

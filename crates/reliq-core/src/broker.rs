@@ -220,6 +220,21 @@ impl Subscription {
         self
     }
 
+    /// For a backend whose broker cannot filter by route: a config error naming the
+    /// `filter` field when one is set, so a consumer never silently reads more than it
+    /// asked for.
+    pub fn refuse_filter(&self, broker: &str) -> Result<(), BrokerError> {
+        match &self.filter {
+            None => Ok(()),
+            Some(pattern) => Err(BrokerError::Config {
+                field: "filter".into(),
+                reason: format!(
+                    "{broker} cannot filter what a consumer reads (filter `{pattern}`): publish what this consumer needs to a source of its own"
+                ),
+            }),
+        }
+    }
+
     /// Conventional name of this consumer's dead-letter queue: `<source>.<consumer>.dlq`.
     pub fn dead_letter_name(&self) -> String {
         format!("{}.{}.dlq", self.source, self.consumer)

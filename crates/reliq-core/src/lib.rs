@@ -22,7 +22,7 @@
 //! struct OrderCreated { sku: String, qty: u32 }
 //!
 //! let handle = Consumer::builder(broker, "inventory")
-//!     .subscribe("orders", Some("order.created".to_string()))
+//!     .subscribe("orders").filter("order.created")
 //!     .retry(RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)])
 //!         .max_age(Duration::from_secs(900))
 //!         .jitter(0.2))
@@ -64,7 +64,7 @@ pub use classify::{
     BoxError, Classifier, DecodeError, ErrorChain, ErrorClass, Permanent, Poison, Transient,
 };
 pub use consumer::{
-    Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, Ordering, ShutdownReport, Stats,
+    Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, DeliveryOrder, ShutdownReport, Stats,
     StatsSnapshot,
 };
 pub use dead_letters::{Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters};

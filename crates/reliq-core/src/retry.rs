@@ -198,18 +198,36 @@ impl RetryPolicy {
         &self.schedule
     }
 
-    /// Total attempts allowed.
-    pub fn attempts(&self) -> u32 {
+    // Getters carry a `get_` prefix because each setter above already has the plain
+    // name (the convention of `std::process::Command`: `arg` / `get_args`).
+
+    /// Total delivery attempts allowed, the first included ([`Self::max_attempts`]).
+    pub fn get_max_attempts(&self) -> u32 {
         self.max_attempts
     }
 
-    /// The max age, if any.
-    pub fn age_limit(&self) -> Option<Duration> {
+    /// Attempts allowed for unclassified errors ([`Self::unknown_max_attempts`]).
+    pub fn get_unknown_max_attempts(&self) -> u32 {
+        self.unknown_max_attempts
+    }
+
+    /// The business deadline, if any ([`Self::max_age`]).
+    pub fn get_max_age(&self) -> Option<Duration> {
         self.max_age
     }
 
-    /// The final route.
-    pub fn route(&self) -> FinalRoute {
+    /// The jitter fraction ([`Self::jitter`]).
+    pub fn get_jitter(&self) -> f64 {
+        self.jitter
+    }
+
+    /// What a panic does ([`Self::on_panic`]).
+    pub fn get_on_panic(&self) -> PanicAction {
+        self.on_panic
+    }
+
+    /// Where messages go when retries cannot help ([`Self::final_route`]).
+    pub fn get_final_route(&self) -> FinalRoute {
         self.final_route
     }
 
@@ -458,7 +476,7 @@ mod tests {
         #[test]
         fn never_more_than_max_attempts(p in policy(), c in class(), r in 0.0f64..1.0) {
             let (attempts, end) = run_to_end(&p, c, r);
-            prop_assert!(attempts <= p.attempts());
+            prop_assert!(attempts <= p.get_max_attempts());
             prop_assert!(matches!(end, Decision::DeadLetter(_)));
         }
 
@@ -478,13 +496,13 @@ mod tests {
             let f = Failure { class: ErrorClass::Transient, attempt: 1, age: ms(age_ms) };
             match p.decide(&f, r) {
                 Decision::Retry { delay, .. } => {
-                    if let Some(max) = p.age_limit() { prop_assert!(ms(age_ms) + delay <= max); }
+                    if let Some(max) = p.get_max_age() { prop_assert!(ms(age_ms) + delay <= max); }
                 }
                 Decision::DeadLetter(reason) => {
                     let base = p.base_delay(1);
                     let jittered = base + base.mul_f64(p.jitter * r);
-                    let expired = p.age_limit().is_some_and(|max| ms(age_ms) + jittered > max);
-                    if p.attempts() > 1 {
+                    let expired = p.get_max_age().is_some_and(|max| ms(age_ms) + jittered > max);
+                    if p.get_max_attempts() > 1 {
                         prop_assert!(expired);
                         prop_assert_eq!(reason, DeadLetterReason::Expired);
                     }
@@ -520,7 +538,7 @@ mod tests {
         fn unknown_errors_get_the_small_budget(p in policy(), r in 0.0f64..1.0) {
             let p = p.max_age(Duration::MAX);
             let (attempts, _) = run_to_end(&p, ErrorClass::Unknown, r);
-            prop_assert!(attempts <= 3.min(p.attempts()));
+            prop_assert!(attempts <= 3.min(p.get_max_attempts()));
         }
     }
 

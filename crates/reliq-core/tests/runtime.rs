@@ -60,7 +60,7 @@ async fn handler_timeout_is_transient_and_retried() {
     let calls = Arc::new(AtomicU32::new(0));
     let c = calls.clone();
     let h = Consumer::builder(Arc::new(broker.clone()), "c")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .retry(RetryPolicy::tiers([secs(5)]).max_attempts(3))
         .handler_timeout(secs(1))
         .start(move |d: Delivery| {
@@ -92,7 +92,7 @@ async fn unknown_errors_get_the_small_budget_then_park() {
     use reliq_core::Broker;
     let broker = MemoryBroker::new();
     let h = Consumer::builder(Arc::new(broker.clone()), "c")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .retry(
             RetryPolicy::tiers([secs(1)])
                 .max_attempts(10)
@@ -132,7 +132,7 @@ async fn registered_rules_classify_library_errors() {
     let calls = Arc::new(AtomicU32::new(0));
     let c = calls.clone();
     let h = Consumer::builder(Arc::new(broker.clone()), "c")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .classifier(Classifier::default().on::<NotFound>(|_| ErrorClass::Permanent))
         .start(move |_d: Delivery| {
             let c = c.clone();
@@ -161,7 +161,7 @@ async fn discard_route_acks_and_counts_without_a_dlq_copy() {
     use reliq_core::Broker;
     let broker = MemoryBroker::new();
     let h = Consumer::builder(Arc::new(broker.clone()), "c")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .retry(RetryPolicy::no_retry().final_route(FinalRoute::Discard))
         .start(|d: Delivery| async move {
             let _: u32 = d.json()?;
@@ -191,36 +191,36 @@ async fn bad_config_fails_at_startup_naming_the_field() {
         (Consumer::builder(broker.clone(), "c"), "subscribe"),
         (
             Consumer::builder(broker.clone(), "c")
-                .subscribe("t", None::<String>)
+                .subscribe("t")
                 .max_in_flight(0),
             "max_in_flight",
         ),
         (
             Consumer::builder(broker.clone(), "c")
-                .subscribe("t", None::<String>)
+                .subscribe("t")
                 .concurrency(0),
             "concurrency",
         ),
         (
-            Consumer::builder(broker.clone(), " ").subscribe("t", None::<String>),
+            Consumer::builder(broker.clone(), " ").subscribe("t"),
             "name",
         ),
         (
             Consumer::builder(broker.clone(), "c")
-                .subscribe("t", None::<String>)
+                .subscribe("t")
                 .retry(RetryPolicy::tiers([secs(1)]).max_attempts(5))
                 .delivery_limit(5),
             "delivery_limit",
         ),
         (
             Consumer::builder(broker.clone(), "c")
-                .subscribe("t", None::<String>)
+                .subscribe("t")
                 .retry(RetryPolicy::tiers([secs(13 * 3600)])),
             "retry.tiers",
         ),
         (
             Consumer::builder(broker.clone(), "c")
-                .subscribe("t", None::<String>)
+                .subscribe("t")
                 .retry(RetryPolicy::default().jitter(1.5)),
             "retry.jitter",
         ),
@@ -252,7 +252,7 @@ async fn metrics_follow_the_documented_names() {
 
     let broker = MemoryBroker::new();
     let h = Consumer::builder(Arc::new(broker.clone()), "metered")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .retry(RetryPolicy::tiers([secs(1)]).max_attempts(2))
         .start(|d: Delivery| async move {
             match d.payload() {
@@ -320,7 +320,7 @@ async fn replay_filters_by_class_reason_time_and_limit() {
     let broker = MemoryBroker::new();
     let shared: Arc<dyn Broker> = Arc::new(broker.clone());
     let h = Consumer::builder(shared.clone(), "c")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .start(|d: Delivery| async move {
             match d.payload() {
                 b"bad" => Err::<(), BoxError>(reliq_core::Poison::msg("undecodable").into()),
@@ -414,7 +414,7 @@ async fn handler_duplicate_marker_acks_skips_and_counts() {
     let broker = MemoryBroker::new();
     let (a, c) = (applied.clone(), calls.clone());
     let h = Consumer::builder(Arc::new(broker.clone()), "dedup")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .retry(RetryPolicy::tiers([secs(1)]).max_attempts(3))
         .start(move |d: Delivery| {
             let (a, c) = (a.clone(), c.clone());
@@ -488,7 +488,7 @@ async fn a_backend_returning_more_than_asked_loses_nothing() {
         how: How::Greedy,
     });
     let builder = Consumer::builder(broker.clone(), "greedy")
-        .subscribe("orders", None::<String>)
+        .subscribe("orders")
         .max_in_flight(4)
         // A dropped delivery would come back only after its lease: far past the wait.
         .lease(Duration::from_secs(3600));
@@ -537,7 +537,7 @@ where
 {
     use reliq_core::Broker;
     let builder = Consumer::builder(Arc::new(broker.clone()), "c")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .retry(RetryPolicy::tiers([secs(5)]).max_attempts(3))
         .max_in_flight(64);
     // Declare the consumer's queue before publishing, so the backlog waits for it.
@@ -744,13 +744,16 @@ async fn batch_config_errors_name_the_field() {
     let ok = |_b: Batch| async move { Ok::<(), BatchError>(()) };
     let base = || {
         Consumer::builder(broker.clone(), "c")
-            .subscribe("t", None::<String>)
+            .subscribe("t")
             .max_in_flight(32)
     };
     for (builder, field) in [
         (base().batch_size(0), "batch_size"),
         (base().batch_size(33), "batch_size"),
-        (base().ordering(reliq_core::Ordering::PerKey), "ordering"),
+        (
+            base().ordering(reliq_core::DeliveryOrder::PerKey),
+            "ordering",
+        ),
     ] {
         let err = builder.start_batch(ok).await.err().expect("accepted");
         assert!(matches!(err, ConsumerError::Config { .. }), "{err:?}");
@@ -821,7 +824,7 @@ async fn a_slow_delivery_does_not_hold_back_the_acks_of_its_group() {
     }
     let t0 = tokio::time::Instant::now();
     let h = Consumer::builder(Arc::new(broker.clone()), "c")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .max_in_flight(64)
         .start(|d: Delivery| async move {
             // Shorter than the memory broker's lease (30 s), past which it redelivers.
@@ -909,7 +912,7 @@ async fn a_delivery_span_records_id_attempt_and_trace_context() {
     let done = Arc::new(AtomicU32::new(0));
     let d2 = done.clone();
     let h = Consumer::builder(Arc::new(broker.clone()), "c")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .start(move |_: Delivery| {
             d2.fetch_add(1, Ordering::SeqCst);
             async { Ok::<(), BoxError>(()) }
@@ -993,7 +996,7 @@ async fn a_success_ends_the_settle_back_off() {
         inner: reliq_core::MemoryInbox::new(),
     });
     let builder = Consumer::builder(broker.clone(), "c")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .inbox(inbox.clone())
         .settle_backoff(Duration::from_millis(100), secs(10));
     use reliq_core::Broker as _;
@@ -1042,7 +1045,7 @@ async fn shutdown_releases_what_a_cut_short_receive_took() {
         how: How::TakeOneThenHang,
     });
     let builder = Consumer::builder(broker.clone(), "c")
-        .subscribe("t", None::<String>)
+        .subscribe("t")
         .lease(Duration::from_secs(3600));
     let sub = builder.subscription().unwrap();
     drop(memory.subscribe(&sub).await.unwrap());

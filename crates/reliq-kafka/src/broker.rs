@@ -174,6 +174,7 @@ impl Broker for KafkaBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError> {
+        subscription.refuse_filter("Kafka")?;
         let receiver = KafkaReceiver::subscribe(self.inner.clone(), subscription).await?;
         Ok(Box::new(receiver))
     }

@@ -15,7 +15,7 @@
 //! let broker = Arc::new(KafkaBroker::connect("kafka://127.0.0.1:9092")?);
 //! broker.publish(&Destination::new("orders"), Message::new("hello").with_key("c-7")).await?;
 //! let consumer = Consumer::builder(broker, "billing")          // the consumer group
-//!     .subscribe("orders", None::<String>)
+//!     .subscribe("orders")
 //!     .retry(RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)]))
 //!     .start(|d: Delivery| async move { d.text()?; Ok::<(), BoxError>(()) })
 //!     .await?;
@@ -87,10 +87,21 @@ mod options;
 mod receiver;
 mod relay;
 mod topology;
-pub mod tracker;
+mod tracker;
 
 pub use broker::KafkaBroker;
 pub use codec::{DUE_AT_HEADER, SOURCE_OFFSET_HEADER, SOURCE_PARTITION_HEADER};
 pub use error::KafkaError;
 pub use options::{BufferPolicy, KafkaConfig, RetryMode};
 pub use tracker::OffsetTracker;
+
+/// The URL schemes this backend serves (`reliq::connect` dispatches on them).
+pub const SCHEMES: &[&str] = &["kafka"];
+
+/// Connect to the cluster a `kafka://` URL names (lazily: librdkafka connects on first
+/// use), as a [`reliq_core::Broker`].
+pub async fn connect(
+    url: &str,
+) -> Result<std::sync::Arc<dyn reliq_core::Broker>, reliq_core::BrokerError> {
+    Ok(std::sync::Arc::new(KafkaBroker::connect(url)?))
+}

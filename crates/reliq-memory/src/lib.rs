@@ -47,3 +47,29 @@ mod queue;
 mod receiver;
 
 pub use broker::{Faults, MemoryBroker};
+
+/// The URL schemes this backend serves (`reliq::connect` dispatches on them).
+pub const SCHEMES: &[&str] = &["memory"];
+
+/// The process-wide embedded broker a `memory://name` URL names (empty name:
+/// `default`): every `connect` with the same name shares one broker.
+pub async fn connect(
+    url: &str,
+) -> Result<std::sync::Arc<dyn reliq_core::Broker>, reliq_core::BrokerError> {
+    use std::collections::HashMap;
+    use std::sync::{Mutex, OnceLock};
+    static REGISTRY: OnceLock<Mutex<HashMap<String, MemoryBroker>>> = OnceLock::new();
+    let name = url
+        .split_once("://")
+        .map_or(url, |(_, rest)| rest)
+        .trim_end_matches('/');
+    let name = if name.is_empty() { "default" } else { name };
+    let broker = REGISTRY
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(name.to_owned())
+        .or_default()
+        .clone();
+    Ok(std::sync::Arc::new(broker))
+}

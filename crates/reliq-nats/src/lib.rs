@@ -62,3 +62,13 @@ pub use options::{ExistingConsumer, NatsOptions};
 
 /// Test fault switches (shared by every backend).
 pub use reliq_core::faults::Faults;
+
+/// The URL schemes this backend serves (`reliq::connect` dispatches on them).
+pub const SCHEMES: &[&str] = &["nats", "tls"];
+
+/// Connect to the server a `nats://` or `tls://` URL names, as a [`reliq_core::Broker`].
+pub async fn connect(
+    url: &str,
+) -> Result<std::sync::Arc<dyn reliq_core::Broker>, reliq_core::BrokerError> {
+    Ok(std::sync::Arc::new(NatsBroker::connect(url).await?))
+}

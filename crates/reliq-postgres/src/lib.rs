@@ -33,7 +33,7 @@
 //! // Consumer: claim + effect + outgoing event in one transaction; ack after COMMIT.
 //! let (p, i, o) = (pool.clone(), inbox.clone(), outbox.clone());
 //! let consumer = Consumer::builder(broker.clone(), "inventory")
-//!     .subscribe("orders", None::<String>)
+//!     .subscribe("orders")
 //!     .classifier(reliq_postgres::with_error_rules(Classifier::default()))
 //!     .start(move |d: Delivery| {
 //!         let (pool, inbox, outbox) = (p.clone(), i.clone(), o.clone());

@@ -13,7 +13,7 @@
 //!
 //! let broker = Arc::new(RabbitBroker::connect("amqp://guest:guest@127.0.0.1:5672/%2f").await?);
 //! let consumer = Consumer::builder(broker.clone(), "inventory")
-//!     .subscribe("orders", Some("order.*".to_string()))
+//!     .subscribe("orders").filter("order.*")
 //!     .retry(RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)]))
 //!     .start(|d: Delivery| async move {
 //!         let _text = d.text()?;
@@ -153,3 +153,14 @@ pub use management::{Management, Policy, encode_segment};
 pub use names::{Names, queue_name};
 pub use options::{QueueSettings, QueueType, RabbitOptions, Reconnect};
 pub use topology::{knows_quorum_apply_to, plan, rabbit_delivery_limit};
+
+/// The URL schemes this backend serves (`reliq::connect` dispatches on them).
+pub const SCHEMES: &[&str] = &["amqp", "amqps"];
+
+/// Connect to the broker an `amqp://` or `amqps://` URL names, as a
+/// [`reliq_core::Broker`].
+pub async fn connect(
+    url: &str,
+) -> Result<std::sync::Arc<dyn reliq_core::Broker>, reliq_core::BrokerError> {
+    Ok(std::sync::Arc::new(RabbitBroker::connect(url).await?))
+}

@@ -652,6 +652,7 @@ impl Broker for SqsBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError> {
+        subscription.refuse_filter("SQS")?;
         let declared = self.declare(subscription).await?;
         Ok(Box::new(receiver::SqsReceiver::start(
             self.clone(),

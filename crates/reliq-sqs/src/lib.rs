@@ -59,3 +59,13 @@ pub use broker::SqsBroker;
 pub use dead_letters::SqsDeadLetters;
 pub use error::SqsError;
 pub use options::{Faults, MAX_VISIBILITY, SqsOptions};
+
+/// The URL schemes this backend serves (`reliq::connect` dispatches on them).
+pub const SCHEMES: &[&str] = &["sqs"];
+
+/// Connect to the endpoint an `sqs://` URL names, as a [`reliq_core::Broker`].
+pub async fn connect(
+    url: &str,
+) -> Result<std::sync::Arc<dyn reliq_core::Broker>, reliq_core::BrokerError> {
+    Ok(std::sync::Arc::new(SqsBroker::connect(url).await?))
+}

@@ -13,7 +13,7 @@
 //!
 //! let broker = reliq::connect("memory://docs").await?;
 //! let consumer = Consumer::builder(broker.clone(), "inventory")
-//!     .subscribe("orders", None::<String>)
+//!     .subscribe("orders")
 //!     .retry(RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)]))
 //!     .start(|d: Delivery| async move {
 //!         let text = d.text()?;          // invalid UTF-8 ⇒ poison ⇒ dead-lettered at once
@@ -46,43 +46,137 @@
 //! | `postgres` | `reliq::postgres` | `reliq-postgres`: inbox and outbox on PostgreSQL, relay woken by `LISTEN/NOTIFY` |
 //! | `sqlite` | `reliq::sqlite` | `reliq-sqlite`: inbox and outbox on SQLite, relay polling |
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 use std::sync::Arc;
 
-pub use reliq_core::*;
+// What an application uses, each item by one path. What a backend implements (the
+// `Receiver` seam, delivery tokens, raw messages) stays in `reliq-core`.
+pub use reliq_core::{
+    Aggregate, Batch, BatchError, BoxError, Broker, BrokerError, Capabilities, Claim, Classifier,
+    Clock, Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, Cursor, DeadLetter,
+    DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetterReason, DeadLetters, DecodeError,
+    Delivery, DeliveryOrder, Destination, Duplicate, Envelope, ErrorChain, ErrorClass, FinalRoute,
+    HeaderError, Headers, Inbox, InboxError, MemoryInbox, Message, MessageId, Origin, OutboxError,
+    OutboxRecord, OutboxStore, PanicAction, Permanent, Poison, PolicyError, Relay, RelayHandle,
+    RelayStats, Replay, ReplayEntry, ReplayFilter, ReplayReport, ReplayTarget, RetryPolicy,
+    Schedule, ShutdownReport, Stats, StatsSnapshot, Subscription, Transient,
+};
+
+/// The header names reliq reads and writes on every message.
+pub mod headers {
+    pub use reliq_core::headers::{
+        ATTEMPT, CAUSATION_ID, CONSUMER, CORRELATION_ID, DEAD_LETTER_REASON, DEAD_LETTER_VERSION,
+        DEAD_LETTERED_AT, ERROR_CLASS, FIRST_FAILURE_AT, LAST_ERROR, LAST_FAILURE_AT, MESSAGE_ID,
+        OCCURRED_AT, ORIGINAL_DESTINATION, ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_ROUTE,
+        ORIGINAL_SEQUENCE, REPLAY_COUNT, REPLAYED_AT, TRACEPARENT, TRACESTATE,
+    };
+}
+
+/// The metric names the runtime, the replay engine and the outbox relay record.
+pub mod metrics {
+    pub use reliq_core::telemetry::{
+        BATCH_SIZE, DEAD_LETTERED, DISCARDED, DUPLICATES, HANDLER_DURATION, IN_FLIGHT,
+        OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED, OUTBOX_STORE_FAILURES, PROCESSED, RECEIVED,
+        REPLAYED, RETRIED, SETTLE_FAILURES,
+    };
+}
 
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use reliq_postgres as postgres;
 #[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use reliq_sqlite as sqlite;
 
+#[cfg(feature = "kafka")]
+#[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]
+pub use reliq_kafka as kafka;
 #[cfg(feature = "memory")]
+#[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use reliq_memory as memory;
 #[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
 pub use reliq_nats as nats;
-
-#[cfg(feature = "kafka")]
-pub use reliq_kafka as kafka;
-
 #[cfg(feature = "rabbit")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbit")))]
 pub use reliq_rabbit as rabbit;
-
 #[cfg(feature = "sqs")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqs")))]
 pub use reliq_sqs as sqs;
+
+/// A backend's `connect` as a plain function pointer.
+type ConnectFn = fn(&str) -> ConnectFuture<'_>;
+type ConnectFuture<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Arc<dyn Broker>, BrokerError>> + Send + 'a>,
+>;
+
+/// The backends built in: each one's cargo feature, its own URL schemes and `connect`.
+fn built_in() -> Vec<(&'static str, &'static [&'static str], ConnectFn)> {
+    #[allow(unused_mut)]
+    let mut backends: Vec<(&'static str, &'static [&'static str], ConnectFn)> = Vec::new();
+    #[cfg(feature = "memory")]
+    backends.push(("memory", reliq_memory::SCHEMES, |u| {
+        Box::pin(reliq_memory::connect(u))
+    }));
+    #[cfg(feature = "rabbit")]
+    backends.push(("rabbit", reliq_rabbit::SCHEMES, |u| {
+        Box::pin(reliq_rabbit::connect(u))
+    }));
+    #[cfg(feature = "kafka")]
+    backends.push(("kafka", reliq_kafka::SCHEMES, |u| {
+        Box::pin(reliq_kafka::connect(u))
+    }));
+    #[cfg(feature = "nats")]
+    backends.push(("nats", reliq_nats::SCHEMES, |u| {
+        Box::pin(reliq_nats::connect(u))
+    }));
+    #[cfg(feature = "sqs")]
+    backends.push(("sqs", reliq_sqs::SCHEMES, |u| {
+        Box::pin(reliq_sqs::connect(u))
+    }));
+    backends
+}
+
+/// Every backend's feature and schemes, for the error that names the feature to turn on
+/// when a URL's backend is not built in (a test checks it against each backend's own
+/// `SCHEMES`).
+const EVERY_BACKEND: &[(&str, &[&str])] = &[
+    ("memory", &["memory"]),
+    ("rabbit", &["amqp", "amqps"]),
+    ("kafka", &["kafka"]),
+    ("nats", &["nats", "tls"]),
+    ("sqs", &["sqs"]),
+];
+
+fn every_scheme() -> String {
+    let schemes: Vec<&str> = EVERY_BACKEND
+        .iter()
+        .flat_map(|(_, s)| s.iter().copied())
+        .collect();
+    schemes.join(", ")
+}
 
 /// `connect` could not hand back a broker.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConnectError {
     /// The URL has no `scheme://`.
-    #[error(
-        "broker URL `{0}` has no scheme (expected memory://, amqp://, kafka://, nats:// or sqs://)"
-    )]
-    NoScheme(String),
+    #[error("broker URL `{url}` has no scheme (expected one of {expected})")]
+    NoScheme {
+        /// The URL.
+        url: String,
+        /// Every scheme reliq knows.
+        expected: String,
+    },
     /// No backend handles this scheme.
-    #[error(
-        "unknown broker URL scheme `{0}://` (expected memory, amqp, amqps, kafka, nats, tls or sqs)"
-    )]
-    UnknownScheme(String),
+    #[error("unknown broker URL scheme `{scheme}://` (expected one of {expected})")]
+    UnknownScheme {
+        /// The scheme.
+        scheme: String,
+        /// Every scheme reliq knows.
+        expected: String,
+    },
     /// The backend exists but its cargo feature is off.
     #[error(
         "`{scheme}://` needs the `{feature}` cargo feature of reliq (reliq = {{ features = [\"{feature}\"] }})"
@@ -105,57 +199,45 @@ pub enum ConnectError {
 /// `memory://name` returns the process-wide embedded broker called `name` (empty name =
 /// `default`), so every `connect` with the same URL shares one broker.
 pub async fn connect(url: &str) -> Result<Arc<dyn Broker>, ConnectError> {
-    let (scheme, rest) = url
+    let (scheme, _) = url
         .split_once("://")
-        .ok_or_else(|| ConnectError::NoScheme(url.to_owned()))?;
+        .ok_or_else(|| ConnectError::NoScheme {
+            url: url.to_owned(),
+            expected: every_scheme(),
+        })?;
     let scheme = scheme.to_ascii_lowercase();
-    let feature = match scheme.as_str() {
-        "memory" => "memory",
-        "amqp" | "amqps" => "rabbit",
-        "kafka" => "kafka",
-        "nats" | "tls" => "nats",
-        "sqs" => "sqs",
-        _ => return Err(ConnectError::UnknownScheme(scheme)),
-    };
-    match feature {
-        #[cfg(feature = "memory")]
-        "memory" => Ok(Arc::new(named_memory_broker(rest))),
-        #[cfg(feature = "nats")]
-        "nats" => Ok(Arc::new(reliq_nats::NatsBroker::connect(url).await?)),
-        #[cfg(feature = "kafka")]
-        "kafka" => Ok(Arc::new(
-            kafka::KafkaBroker::connect(url).map_err(BrokerError::from)?,
-        )),
-        #[cfg(feature = "rabbit")]
-        "rabbit" => Ok(Arc::new(rabbit::RabbitBroker::connect(url).await?)),
-        #[cfg(feature = "sqs")]
-        "sqs" => Ok(Arc::new(sqs::SqsBroker::connect(url).await?)),
-        _ => {
-            let _ = rest;
-            Err(ConnectError::FeatureDisabled { scheme, feature })
-        }
+    if let Some((_, _, connect)) = built_in()
+        .into_iter()
+        .find(|(_, schemes, _)| schemes.contains(&scheme.as_str()))
+    {
+        return Ok(connect(url).await?);
     }
-}
-
-#[cfg(feature = "memory")]
-fn named_memory_broker(name: &str) -> memory::MemoryBroker {
-    use std::collections::HashMap;
-    use std::sync::{Mutex, OnceLock};
-    static REGISTRY: OnceLock<Mutex<HashMap<String, memory::MemoryBroker>>> = OnceLock::new();
-    let name = name.trim_end_matches('/');
-    let name = if name.is_empty() { "default" } else { name };
-    REGISTRY
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .entry(name.to_owned())
-        .or_default()
-        .clone()
+    match EVERY_BACKEND
+        .iter()
+        .find(|(_, schemes)| schemes.contains(&scheme.as_str()))
+    {
+        Some((feature, _)) => Err(ConnectError::FeatureDisabled { scheme, feature }),
+        None => Err(ConnectError::UnknownScheme {
+            scheme,
+            expected: every_scheme(),
+        }),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The table behind the disabled-feature error says what each built-in backend says.
+    #[test]
+    fn every_backend_table_matches_the_backends_own_schemes() {
+        let built = built_in();
+        assert!(!built.is_empty());
+        for (feature, schemes, _) in built {
+            let listed = EVERY_BACKEND.iter().find(|(f, _)| *f == feature);
+            assert_eq!(listed.map(|(_, s)| *s), Some(schemes), "{feature}");
+        }
+    }
 
     #[tokio::test]
     async fn scheme_errors_name_the_feature() {
@@ -187,7 +269,7 @@ mod tests {
         assert!(err.is_some_and(|e| e.contains("unknown broker URL scheme `redis://`")));
         assert!(matches!(
             connect("localhost:5672").await,
-            Err(ConnectError::NoScheme(_))
+            Err(ConnectError::NoScheme { .. })
         ));
     }
 
@@ -204,6 +286,31 @@ mod tests {
                 assert_eq!(field, "reliq.partitions")
             }
             other => panic!("unexpected {:?}", other.map(|b| b.kind())),
+        }
+    }
+
+    /// Kafka and SQS cannot filter what a consumer reads: a filter fails at start,
+    /// naming the field, before anything is declared on the broker.
+    #[cfg(all(feature = "kafka", feature = "sqs"))]
+    #[tokio::test]
+    async fn brokers_that_cannot_filter_refuse_a_filter_naming_it() {
+        for url in [
+            "kafka://127.0.0.1:9092?client.id=facade-filter",
+            "sqs://127.0.0.1:4566?region=us-east-1",
+        ] {
+            let broker = connect(url).await.expect("connects");
+            let started = Consumer::builder(broker, "g")
+                .subscribe("never-declared-filter-test")
+                .filter("order.*")
+                .start(|_d: Delivery| async { Ok::<(), BoxError>(()) })
+                .await;
+            match started {
+                Err(ConsumerError::Subscribe(BrokerError::Config { field, .. })) => {
+                    assert_eq!(field, "filter", "{url}")
+                }
+                Err(e) => panic!("{url}: unexpected error {e}"),
+                Ok(_) => panic!("{url}: a filter the broker cannot apply was accepted"),
+            }
         }
     }
 

@@ -152,7 +152,7 @@ async fn reliq_consume(
 ) -> anyhow::Result<Rate> {
     let topic = unique("bench");
     let builder = Consumer::builder(broker.clone(), "bench")
-        .subscribe(topic.clone(), None::<String>)
+        .subscribe(topic.clone())
         .retry(RetryPolicy::tiers([Duration::from_secs(1)]).max_attempts(3))
         .max_in_flight(PREFETCH);
     drop(broker.subscribe(&builder.subscription()?).await?);
@@ -743,8 +743,7 @@ mod raw_sqs {
 /// reliq's confirmed publish into a fresh topology (a bound consumer queue).
 async fn reliq_publish_fresh(broker: &Arc<dyn Broker>, n: usize) -> anyhow::Result<Rate> {
     let topic = unique("bench-pub");
-    let builder =
-        Consumer::builder(broker.clone(), "sink").subscribe(topic.clone(), None::<String>);
+    let builder = Consumer::builder(broker.clone(), "sink").subscribe(topic.clone());
     drop(broker.subscribe(&builder.subscription()?).await?);
     reliq_publish(broker, &topic, n).await
 }

@@ -67,7 +67,7 @@ async fn runtime(n: usize) -> anyhow::Result<Run> {
     let (d2, h2) = (done.clone(), handled.clone());
     let target = n as u64;
     let builder = Consumer::builder(shared.clone(), "bench")
-        .subscribe(topic, None::<String>)
+        .subscribe(topic)
         .retry(RetryPolicy::tiers([Duration::from_secs(1)]))
         .max_in_flight(256);
     // Declare the group's queue, then fill it before the consumer starts.

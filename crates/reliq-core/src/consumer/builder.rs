@@ -5,7 +5,7 @@ use super::handle::{ConsumerHandle, ShutdownReport};
 use super::settle::SettleBackoff;
 use super::signal::Signal;
 use super::stats::Stats;
-use super::{ConsumerError, Ordering, Shared};
+use super::{ConsumerError, DeliveryOrder, Shared};
 use crate::batch::{Batch, BatchError};
 use crate::broker::{Broker, Delivery, Receiver, Subscription};
 use crate::classify::{BoxError, Classifier};
@@ -25,11 +25,12 @@ use tokio_util::task::TaskTracker;
 pub struct ConsumerBuilder {
     pub(super) broker: Arc<dyn Broker>,
     pub(super) name: String,
-    pub(super) source: Option<(String, Option<String>)>,
+    pub(super) source: Option<String>,
+    pub(super) filter: Option<String>,
     pub(super) policy: RetryPolicy,
     pub(super) max_in_flight: u32,
     pub(super) concurrency: Option<usize>,
-    pub(super) ordering: Ordering,
+    pub(super) ordering: DeliveryOrder,
     pub(super) handler_timeout: Option<Duration>,
     pub(super) shutdown_timeout: Duration,
     pub(super) inbox: Option<Arc<dyn Inbox>>,
@@ -50,10 +51,11 @@ impl Consumer {
             broker,
             name: name.into(),
             source: None,
+            filter: None,
             policy: RetryPolicy::default(),
             max_in_flight: 64,
             concurrency: None,
-            ordering: Ordering::Unordered,
+            ordering: DeliveryOrder::Unordered,
             handler_timeout: None,
             shutdown_timeout: Duration::from_secs(30),
             inbox: None,
@@ -67,14 +69,18 @@ impl Consumer {
 }
 
 impl ConsumerBuilder {
-    /// Read `source` (topic / exchange / stream / queue), optionally filtered by a routing
-    /// key pattern or subject (`*` one word, `#` any).
-    pub fn subscribe(
-        mut self,
-        source: impl Into<String>,
-        filter: impl Into<Option<String>>,
-    ) -> Self {
-        self.source = Some((source.into(), filter.into()));
+    /// Read `source` (topic / exchange / stream / queue): everything published to it,
+    /// unless [`filter`](Self::filter) narrows it.
+    pub fn subscribe(mut self, source: impl Into<String>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// Only what matches `pattern`: a routing-key pattern or subject (`*` one word, `#`
+    /// any number of words). Where the broker cannot filter (Kafka, SQS), `start` fails with
+    /// a config error naming `filter`.
+    pub fn filter(mut self, pattern: impl Into<String>) -> Self {
+        self.filter = Some(pattern.into());
         self
     }
 
@@ -97,8 +103,8 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Ordering between deliveries (default [`Ordering::Unordered`]).
-    pub fn ordering(mut self, ordering: Ordering) -> Self {
+    /// DeliveryOrder between deliveries (default [`DeliveryOrder::Unordered`]).
+    pub fn ordering(mut self, ordering: DeliveryOrder) -> Self {
         self.ordering = ordering;
         self
     }
@@ -156,13 +162,14 @@ impl ConsumerBuilder {
 
     /// The subscription this consumer will ask the broker for.
     pub fn subscription(&self) -> Result<Subscription, ConsumerError> {
-        let (source, filter) = self.source.clone().ok_or(ConsumerError::Config {
+        let filter = self.filter.clone();
+        let source = self.source.clone().ok_or(ConsumerError::Config {
             field: "subscribe",
-            reason: "no source: call .subscribe(source, filter)".into(),
+            reason: "no source: call .subscribe(source)".into(),
         })?;
         let delivery_limit = self
             .delivery_limit
-            .unwrap_or_else(|| self.policy.attempts().saturating_add(5));
+            .unwrap_or_else(|| self.policy.get_max_attempts().saturating_add(5));
         Ok(Subscription {
             consumer: self.name.clone(),
             source,
@@ -193,7 +200,7 @@ impl ConsumerBuilder {
         }
         self.policy.validate()?;
         let subscription = self.subscription()?;
-        if subscription.delivery_limit <= self.policy.attempts() {
+        if subscription.delivery_limit <= self.policy.get_max_attempts() {
             return Err(config(
                 "delivery_limit",
                 "must be greater than the retry policy's max attempts",
@@ -222,7 +229,7 @@ impl ConsumerBuilder {
     /// Like [`ConsumerBuilder::start`], with a batch handler: one call for up to
     /// [`ConsumerBuilder::batch_size`] deliveries, the successes acknowledged together
     /// (see [`crate::batch`]). A batch counts as one handler against `concurrency`, the
-    /// handler timeout and the handler metrics. [`Ordering::PerKey`] is refused: two
+    /// handler timeout and the handler metrics. [`DeliveryOrder::PerKey`] is refused: two
     /// batches in flight may hold the same key.
     pub async fn start_batch<F, Fut>(self, handler: F) -> Result<ConsumerHandle, ConsumerError>
     where
@@ -230,7 +237,7 @@ impl ConsumerBuilder {
         Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
     {
         let subscription = self.validate()?;
-        if self.ordering == Ordering::PerKey {
+        if self.ordering == DeliveryOrder::PerKey {
             return Err(ConsumerError::Config {
                 field: "ordering",
                 reason: "per-key ordering needs a per-message handler (start), not start_batch"

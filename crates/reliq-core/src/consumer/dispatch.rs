@@ -3,7 +3,7 @@
 
 use super::settle::Outcome;
 use super::stats::{Stats, count_received, count_settled};
-use super::{Ordering, Shared};
+use super::{DeliveryOrder, Shared};
 use crate::batch::{Batch, BatchError, Failed};
 use crate::broker::{BrokerError, Delivery};
 use crate::classify::BoxError;
@@ -131,7 +131,7 @@ pub(super) fn dispatch_each<F, Fut>(
     let mut group = Vec::new();
     for delivery in batch.drain(..) {
         match (shared.ordering, delivery.key()) {
-            (Ordering::PerKey, Some(key)) => {
+            (DeliveryOrder::PerKey, Some(key)) => {
                 let key = key.to_owned();
                 let permit = take_permits(&mut permits, in_flight, 1);
                 dispatch_keyed(shared, key, (delivery, permit));

@@ -9,7 +9,7 @@
 //!   dropped and never just logged.
 //! - At most `max_in_flight` deliveries are held (received, not yet settled); the broker
 //!   is asked for the same prefetch bound. At most `concurrency` handlers run at once.
-//! - With [`Ordering::PerKey`], deliveries with the same key are handled one after the
+//! - With [`DeliveryOrder::PerKey`], deliveries with the same key are handled one after the
 //!   other in arrival order, while other keys run in parallel.
 //! - Shutdown stops receiving, lets in-flight work finish within `shutdown_timeout`, then
 //!   releases whatever is left. Nothing is lost and nothing is settled twice.
@@ -42,7 +42,7 @@ use tokio_util::task::TaskTracker;
 
 /// How deliveries of one consumer are ordered relative to each other.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Ordering {
+pub enum DeliveryOrder {
     /// Any delivery may run beside any other (up to `concurrency`).
     #[default]
     Unordered,
@@ -90,7 +90,7 @@ struct Shared<F> {
     /// Most deliveries one task handles together ([`dispatch_each`]): about two groups
     /// per runtime worker when `max_in_flight` deliveries are held.
     group_size: usize,
-    ordering: Ordering,
+    ordering: DeliveryOrder,
     backoff: SettleBackoff,
     tracker: TaskTracker,
     hard_stop: Signal,
