@@ -57,7 +57,7 @@ impl Backend for MemoryBackend {
     ) -> anyhow::Result<()> {
         self.broker
             .faults()
-            .set_dead_letter_available(sub, available);
+            .set_dead_letter_available(&sub.consumer, available);
         Ok(())
     }
 
@@ -67,11 +67,13 @@ impl Backend for MemoryBackend {
         sub: &Subscription,
         available: bool,
     ) -> anyhow::Result<()> {
-        self.broker.faults().set_retry_available(sub, available);
+        self.broker
+            .faults()
+            .set_retry_available(&sub.consumer, available);
         Ok(())
     }
 
     async fn unsettled(&self, _broker: &Arc<dyn Broker>, sub: &Subscription) -> Option<usize> {
-        Some(self.broker.faults().depth(sub).1)
+        Some(self.broker.depth(sub).1)
     }
 }

@@ -9,28 +9,48 @@
 use std::collections::HashSet;
 use std::sync::Mutex;
 
-/// Switches that make a backend's operations fail for chosen consumers.
+/// Switches that make a backend's operations fail for chosen consumers (feature
+/// `test-util`). One type for every backend: the embedded broker, NATS and SQS consult it.
 #[derive(Debug, Default)]
 pub struct Faults {
     broken_retry: Mutex<HashSet<String>>,
+    broken_dead_letter: Mutex<HashSet<String>>,
+}
+
+fn switch(set: &Mutex<HashSet<String>>, consumer: &str, available: bool) {
+    let mut set = set.lock().unwrap_or_else(|p| p.into_inner());
+    if available {
+        set.remove(consumer);
+    } else {
+        set.insert(consumer.to_owned());
+    }
+}
+
+fn is_set(set: &Mutex<HashSet<String>>, consumer: &str) -> bool {
+    set.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(consumer)
 }
 
 impl Faults {
     /// Make retries of `consumer` fail (or work again).
     pub fn set_retry_available(&self, consumer: &str, available: bool) {
-        let mut set = self.broken_retry.lock().unwrap_or_else(|p| p.into_inner());
-        if available {
-            set.remove(consumer);
-        } else {
-            set.insert(consumer.to_owned());
-        }
+        switch(&self.broken_retry, consumer, available);
     }
 
     /// True while retries of `consumer` are made to fail.
     pub fn retry_broken(&self, consumer: &str) -> bool {
-        self.broken_retry
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(consumer)
+        is_set(&self.broken_retry, consumer)
+    }
+
+    /// Make dead-lettering by `consumer` fail (or work again), where the backend cannot
+    /// break its DLQ for real.
+    pub fn set_dead_letter_available(&self, consumer: &str, available: bool) {
+        switch(&self.broken_dead_letter, consumer, available);
+    }
+
+    /// True while dead-lettering by `consumer` is made to fail.
+    pub fn dead_letter_broken(&self, consumer: &str) -> bool {
+        is_set(&self.broken_dead_letter, consumer)
     }
 }

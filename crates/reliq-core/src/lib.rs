@@ -46,6 +46,7 @@ pub mod classify;
 pub mod consumer;
 pub mod dead_letters;
 pub mod envelope;
+#[cfg(feature = "test-util")]
 pub mod faults;
 pub mod headers;
 pub mod inbox;

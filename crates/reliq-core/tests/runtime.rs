@@ -177,7 +177,7 @@ async fn discard_route_acks_and_counts_without_a_dlq_copy() {
     h.shutdown().await;
     assert!(dead_letters(&broker, "c", "t").await.is_empty());
     assert_eq!(
-        broker.faults().depth(&Subscription::new("c", "t")),
+        broker.depth(&Subscription::new("c", "t")),
         (0, 0),
         "acked, not left behind"
     );
@@ -366,11 +366,7 @@ async fn replay_filters_by_class_reason_time_and_limit() {
             .iter()
             .all(|e| e.record.reason == DeadLetterReason::Permanent)
     );
-    assert_eq!(
-        broker.faults().dead_letter_depth(&sub),
-        5,
-        "a dry run moves nothing"
-    );
+    assert_eq!(broker.dead_letter_depth(&sub), 5, "a dry run moves nothing");
 
     let done = Replay::new(shared.clone(), sub.clone())
         .filter(
@@ -383,12 +379,12 @@ async fn replay_filters_by_class_reason_time_and_limit() {
         .unwrap();
     assert_eq!((done.matched.len(), done.replayed.len()), (1, 1), "limit 1");
     assert_eq!(
-        broker.faults().dead_letter_depth(&sub),
+        broker.dead_letter_depth(&sub),
         4,
         "only the replayed copy left the DLQ"
     );
     assert_eq!(
-        broker.faults().depth(&sub).0,
+        broker.depth(&sub).0,
         1,
         "the replayed copy waits in the consumer's queue"
     );
@@ -453,12 +449,8 @@ async fn handler_duplicate_marker_acks_skips_and_counts() {
     );
     assert_eq!(calls.load(Ordering::SeqCst), 3, "no retry of a duplicate");
     let sub = Subscription::new("dedup", "t");
-    assert_eq!(
-        broker.faults().depth(&sub),
-        (0, 0),
-        "duplicates were acknowledged"
-    );
-    assert_eq!(broker.faults().dead_letter_depth(&sub), 0);
+    assert_eq!(broker.depth(&sub), (0, 0), "duplicates were acknowledged");
+    assert_eq!(broker.dead_letter_depth(&sub), 0);
 
     let snapshot = snapshotter.snapshot().into_vec();
     let duplicates = snapshot.iter().find_map(|(key, _, _, v)| {
@@ -845,7 +837,7 @@ async fn a_slow_delivery_does_not_hold_back_the_acks_of_its_group() {
         t0.elapsed()
     );
     assert_eq!(
-        broker.faults().depth(&sub),
+        broker.depth(&sub),
         (0, 1),
         "only the slow delivery is still unacknowledged"
     );
@@ -1057,14 +1049,11 @@ async fn shutdown_releases_what_a_cut_short_receive_took() {
         .start(|_d: Delivery| async { Ok::<(), BoxError>(()) })
         .await
         .unwrap();
-    wait_for("the delivery taken", || {
-        memory.faults().depth(&sub) == (0, 1)
-    })
-    .await;
+    wait_for("the delivery taken", || memory.depth(&sub) == (0, 1)).await;
     let s = h.shutdown().await.stats;
     assert_eq!((s.received, s.processed, s.released), (0, 0, 1), "{s:?}");
     assert_eq!(
-        memory.faults().depth(&sub),
+        memory.depth(&sub),
         (1, 0),
         "released at shutdown, not left leased"
     );

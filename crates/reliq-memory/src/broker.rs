@@ -10,7 +10,7 @@ use reliq_core::{
 };
 
 use crate::dead_letters::MemoryDeadLetters;
-use crate::queue::{Entry, Queue, lock};
+use crate::queue::{Entry, Queue, Switches, lock};
 use crate::receiver::MemoryReceiver;
 
 /// The in-process broker. Cheap to clone (shared state).
@@ -23,6 +23,7 @@ pub struct MemoryBroker {
 struct BrokerInner {
     topics: Mutex<HashMap<String, Topic>>,
     next_receiver: AtomicU64,
+    switches: Switches,
 }
 
 #[derive(Default)]
@@ -42,11 +43,26 @@ impl MemoryBroker {
         self.topics().entry(topic.to_owned()).or_default();
     }
 
-    /// Fault injection and inspection for tests.
-    pub fn faults(&self) -> Faults {
-        Faults {
-            broker: self.clone(),
-        }
+    /// The fault switches this broker's receivers consult (feature `test-util`): make
+    /// a consumer's retries or dead-lettering fail.
+    #[cfg(feature = "test-util")]
+    pub fn faults(&self) -> &reliq_core::faults::Faults {
+        &self.inner.switches
+    }
+
+    /// Messages in `sub`'s queue: (ready + delayed, unsettled) (feature `test-util`).
+    #[cfg(feature = "test-util")]
+    pub fn depth(&self, sub: &Subscription) -> (usize, usize) {
+        self.group(sub).depth()
+    }
+
+    /// Messages in `sub`'s dead-letter queue, ready or unsettled (feature `test-util`).
+    #[cfg(feature = "test-util")]
+    pub fn dead_letter_depth(&self, sub: &Subscription) -> usize {
+        self.group(sub).dlq.as_ref().map_or(0, |d| {
+            let (waiting, unsettled) = d.depth();
+            waiting + unsettled
+        })
     }
 
     fn topics(&self) -> MutexGuard<'_, HashMap<String, Topic>> {
@@ -88,7 +104,7 @@ impl MemoryBroker {
 
     fn receiver(&self, queue: Arc<Queue>, sub: &Subscription) -> MemoryReceiver {
         let id = self.inner.next_receiver.fetch_add(1, Ordering::Relaxed);
-        MemoryReceiver::new(queue, id, sub)
+        MemoryReceiver::new(queue, id, sub, self.inner.switches.clone())
     }
 }
 
@@ -174,48 +190,6 @@ impl Broker for MemoryBroker {
             .ok_or_else(|| BrokerError::Unroutable(subscription.source.clone()))?;
         queue.push(Entry::new(message, None));
         Ok(())
-    }
-}
-
-/// Test hooks: make routes fail, look at queue depths.
-pub struct Faults {
-    broker: MemoryBroker,
-}
-
-impl Faults {
-    /// Make `sub`'s dead-letter queue refuse (or accept again) new messages.
-    pub fn set_dead_letter_available(&self, sub: &Subscription, available: bool) {
-        if let Some(dlq) = self.broker.group(sub).dlq.clone() {
-            dlq.available.store(available, Ordering::SeqCst);
-        }
-    }
-
-    /// Make `sub`'s retry route refuse (or accept again) retries.
-    pub fn set_retry_available(&self, sub: &Subscription, available: bool) {
-        self.broker
-            .group(sub)
-            .retry_available
-            .store(available, Ordering::SeqCst);
-    }
-
-    /// Messages in `sub`'s queue: (ready + delayed, unsettled).
-    pub fn depth(&self, sub: &Subscription) -> (usize, usize) {
-        let q = self.broker.group(sub);
-        let s = q.lock();
-        (s.ready.len() + s.delayed.len(), s.unacked.len())
-    }
-
-    /// Messages in `sub`'s dead-letter queue (ready + unsettled).
-    pub fn dead_letter_depth(&self, sub: &Subscription) -> usize {
-        self.broker
-            .group(sub)
-            .dlq
-            .as_ref()
-            .map(|d| {
-                let s = d.lock();
-                s.ready.len() + s.unacked.len()
-            })
-            .unwrap_or(0)
     }
 }
 

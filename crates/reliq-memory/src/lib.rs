@@ -22,8 +22,8 @@
 //!
 //! Capabilities: rejects unroutable publishes, exact retry delays, a delivery limit and
 //! per-consumer redelivery; a release or a crash does not use an attempt, and publishes
-//! are not deduplicated. [`MemoryBroker::faults`] makes a DLQ or a retry route refuse and
-//! shows queue depths, for tests.
+//! are not deduplicated. With the `test-util` feature, `MemoryBroker::faults` makes a
+//! consumer's DLQ or retry route refuse, and `MemoryBroker::depth` shows queue depths.
 //!
 //! All timing uses tokio's clock, so it runs under `tokio::time::pause()`: a 5-minute
 //! retry schedule is tested in milliseconds.
@@ -46,7 +46,9 @@ mod dead_letters;
 mod queue;
 mod receiver;
 
-pub use broker::{Faults, MemoryBroker};
+pub use broker::MemoryBroker;
+#[cfg(feature = "test-util")]
+pub use reliq_core::faults::Faults;
 
 /// The URL schemes this backend serves (`reliq::connect` dispatches on them).
 pub const SCHEMES: &[&str] = &["memory"];

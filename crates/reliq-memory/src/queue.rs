@@ -3,10 +3,9 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use reliq_core::{BrokerError, Delivery, Message};
+use reliq_core::{Delivery, Message};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -77,6 +76,14 @@ pub(crate) struct QueueState {
     pub(crate) next_lease_due: Option<Instant>,
 }
 
+/// The fault switches a broker's receivers consult: reliq-core's `Faults` with the
+/// `test-util` feature, nothing without it.
+#[cfg(feature = "test-util")]
+pub(crate) type Switches = Arc<reliq_core::faults::Faults>;
+/// The fault switches a broker's receivers consult: nothing without `test-util`.
+#[cfg(not(feature = "test-util"))]
+pub(crate) type Switches = ();
+
 /// A consumer group's queue, or a dead-letter queue (which has no `dlq` of its own).
 pub(crate) struct Queue {
     pub(crate) name: String,
@@ -87,8 +94,6 @@ pub(crate) struct Queue {
     pub(crate) dlq: Option<Arc<Queue>>,
     state: Mutex<QueueState>,
     pub(crate) notify: Notify,
-    pub(crate) available: AtomicBool,
-    pub(crate) retry_available: AtomicBool,
 }
 
 impl Queue {
@@ -107,13 +112,18 @@ impl Queue {
             dlq,
             state: Mutex::new(QueueState::default()),
             notify: Notify::new(),
-            available: AtomicBool::new(true),
-            retry_available: AtomicBool::new(true),
         }
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, QueueState> {
         lock(&self.state)
+    }
+
+    /// (ready + delayed, unsettled).
+    #[cfg(feature = "test-util")]
+    pub(crate) fn depth(&self) -> (usize, usize) {
+        let s = self.lock();
+        (s.ready.len() + s.delayed.len(), s.unacked.len())
     }
 
     pub(crate) fn accepts(&self, route: Option<&str>) -> bool {
@@ -134,16 +144,9 @@ impl Queue {
         self.notify.notify_waiters();
     }
 
-    /// Put a dead letter on this (dead-letter) queue, if it is available.
-    pub(crate) fn push_dead(&self, message: Message) -> Result<(), BrokerError> {
-        if !self.available.load(Ordering::SeqCst) {
-            return Err(BrokerError::rejected(format!(
-                "dead-letter queue `{}` is unavailable",
-                self.name
-            )));
-        }
+    /// Put a dead letter on this (dead-letter) queue.
+    pub(crate) fn push_dead(&self, message: Message) {
         self.push(Entry::new(message, None));
-        Ok(())
     }
 }
 

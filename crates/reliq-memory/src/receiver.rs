@@ -2,7 +2,6 @@
 
 use std::cmp::Reverse;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -13,7 +12,7 @@ use reliq_core::{
 };
 use tokio::time::Instant;
 
-use crate::queue::{Delayed, Entry, Queue, QueueState, Unacked};
+use crate::queue::{Delayed, Entry, Queue, QueueState, Switches, Unacked};
 
 /// One member of a consumer group: hands out the group's messages, at most `prefetch`
 /// unsettled at a time, each leased for `lease`.
@@ -25,11 +24,13 @@ pub(crate) struct MemoryReceiver {
     lease: Duration,
     consumer: String,
     clock: Clock,
+    #[cfg_attr(not(feature = "test-util"), allow(dead_code))]
+    switches: Switches,
 }
 
 impl MemoryReceiver {
     /// Receiver number `id` of `queue`, with `sub`'s prefetch and lease.
-    pub(crate) fn new(queue: Arc<Queue>, id: u64, sub: &Subscription) -> Self {
+    pub(crate) fn new(queue: Arc<Queue>, id: u64, sub: &Subscription, switches: Switches) -> Self {
         Self {
             queue,
             id,
@@ -38,7 +39,21 @@ impl MemoryReceiver {
             lease: sub.lease,
             consumer: sub.consumer.clone(),
             clock: Clock::new(),
+            switches,
         }
+    }
+
+    /// Put `dead` on `dlq`, unless a test broke dead-lettering for this consumer.
+    fn push_dead(&self, dlq: &Queue, dead: Message) -> Result<(), BrokerError> {
+        #[cfg(feature = "test-util")]
+        if self.switches.dead_letter_broken(&self.consumer) {
+            return Err(BrokerError::rejected(format!(
+                "dead-letter queue `{}` is unavailable",
+                dlq.name
+            )));
+        }
+        dlq.push_dead(dead);
+        Ok(())
     }
 
     /// The queue's tag of `d`, if this receiver handed it out.
@@ -131,7 +146,7 @@ impl MemoryReceiver {
                     },
                 }
                 .write(dead.headers_mut());
-                match dlq.push_dead(dead) {
+                match self.push_dead(dlq, dead) {
                     Ok(()) => {
                         tracing::warn!(queue = %self.queue.name, id = %entry.message.id(),
                             deliveries = limit, "delivery limit reached; moved to the dead-letter queue");
@@ -243,7 +258,8 @@ impl Receiver for MemoryReceiver {
     }
 
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
-        if !self.queue.retry_available.load(Ordering::SeqCst) {
+        #[cfg(feature = "test-util")]
+        if self.switches.retry_broken(&self.consumer) {
             return Err(BrokerError::rejected(format!(
                 "retry route of `{}` is unavailable",
                 self.queue.name
@@ -278,7 +294,7 @@ impl Receiver for MemoryReceiver {
             }
         }
         // Confirmed copy first, then settle the source.
-        dlq.push_dead(dead)?;
+        self.push_dead(dlq, dead)?;
         self.take(&mut self.queue.lock(), self.tag(delivery)?)?;
         self.queue.notify.notify_waiters();
         Ok(())

@@ -174,7 +174,8 @@ impl NatsBroker {
     }
 
     /// Delete the subscription's DLQ stream (for fault-injection tests: the DLQ becomes
-    /// unavailable; [`NatsBroker::declare_dead_letters`] restores it).
+    /// unavailable; [`NatsBroker::declare_dead_letters`] restores it). Feature `test-util`.
+    #[cfg(feature = "test-util")]
     pub async fn delete_dead_letters(&self, sub: &Subscription) -> Result<(), BrokerError> {
         self.inner
             .js

@@ -60,7 +60,8 @@ pub use names::{
 };
 pub use options::{ExistingConsumer, NatsOptions};
 
-/// Test fault switches (shared by every backend).
+/// Test fault switches (shared by every backend; feature `test-util`).
+#[cfg(feature = "test-util")]
 pub use reliq_core::faults::Faults;
 
 /// The URL schemes this backend serves (`reliq::connect` dispatches on them).

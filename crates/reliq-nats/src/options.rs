@@ -1,8 +1,10 @@
 //! Connection settings.
 
+#[cfg(feature = "test-util")]
 use std::sync::Arc;
 use std::time::Duration;
 
+#[cfg(feature = "test-util")]
 use crate::Faults;
 
 /// What to do when a durable consumer already exists with a different configuration
@@ -33,7 +35,8 @@ pub struct NatsOptions {
     /// in-flight window, however many there are. What this process holds stays bounded by
     /// `prefetch` (demand-driven pulls).
     pub retry_headroom: u32,
-    /// Fault injection for tests (see [`Faults`]).
+    /// Fault injection for tests (see [`Faults`]; feature `test-util`).
+    #[cfg(feature = "test-util")]
     pub faults: Option<Arc<Faults>>,
 }
 
@@ -44,6 +47,7 @@ impl Default for NatsOptions {
             confirm_acks: true,
             existing_consumer: ExistingConsumer::Error,
             retry_headroom: 1000,
+            #[cfg(feature = "test-util")]
             faults: None,
         }
     }

@@ -383,6 +383,7 @@ impl Receiver for NatsReceiver {
     }
 
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
+        #[cfg(feature = "test-util")]
         if let Some(faults) = &self.broker.inner.options.faults
             && faults.retry_broken(&self.sub.consumer)
         {

@@ -325,7 +325,9 @@ impl SqsBroker {
     }
 
     /// Delete the subscription's dead-letter queue (for fault-injection tests: the DLQ
-    /// becomes unavailable; [`SqsBroker::declare_dead_letters`] restores it).
+    /// becomes unavailable; [`SqsBroker::declare_dead_letters`] restores it). Feature
+    /// `test-util`.
+    #[cfg(feature = "test-util")]
     pub async fn delete_dead_letters(&self, sub: &Subscription) -> Result<(), BrokerError> {
         if let Some(url) = self
             .queue_url(&names::dead_letter_queue_name(sub, self.inner.options.fifo))

@@ -58,7 +58,9 @@ mod receiver;
 pub use broker::SqsBroker;
 pub use dead_letters::SqsDeadLetters;
 pub use error::SqsError;
-pub use options::{Faults, MAX_VISIBILITY, SqsOptions};
+#[cfg(feature = "test-util")]
+pub use options::Faults;
+pub use options::{MAX_VISIBILITY, SqsOptions};
 
 /// The URL schemes this backend serves (`reliq::connect` dispatches on them).
 pub const SCHEMES: &[&str] = &["sqs"];

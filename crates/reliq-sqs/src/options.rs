@@ -1,5 +1,6 @@
 //! Settings of an SQS connection.
 
+#[cfg(feature = "test-util")]
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,7 +44,8 @@ pub struct SqsOptions {
     /// retries. Replay (`send_to_consumer`) uses a fresh deduplication id, so it is not
     /// dropped as a duplicate of the original.
     pub fifo: bool,
-    /// Fault injection for tests (see [`Faults`]).
+    /// Fault injection for tests (see [`Faults`]; feature `test-util`).
+    #[cfg(feature = "test-util")]
     pub faults: Option<Arc<Faults>>,
 }
 
@@ -58,10 +60,12 @@ impl Default for SqsOptions {
             dead_letter_count_scan_max: 1_000,
             batch_window: Duration::from_millis(5),
             fifo: false,
+            #[cfg(feature = "test-util")]
             faults: None,
         }
     }
 }
 
-/// Test fault switches (shared by every backend).
+/// Test fault switches (shared by every backend; feature `test-util`).
+#[cfg(feature = "test-util")]
 pub use reliq_core::faults::Faults;

@@ -485,6 +485,12 @@ impl SqsReceiver {
         Self { shared }
     }
 
+    #[cfg(not(feature = "test-util"))]
+    fn retry_broken(&self) -> bool {
+        false
+    }
+
+    #[cfg(feature = "test-util")]
     fn retry_broken(&self) -> bool {
         self.shared
             .broker

@@ -63,7 +63,9 @@ impl ConsumerHandle {
 
     /// Stop as if the process died: nothing in flight is settled or released; the
     /// receiver is dropped without closing, so the broker redelivers what was unsettled
-    /// (after its lease / on connection loss). For tests of crash behaviour.
+    /// (after its lease / on connection loss). For tests of crash behaviour (feature
+    /// `test-util`).
+    #[cfg(feature = "test-util")]
     pub async fn crash(self) {
         // Fired before the stop, so the receive loop sees the crash when it stops.
         self.shared.crash().fire();
@@ -80,6 +82,7 @@ pub(super) trait Control: Send + Sync {
     fn stats(&self) -> &Stats;
     fn tracker(&self) -> &TaskTracker;
     fn hard_stop(&self) -> &Signal;
+    #[cfg(feature = "test-util")]
     fn crash(&self) -> &Signal;
 }
 
@@ -93,6 +96,7 @@ impl<F: Send + Sync> Control for Shared<F> {
     fn hard_stop(&self) -> &Signal {
         &self.hard_stop
     }
+    #[cfg(feature = "test-util")]
     fn crash(&self) -> &Signal {
         &self.crash
     }
