@@ -50,6 +50,7 @@ pub mod envelope;
 pub mod faults;
 pub mod headers;
 pub mod inbox;
+pub mod lease;
 pub mod message;
 pub mod outbox;
 pub mod replay;

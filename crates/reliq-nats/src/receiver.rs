@@ -9,6 +9,7 @@ use async_nats::jetstream::{self, AckKind, consumer::pull};
 use async_trait::async_trait;
 use futures::{FutureExt, StreamExt};
 use reliq_core::headers::{self, Origin};
+use reliq_core::lease::{self, Renewed};
 use reliq_core::{
     BrokerError, Delivery, DeliveryToken, Message, Receiver, ReceiverId, RetryRequest, Subscription,
 };
@@ -252,18 +253,13 @@ impl NatsReceiver {
         let origin_of_copy = copied.unwrap_or_else(|| (seq, message.subject.to_string()));
         let settled = self.closed.child_token();
         // Keep long handlers leased: +WPI every half lease until settled or closed.
-        let keepalive = (acker.clone(), settled.clone(), self.sub.lease / 2);
-        tokio::spawn(async move {
-            let (acker, settled, every) = keepalive;
-            let every = every.max(Duration::from_millis(100));
-            loop {
-                tokio::select! {
-                    _ = settled.cancelled() => break,
-                    _ = tokio::time::sleep(every) => {
-                        if acker.ack_with(AckKind::Progress).await.is_err() {
-                            break;
-                        }
-                    }
+        let progress = acker.clone();
+        lease::keep_leased(settled.clone(), self.sub.lease / 2, None, move || {
+            let acker = progress.clone();
+            async move {
+                match acker.ack_with(AckKind::Progress).await {
+                    Ok(()) => Renewed::Yes,
+                    Err(_) => Renewed::Stop,
                 }
             }
         });

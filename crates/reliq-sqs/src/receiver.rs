@@ -9,6 +9,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use aws_sdk_sqs::types::MessageSystemAttributeName;
 use reliq_core::headers::Origin;
+use reliq_core::lease::Renewed;
 use reliq_core::{
     BrokerError, Delivery, DeliveryToken, Message, Receiver, ReceiverId, RetryRequest, Subscription,
 };
@@ -182,12 +183,12 @@ impl Shared {
         });
         held.insert(sqs_id.clone(), lease.clone());
         drop(held);
-        tokio::spawn(extend(
+        extend(
             self.broker.clone(),
             self.declared.url.clone(),
             lease.clone(),
             self.sub.lease,
-        ));
+        );
         let origin = Origin {
             destination: self.sub.source.as_str().into(),
             route: decoded.route,
@@ -343,33 +344,32 @@ async fn change_visibility(
 
 /// Renew a delivery's lease every lease/3 until it is settled, the receiver is gone, or
 /// the maximum extension is reached.
-async fn extend(broker: SqsBroker, url: String, lease: Arc<Lease>, every: Duration) {
+fn extend(broker: SqsBroker, url: String, lease: Arc<Lease>, every: Duration) {
     let seconds = whole_seconds(every).max(1);
-    let period = (every / 3).max(Duration::from_millis(100));
-    let deadline = tokio::time::Instant::now() + broker.inner.options.max_lease_extension;
-    loop {
-        tokio::select! {
-            _ = lease.settled.cancelled() => return,
-            _ = tokio::time::sleep(period) => {}
+    let max = broker.inner.options.max_lease_extension;
+    let settled = lease.settled.clone();
+    reliq_core::lease::keep_leased(settled, every / 3, Some(max), move || {
+        let (broker, url, lease) = (broker.clone(), url.clone(), lease.clone());
+        async move {
+            // Held across the renewal: settling waits for it, so no renewal follows a
+            // delete with a stale receipt.
+            let _guard = lease.lock.lock().await;
+            if lease.settled.is_cancelled() {
+                return Renewed::Stop;
+            }
+            // The latest receipt: SQS renews only through the latest receive's handle.
+            let Some(receipt) = lease.latest() else {
+                return Renewed::Stop;
+            };
+            match change_visibility(&broker, &url, &receipt, seconds).await {
+                Ok(()) => Renewed::Yes,
+                Err(e) => {
+                    tracing::warn!(error = %e, "renewing a lease failed; SQS may deliver the message again");
+                    Renewed::Stop
+                }
+            }
         }
-        let _guard = lease.lock.lock().await;
-        if lease.settled.is_cancelled() {
-            return;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            tracing::warn!(max = ?broker.inner.options.max_lease_extension,
-                "handler ran past the maximum lease extension; SQS may deliver the message again");
-            return;
-        }
-        // The latest receipt: SQS renews only through the latest receive's handle.
-        let Some(receipt) = lease.latest() else {
-            return;
-        };
-        if let Err(e) = change_visibility(&broker, &url, &receipt, seconds).await {
-            tracing::warn!(error = %e, "renewing a lease failed; SQS may deliver the message again");
-            return;
-        }
-    }
+    });
 }
 
 /// The background long poll: asks for at most `min(10, prefetch − outstanding)` messages,
