@@ -343,6 +343,15 @@ impl DeliveryToken {
         self.extra.as_ref()?.downcast_ref::<T>()
     }
 
+    /// The backend's part of this token, if `receiver` made it (and it holds a `T`);
+    /// [`BrokerError::ForeignDelivery`] otherwise. The one check a backend's settle
+    /// methods start with.
+    pub fn extra_of<T: Any>(&self, receiver: ReceiverId) -> Result<&T, BrokerError> {
+        self.check(receiver)?
+            .extra::<T>()
+            .ok_or(BrokerError::ForeignDelivery)
+    }
+
     /// This token, if `receiver` made it; [`BrokerError::ForeignDelivery`] otherwise.
     pub fn check(&self, receiver: ReceiverId) -> Result<&Self, BrokerError> {
         if self.receiver == receiver {

@@ -157,10 +157,7 @@ impl Pulls {
 
 impl NatsReceiver {
     fn token<'d>(&self, d: &'d Delivery) -> Result<&'d NatsToken, BrokerError> {
-        d.token()
-            .check(self.owner)?
-            .extra::<NatsToken>()
-            .ok_or(BrokerError::ForeignDelivery)
+        d.token().extra_of::<NatsToken>(self.owner)
     }
 
     async fn settle(&self, d: &Delivery, kind: AckKind) -> Result<(), BrokerError> {
