@@ -9,7 +9,9 @@
 //! either way.
 //!
 //! Backends (reliq-memory, reliq-kafka, reliq-rabbit, reliq-nats, reliq-sqs) implement
-//! the small [`Broker`] / [`Receiver`] seam; everything else is here, written once. The
+//! the small [`Broker`] / [`Receiver`] / [`DeadLetters`] seam — its contract and
+//! everything a backend uses is in [`seam`], one page; everything else is here, written
+//! once. The
 //! durable stores (reliq-postgres, reliq-sqlite) implement [`Inbox`] and
 //! [`OutboxStore`]; the outbox [`Relay`] and the [`Duplicate`] answer of a handler's
 //! transactional inbox claim are here too.
@@ -55,6 +57,7 @@ pub mod message;
 pub mod outbox;
 pub mod replay;
 pub mod retry;
+pub mod seam;
 pub mod telemetry;
 
 pub use batch::{Batch, BatchError};
