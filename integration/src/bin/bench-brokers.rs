@@ -851,13 +851,14 @@ async fn main() -> anyhow::Result<()> {
         let failing = n.min(2000);
         let failure = reliq_consume(&broker, Handling::FailOnce, failing, fill).await?;
         let path = failing as f64 / failure.per_sec;
-        // The broker's own limit for this work: per message, one confirmed publish (the
-        // retry copy) and two deliveries, at the raw client's median rates of this run.
+        // What the broker costs this work: per message, one confirmed publish (the retry
+        // copy) and two deliveries, at the raw client's median rates of this run, done one
+        // step after another (the runtime overlaps them, so it can come in under this).
         let raw_publish = median(&mut publish.raw.iter().map(|r| r.per_sec).collect::<Vec<_>>());
         let raw_consume = median(&mut consume.raw.iter().map(|r| r.per_sec).collect::<Vec<_>>());
         let limit = 1.0 / (1.0 / raw_publish + 2.0 / raw_consume);
         println!(
-            "  failure path ({failing} messages, each failing once, retried after the 1 s tier; first delivery -> last success): {path:.2} s = reliq {:.0} msg/s, CPU {:.1} µs/msg\n  {:<20} the broker's limit for that work (1 confirmed publish + 2 deliveries per message at this run's raw rates {raw_publish:.0} / {raw_consume:.0} msg/s): {limit:.0} msg/s, so at best 1 s + {:.2} s = {:.2} s",
+            "  failure path ({failing} messages, each failing once, retried after the 1 s tier; first delivery -> last success): {path:.2} s = reliq {:.0} msg/s, CPU {:.1} µs/msg\n  {:<20} the raw client doing that work (1 confirmed publish + 2 deliveries per message) at this run's raw rates ({raw_publish:.0} / {raw_consume:.0} msg/s), one step after another: {limit:.0} msg/s, 1 s + {:.2} s = {:.2} s (a pipelined path can beat it)",
             failure.per_sec,
             failure.cpu_us,
             "",
