@@ -18,13 +18,19 @@
 //! ```
 
 mod dead_letter_reader;
+mod dead_lettering;
+mod delivery;
+mod flow;
 mod lifecycle;
-mod scenarios;
+mod retries;
 pub mod support;
 
 pub use dead_letter_reader::*;
+pub use dead_lettering::*;
+pub use delivery::*;
+pub use flow::*;
 pub use lifecycle::*;
-pub use scenarios::*;
+pub use retries::*;
 pub use support::{Backend, Ctx, browse_all};
 
 /// Stamp out one test per scenario for a backend.

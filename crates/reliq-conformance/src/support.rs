@@ -12,6 +12,7 @@ use reliq_core::{
     Broker, Consumer, ConsumerBuilder, Cursor, DeadLetter, DeadLetterEntry, DeadLetters, Delivery,
     Destination, Message, MessageId, RetryPolicy, Subscription,
 };
+use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 /// A backend under test: a connection factory plus fault hooks.
@@ -229,6 +230,17 @@ pub fn unique(base: &str) -> String {
         .take(32)
         .collect();
     format!("{base}-{}-{n}-{nanos}", std::process::id())
+}
+
+/// The JSON payload of the scenarios' ordinary messages.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Order {
+    pub(crate) n: u32,
+}
+
+/// A message carrying [`Order`] `n`.
+pub(crate) fn order(n: u32) -> Message {
+    Message::json(&Order { n }).unwrap_or_else(|_| Message::new(n.to_string()))
 }
 
 /// One handler call.

@@ -1,0 +1,373 @@
+//! Scenarios of flow control and concurrency: `max_in_flight` and `concurrency` bounds,
+//! backpressure on a large backlog, per-key order with concurrency, graceful shutdown,
+//! and batch handlers.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
+use std::time::Duration;
+
+use anyhow::ensure;
+use reliq_core::{
+    Batch, BatchError, BoxError, DeadLetterReason, Delivery, DeliveryOrder, Message, MessageId,
+    Poison, Transient,
+};
+
+use crate::support::{Backend, Ctx, Order, Recorder, order, soon, wait_until};
+use tokio::time::Instant;
+
+/// `max_in_flight` (and `concurrency`) are never exceeded under a 1,000 backlog.
+pub async fn max_in_flight_never_exceeded(b: &dyn Backend) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "in-flight").await?;
+    let rec = Recorder::new();
+    let r = rec.clone();
+    let h = ctx
+        .consumer("c")
+        .max_in_flight(16)
+        .concurrency(4)
+        .start(move |d: Delivery| {
+            let r = r.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                r.effect(d.id());
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await?;
+    ctx.publish_all((0..1000).map(order).collect()).await?;
+    wait_until("1,000 processed", soon(b) * 2, || {
+        rec.effect_count() == 1000
+    })
+    .await?;
+    let s = h.shutdown().await.stats;
+    ensure!(s.max_in_flight <= 16, "held {} at once", s.max_in_flight);
+    ensure!(s.max_running <= 4, "ran {} handlers at once", s.max_running);
+    ensure!(
+        s.max_running >= 2,
+        "concurrency not used: {}",
+        s.max_running
+    );
+    Ok(())
+}
+
+/// Shutdown: stop receiving, finish or release in-flight work; a second consumer gets
+/// the rest; every message has exactly one effect and no settlement failed.
+pub async fn graceful_shutdown_loses_nothing_and_settles_once(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "shutdown").await?;
+    let rec = Recorder::new();
+    // Start times of the handlers running right now.
+    let running: Arc<std::sync::Mutex<Vec<(MessageId, Instant)>>> = Arc::default();
+    let handler = |rec: Recorder, running: Arc<std::sync::Mutex<Vec<(MessageId, Instant)>>>| {
+        move |d: Delivery| {
+            let (r, running) = (rec.clone(), running.clone());
+            async move {
+                let lock = || running.lock().unwrap_or_else(|p| p.into_inner());
+                lock().push((d.id().clone(), Instant::now()));
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                r.effect(d.id());
+                lock().retain(|(id, _)| id != d.id());
+                Ok::<(), BoxError>(())
+            }
+        }
+    };
+    let h = ctx
+        .consumer_on(b.connect().await?, "c")
+        .max_in_flight(8)
+        .shutdown_timeout(Duration::from_millis(100))
+        .start(handler(rec.clone(), running.clone()))
+        .await?;
+    let msgs: Vec<Message> = (0..40).map(order).collect();
+    let ids: HashSet<MessageId> = msgs.iter().map(|m| m.id().clone()).collect();
+    ctx.publish_all(msgs).await?;
+    // Shut down while some work is done and a handler started less than 300 ms ago: it
+    // cannot finish (1 s) within the 100 ms shutdown timeout, so something is released.
+    wait_until("some processed and a handler just started", soon(b), || {
+        let fresh = running
+            .lock()
+            .map(|r| {
+                r.iter()
+                    .any(|(_, t)| t.elapsed() < Duration::from_millis(300))
+            })
+            .unwrap_or(false);
+        rec.effect_count() >= 8 && fresh
+    })
+    .await?;
+    let first = h.shutdown().await;
+    ensure!(
+        !first.drained && first.stats.released > 0,
+        "the short deadline must release some: {:?}",
+        first.stats
+    );
+    ensure!(first.stats.settle_failures == 0, "{:?}", first.stats);
+    let h = ctx
+        .consumer_on(b.connect().await?, "c")
+        .max_in_flight(8)
+        .start(handler(rec.clone(), running.clone()))
+        .await?;
+    wait_until("all 40 processed", soon(b), || rec.effect_count() == 40).await?;
+    let second = h.shutdown().await;
+    ensure!(
+        second.drained && second.stats.settle_failures == 0,
+        "{:?}",
+        second.stats
+    );
+    let effects = rec.effects();
+    ensure!(effects.keys().cloned().collect::<HashSet<_>>() == ids);
+    ensure!(
+        effects.values().all(|n| *n == 1),
+        "a message took effect twice"
+    );
+    ensure!(
+        first.stats.processed + second.stats.processed == 40,
+        "acked {} + {}",
+        first.stats.processed,
+        second.stats.processed
+    );
+    Ok(())
+}
+
+/// Per-key ordering with concurrency > 1: each key in order, keys in parallel.
+pub async fn per_key_order_kept_with_concurrency(b: &dyn Backend) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "per-key").await?;
+    let seen: Arc<std::sync::Mutex<HashMap<String, Vec<u32>>>> = Arc::default();
+    let s2 = seen.clone();
+    let h = ctx
+        .consumer("c")
+        .max_in_flight(64)
+        .concurrency(8)
+        .ordering(DeliveryOrder::PerKey)
+        .start(move |d: Delivery| {
+            let seen = s2.clone();
+            async move {
+                let o: Order = d.json()?;
+                // Later messages finish faster: without per-key ordering they overtake.
+                tokio::time::sleep(Duration::from_millis(u64::from(40 - o.n % 40))).await;
+                let key = d.key().unwrap_or_default().to_owned();
+                seen.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(key)
+                    .or_default()
+                    .push(o.n);
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await?;
+    // One at a time: concurrent publishes may land in the broker in any order.
+    for n in 0..40u32 {
+        for k in 0..5 {
+            ctx.publish(order(n).with_key(format!("key-{k}"))).await?;
+        }
+    }
+    wait_until("200 handled", soon(b), || {
+        seen.lock()
+            .map(|m| m.values().map(Vec::len).sum::<usize>() == 200)
+            .unwrap_or(false)
+    })
+    .await?;
+    let s = h.shutdown().await.stats;
+    let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    for (k, v) in &seen {
+        ensure!(
+            v == &(0..40).collect::<Vec<u32>>(),
+            "key {k} out of order: {v:?}"
+        );
+    }
+    ensure!(
+        s.max_running >= 2,
+        "keys must run in parallel (max running {})",
+        s.max_running
+    );
+    Ok(())
+}
+
+/// Slow handler, 10,000 queued: what the consumer holds stays within the prefetch bound.
+pub async fn backpressure_bounds_buffered_messages(b: &dyn Backend) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "backpressure").await?;
+    let sub_name = "c";
+    let started = Arc::new(AtomicU32::new(0));
+    let s = started.clone();
+    let h = ctx
+        .consumer(sub_name)
+        .max_in_flight(16)
+        .concurrency(2)
+        .start(move |_d: Delivery| {
+            let s = s.clone();
+            async move {
+                s.fetch_add(1, AtomicOrdering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await?;
+    let backlog = b.backpressure_backlog();
+    ctx.publish_all((0..backlog).map(order).collect()).await?;
+    wait_until("handling under way", soon(b), || {
+        started.load(AtomicOrdering::Relaxed) >= 20
+    })
+    .await?;
+    for _ in 0..5 {
+        let st = h.stats();
+        ensure!(st.in_flight <= 16, "holding {} > prefetch 16", st.in_flight);
+        if let Some(n) = b.unsettled(&ctx.broker, &ctx.subscription(sub_name)).await {
+            ensure!(n <= 16, "the broker handed out {n} > 16 unsettled");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let st = h.stats();
+    ensure!(st.max_in_flight <= 16 && st.max_running <= 2, "{st:?}");
+    ensure!(
+        st.received < u64::from(backlog),
+        "everything was pulled in: {st:?}"
+    );
+    h.shutdown().await;
+    Ok(())
+}
+
+/// A batch handler: the deliveries it names as failed take the failure path one by one
+/// (poison → DLQ at once, transient → retried after its delay), the rest are
+/// acknowledged once; no batch is larger than `batch_size`.
+pub async fn batch_handler_settles_each_delivery_by_its_outcome(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
+    const BATCH: usize = 16;
+    let ctx = Ctx::new(b, "batch").await?;
+    let rec = Recorder::new();
+    let largest = Arc::new(AtomicU32::new(0));
+    let (r, l) = (rec.clone(), largest.clone());
+    let h = ctx
+        .consumer("c")
+        .batch_size(BATCH)
+        .start_batch(move |batch: Batch| {
+            let (rec, largest) = (r.clone(), l.clone());
+            async move {
+                largest.fetch_max(batch.len() as u32, AtomicOrdering::Relaxed);
+                let mut failed = BatchError::new();
+                for (i, d) in batch.iter().enumerate() {
+                    rec.call(d);
+                    match d.text()? {
+                        "poison" => failed.fail(i, Poison::msg("unreadable order")),
+                        "flaky" if d.attempt() == 1 => failed.fail(i, Transient::msg("db busy")),
+                        _ => rec.effect(d.id()),
+                    }
+                }
+                failed.into_result()
+            }
+        })
+        .await?;
+    let mut ids: HashMap<&str, Vec<MessageId>> = HashMap::new();
+    let mut messages = Vec::new();
+    for i in 0..60 {
+        let kind = ["poison", "flaky", "ok"][i % 3];
+        let m = Message::new(kind);
+        ids.entry(kind).or_default().push(m.id().clone());
+        messages.push(m);
+    }
+    ctx.publish_all(messages).await?;
+    wait_until("40 handled", soon(b), || rec.effect_count() == 40).await?;
+    let dead = ctx.take_dead_letters("c", 20, soon(b)).await?;
+    let dead_ids: HashSet<MessageId> = dead.iter().map(|(d, _)| d.id().clone()).collect();
+    ensure!(
+        dead_ids == ids["poison"].iter().cloned().collect::<HashSet<_>>(),
+        "the dead letters are not exactly the poison messages"
+    );
+    for (_, record) in &dead {
+        ensure!(
+            record.reason == DeadLetterReason::Poison && record.attempts == 1,
+            "dead-letter record {record:?}"
+        );
+    }
+    let attempts =
+        |id: &MessageId| -> Vec<u32> { rec.calls_for(id).iter().map(|c| c.attempt).collect() };
+    for id in &ids["ok"] {
+        ensure!(
+            attempts(id) == vec![1],
+            "ok message {id}: attempts {:?}",
+            attempts(id)
+        );
+    }
+    for id in &ids["flaky"] {
+        ensure!(
+            attempts(id) == vec![1, 2],
+            "flaky message {id}: attempts {:?}",
+            attempts(id)
+        );
+    }
+    for id in &ids["poison"] {
+        ensure!(
+            attempts(id) == vec![1],
+            "poison message {id}: attempts {:?}",
+            attempts(id)
+        );
+    }
+    ensure!(
+        rec.effects().values().all(|n| *n == 1),
+        "an effect happened twice"
+    );
+    let most = largest.load(AtomicOrdering::Relaxed) as usize;
+    ensure!(most <= BATCH, "a batch of {most} > batch_size {BATCH}");
+    let s = h.shutdown().await.stats;
+    ensure!(
+        s.processed == 40 && s.retried == 20 && s.dead_lettered == 20 && s.in_flight == 0,
+        "{s:?}"
+    );
+    Ok(())
+}
+
+/// A backlog waiting in the broker reaches a batch handler in batches: fewer handler
+/// calls than messages, none larger than `batch_size`, every message handled once.
+pub async fn batch_handler_gets_a_backlog_in_batches(b: &dyn Backend) -> anyhow::Result<()> {
+    const BATCH: usize = 16;
+    const N: usize = 100;
+    let ctx = Ctx::new(b, "batch-backlog").await?;
+    // Declare the consumer's topology first, so the backlog waits for it.
+    ctx.broker
+        .subscribe(&ctx.subscription("c"))
+        .await?
+        .close()
+        .await?;
+    let messages: Vec<Message> = (0..N as u32).map(order).collect();
+    let ids: HashSet<MessageId> = messages.iter().map(|m| m.id().clone()).collect();
+    ctx.publish_all(messages).await?;
+    let rec = Recorder::new();
+    let sizes = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (r, s2) = (rec.clone(), sizes.clone());
+    let h = ctx
+        .consumer("c")
+        .batch_size(BATCH)
+        .start_batch(move |batch: Batch| {
+            s2.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(batch.len());
+            for d in &batch {
+                r.call(d);
+                r.effect(d.id());
+            }
+            async { Ok(()) }
+        })
+        .await?;
+    wait_until("the backlog handled", soon(b), || rec.effect_count() == N).await?;
+    let s = h.shutdown().await.stats;
+    let sizes = sizes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let effects = rec.effects();
+    ensure!(
+        effects.keys().cloned().collect::<HashSet<_>>() == ids,
+        "handled ids differ from the published ones"
+    );
+    ensure!(
+        effects.values().all(|n| *n == 1),
+        "a message was handled twice"
+    );
+    ensure!(
+        sizes.iter().all(|n| (1..=BATCH).contains(n)),
+        "batch sizes {sizes:?} (batch_size {BATCH})"
+    );
+    ensure!(
+        sizes.len() < N,
+        "{} handler calls for {N} waiting messages: never more than one per batch",
+        sizes.len()
+    );
+    ensure!(s.processed == N as u64 && s.in_flight == 0, "{s:?}");
+    Ok(())
+}

@@ -1,0 +1,299 @@
+//! Failure handling: handler timeouts, unknown errors, custom classification, the discard
+//! route, replay filters, and a handler's duplicate marker.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use reliq_core::{
+    BoxError, Classifier, Consumer, DeadLetterReason, Delivery, Destination, ErrorClass,
+    FinalRoute, Message, RetryPolicy, Subscription,
+};
+use reliq_memory::MemoryBroker;
+
+use crate::support::{dead_letters, secs, wait_for};
+
+#[tokio::test(start_paused = true)]
+async fn handler_timeout_is_transient_and_retried() {
+    use reliq_core::Broker;
+    let broker = MemoryBroker::new();
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let h = Consumer::builder(Arc::new(broker.clone()), "c")
+        .subscribe("t")
+        .retry(RetryPolicy::tiers([secs(5)]).max_attempts(3))
+        .handler_timeout(secs(1))
+        .start(move |d: Delivery| {
+            let c = c.clone();
+            async move {
+                c.fetch_add(1, Ordering::Relaxed);
+                if d.attempt() == 1 {
+                    tokio::time::sleep(secs(60)).await; // hangs past the timeout
+                }
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await
+        .unwrap();
+    broker
+        .publish(&Destination::new("t"), Message::new("x"))
+        .await
+        .unwrap();
+    wait_for("processed on the retry", || h.stats().processed == 1).await;
+    let s = h.shutdown().await.stats;
+    assert_eq!(
+        (s.retried, s.processed, calls.load(Ordering::Relaxed)),
+        (1, 1, 2)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn unknown_errors_get_the_small_budget_then_park() {
+    use reliq_core::Broker;
+    let broker = MemoryBroker::new();
+    let h = Consumer::builder(Arc::new(broker.clone()), "c")
+        .subscribe("t")
+        .retry(
+            RetryPolicy::tiers([secs(1)])
+                .max_attempts(10)
+                .unknown_max_attempts(2),
+        )
+        .start(|_d: Delivery| async move { Err::<(), BoxError>("something odd".into()) })
+        .await
+        .unwrap();
+    broker
+        .publish(&Destination::new("t"), Message::new("x"))
+        .await
+        .unwrap();
+    wait_for("dead-lettered", || h.stats().dead_lettered == 1).await;
+    h.shutdown().await;
+    let dead = dead_letters(&broker, "c", "t").await;
+    assert_eq!(dead.len(), 1);
+    let r = &dead[0].1;
+    assert_eq!(
+        (r.reason, r.error_class, r.attempts),
+        (DeadLetterReason::Exhausted, Some(ErrorClass::Unknown), 2)
+    );
+}
+
+#[derive(Debug)]
+struct NotFound;
+
+impl std::fmt::Display for NotFound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("row not found")
+    }
+}
+
+impl std::error::Error for NotFound {}
+
+#[tokio::test(start_paused = true)]
+async fn registered_rules_classify_library_errors() {
+    use reliq_core::Broker;
+    let broker = MemoryBroker::new();
+    let calls = Arc::new(AtomicU32::new(0));
+    let c = calls.clone();
+    let h = Consumer::builder(Arc::new(broker.clone()), "c")
+        .subscribe("t")
+        .classifier(Classifier::default().on::<NotFound>(|_| ErrorClass::Permanent))
+        .start(move |_d: Delivery| {
+            let c = c.clone();
+            async move {
+                c.fetch_add(1, Ordering::Relaxed);
+                Err::<(), BoxError>(Box::new(NotFound))
+            }
+        })
+        .await
+        .unwrap();
+    broker
+        .publish(&Destination::new("t"), Message::new("x"))
+        .await
+        .unwrap();
+    wait_for("dead-lettered", || h.stats().dead_lettered == 1).await;
+    h.shutdown().await;
+    assert_eq!(calls.load(Ordering::Relaxed), 1, "permanent: no retry");
+    assert_eq!(
+        dead_letters(&broker, "c", "t").await[0].1.reason,
+        DeadLetterReason::Permanent
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn discard_route_acks_and_counts_without_a_dlq_copy() {
+    use reliq_core::Broker;
+    let broker = MemoryBroker::new();
+    let h = Consumer::builder(Arc::new(broker.clone()), "c")
+        .subscribe("t")
+        .retry(RetryPolicy::no_retry().final_route(FinalRoute::Discard))
+        .start(|d: Delivery| async move {
+            let _: u32 = d.json()?;
+            Ok::<(), BoxError>(())
+        })
+        .await
+        .unwrap();
+    broker
+        .publish(&Destination::new("t"), Message::new("not json"))
+        .await
+        .unwrap();
+    wait_for("discarded", || h.stats().discarded == 1).await;
+    h.shutdown().await;
+    assert!(dead_letters(&broker, "c", "t").await.is_empty());
+    assert_eq!(
+        broker.depth(&Subscription::new("c", "t")),
+        (0, 0),
+        "acked, not left behind"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn replay_filters_by_class_reason_time_and_limit() {
+    use reliq_core::{Broker, ErrorClass, Replay, ReplayFilter};
+    let broker = MemoryBroker::new();
+    let shared: Arc<dyn Broker> = Arc::new(broker.clone());
+    let h = Consumer::builder(shared.clone(), "c")
+        .subscribe("t")
+        .start(|d: Delivery| async move {
+            match d.payload() {
+                b"bad" => Err::<(), BoxError>(reliq_core::Poison::msg("undecodable").into()),
+                _ => Err(reliq_core::Permanent::msg("rejected").into()),
+            }
+        })
+        .await
+        .unwrap();
+    for p in ["p1", "p2", "p3", "bad", "bad"] {
+        shared
+            .publish(&Destination::new("t"), Message::new(p))
+            .await
+            .unwrap();
+    }
+    wait_for("five dead letters", || h.stats().dead_lettered == 5).await;
+    h.shutdown().await;
+    let sub = Subscription::new("c", "t");
+    let later = reliq_core::Clock::new().now() + secs(3600);
+
+    let nothing = Replay::new(shared.clone(), sub.clone())
+        .filter(ReplayFilter::default().since(later))
+        .dry_run()
+        .await
+        .unwrap();
+    assert_eq!(
+        (nothing.scanned, nothing.matched.len()),
+        (5, 0),
+        "since excludes all"
+    );
+
+    let plan = Replay::new(shared.clone(), sub.clone())
+        .filter(
+            ReplayFilter::default()
+                .classes([ErrorClass::Permanent])
+                .until(later),
+        )
+        .dry_run()
+        .await
+        .unwrap();
+    assert_eq!(plan.matched.len(), 3);
+    assert!(
+        plan.matched
+            .iter()
+            .all(|e| e.record.reason == DeadLetterReason::Permanent)
+    );
+    assert_eq!(broker.dead_letter_depth(&sub), 5, "a dry run moves nothing");
+
+    let done = Replay::new(shared.clone(), sub.clone())
+        .filter(
+            ReplayFilter::default()
+                .reasons([DeadLetterReason::Poison])
+                .limit(1),
+        )
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!((done.matched.len(), done.replayed.len()), (1, 1), "limit 1");
+    assert_eq!(
+        broker.dead_letter_depth(&sub),
+        4,
+        "only the replayed copy left the DLQ"
+    );
+    assert_eq!(
+        broker.depth(&sub).0,
+        1,
+        "the replayed copy waits in the consumer's queue"
+    );
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("reserving stock")]
+struct Reserve(#[source] reliq_core::Duplicate);
+
+#[tokio::test(start_paused = true)]
+async fn handler_duplicate_marker_acks_skips_and_counts() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use reliq_core::Broker;
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder.install().unwrap();
+
+    // The handler's own "transactional" store: a set of applied ids.
+    let applied = Arc::new(Mutex::new(HashSet::new()));
+    let calls = Arc::new(AtomicU32::new(0));
+    let broker = MemoryBroker::new();
+    let (a, c) = (applied.clone(), calls.clone());
+    let h = Consumer::builder(Arc::new(broker.clone()), "dedup")
+        .subscribe("t")
+        .retry(RetryPolicy::tiers([secs(1)]).max_attempts(3))
+        .start(move |d: Delivery| {
+            let (a, c) = (a.clone(), c.clone());
+            async move {
+                c.fetch_add(1, Ordering::SeqCst);
+                let first = a.lock().unwrap().insert(d.id().clone());
+                let claim = if first {
+                    reliq_core::Claim::First
+                } else {
+                    reliq_core::Claim::Duplicate
+                };
+                match (claim.first_or_skip(), d.payload()) {
+                    (Ok(()), _) => Ok(()),
+                    // Wrapped in the handler's own error: found through `source()`.
+                    (Err(dup), b"wrapped") => Err(Box::new(Reserve(dup)) as BoxError),
+                    (Err(dup), _) => Err(dup.into()),
+                }
+            }
+        })
+        .await
+        .unwrap();
+    for payload in ["plain", "plain", "wrapped"] {
+        let m = Message::with_id_and_payload("same-id", payload);
+        broker.publish(&Destination::new("t"), m).await.unwrap();
+    }
+    wait_for("all settled", || {
+        let s = h.stats();
+        s.processed + s.duplicates == 3
+    })
+    .await;
+    let stats = h.shutdown().await.stats;
+    assert_eq!((stats.processed, stats.duplicates), (1, 2), "{stats:?}");
+    assert_eq!(
+        (stats.retried, stats.dead_lettered, stats.released),
+        (0, 0, 0)
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "no retry of a duplicate");
+    let sub = Subscription::new("dedup", "t");
+    assert_eq!(broker.depth(&sub), (0, 0), "duplicates were acknowledged");
+    assert_eq!(broker.dead_letter_depth(&sub), 0);
+
+    let snapshot = snapshotter.snapshot().into_vec();
+    let duplicates = snapshot.iter().find_map(|(key, _, _, v)| {
+        let k = key.key();
+        let ours = k
+            .labels()
+            .any(|l| l.key() == "consumer" && l.value() == "dedup");
+        match v {
+            DebugValue::Counter(n) if k.name() == "reliq_messages_duplicate_total" && ours => {
+                Some(*n)
+            }
+            _ => None,
+        }
+    });
+    assert_eq!(duplicates, Some(2));
+}
