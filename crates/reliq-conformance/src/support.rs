@@ -94,6 +94,15 @@ pub struct Ctx<'a> {
     pub topic: String,
 }
 
+impl std::fmt::Debug for Ctx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ctx")
+            .field("broker", &self.broker.kind())
+            .field("topic", &self.topic)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<'a> Ctx<'a> {
     /// Connect and pick fresh names.
     pub async fn new(backend: &'a dyn Backend, test: &str) -> anyhow::Result<Self> {
@@ -267,6 +276,21 @@ pub struct Recorder {
     effects: Arc<Mutex<HashMap<MessageId, u32>>>,
 }
 
+impl std::fmt::Debug for Recorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recorder")
+            .field(
+                "calls",
+                &self.calls.lock().map(|c| c.len()).unwrap_or_default(),
+            )
+            .field(
+                "effects",
+                &self.effects.lock().map(|e| e.len()).unwrap_or_default(),
+            )
+            .finish()
+    }
+}
+
 impl Recorder {
     /// A new recorder.
     pub fn new() -> Self {
@@ -391,6 +415,17 @@ pub async fn browse_all(dlq: &dyn DeadLetters) -> anyhow::Result<Vec<DeadLetterE
 /// client crates such as rdkafka), from the moment [`captured_log`] was first called.
 pub struct CapturedLog {
     events: Arc<Mutex<Vec<String>>>,
+}
+
+impl std::fmt::Debug for CapturedLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CapturedLog")
+            .field(
+                "events",
+                &self.events.lock().map(|e| e.len()).unwrap_or_default(),
+            )
+            .finish()
+    }
 }
 
 impl CapturedLog {

@@ -184,6 +184,7 @@ pub enum DecodeError {
 ///     "connection lost: publishing to `orders`: connection reset by peer"
 /// );
 /// ```
+#[derive(Debug)]
 pub struct ErrorChain<'a>(pub &'a (dyn StdError + 'static));
 
 impl fmt::Display for ErrorChain<'_> {

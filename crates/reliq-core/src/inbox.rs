@@ -107,7 +107,7 @@ pub trait Inbox: Send + Sync + 'static {
     async fn abandon(&self, consumer: &str, id: &MessageId) -> Result<(), InboxError>;
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     Pending,
     Done,
@@ -115,7 +115,7 @@ enum State {
 
 /// An in-memory inbox, for tests and the embedded broker. Unbounded: it keeps every id
 /// it completed (purge by dropping it).
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct MemoryInbox {
     seen: Mutex<HashMap<(String, MessageId), State>>,
 }

@@ -138,6 +138,17 @@ pub struct Replay {
     scan_max: u32,
 }
 
+impl std::fmt::Debug for Replay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replay")
+            .field("broker", &self.broker.kind())
+            .field("subscription", &self.subscription)
+            .field("per_second", &self.per_second)
+            .field("scan_max", &self.scan_max)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Replay {
     /// Replay dead letters of `subscription`'s consumer.
     pub fn new(broker: Arc<dyn Broker>, subscription: Subscription) -> Self {

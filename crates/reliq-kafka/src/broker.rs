@@ -33,6 +33,12 @@ pub struct KafkaBroker {
     pub(crate) inner: Arc<Inner>,
 }
 
+impl std::fmt::Debug for KafkaBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaBroker").finish_non_exhaustive()
+    }
+}
+
 impl KafkaBroker {
     /// Connect with a `kafka://` URL (see [`KafkaConfig`]). Clients connect lazily; a
     /// broker that is down shows up on the first operation.

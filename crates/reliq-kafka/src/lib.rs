@@ -6,22 +6,6 @@
 //! consumer runtime (classification, retry decisions, dead-letter records, metrics) stays
 //! in `reliq-core`.
 //!
-//! ```no_run
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use std::{sync::Arc, time::Duration};
-//! use reliq_core::{BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy};
-//! use reliq_kafka::KafkaBroker;
-//!
-//! let broker = Arc::new(KafkaBroker::connect("kafka://127.0.0.1:9092")?);
-//! broker.publish(&Destination::new("orders"), Message::new("hello").with_key("c-7")).await?;
-//! let consumer = Consumer::builder(broker, "billing")          // the consumer group
-//!     .subscribe("orders")
-//!     .retry(RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)]))
-//!     .start(|d: Delivery| async move { d.text()?; Ok::<(), BoxError>(()) })
-//!     .await?;
-//! # consumer.shutdown().await; Ok(()) }
-//! ```
-//!
 //! ## The mapping
 //!
 //! | reliq | Kafka |
@@ -42,6 +26,24 @@
 //! after a metadata check that the topic exists, so a deleted retry or DLQ topic makes
 //! `retry` / `dead_letter` fail (the source stays uncommitted) instead of silently
 //! auto-creating a topic nobody reads.
+//!
+//! ## Example
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::{sync::Arc, time::Duration};
+//! use reliq_core::{BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy};
+//! use reliq_kafka::KafkaBroker;
+//!
+//! let broker = Arc::new(KafkaBroker::connect("kafka://127.0.0.1:9092")?);
+//! broker.publish(&Destination::new("orders"), Message::new("hello").with_key("c-7")).await?;
+//! let consumer = Consumer::builder(broker, "billing")          // the consumer group
+//!     .subscribe("orders")
+//!     .retry(RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)]))
+//!     .start(|d: Delivery| async move { d.text()?; Ok::<(), BoxError>(()) })
+//!     .await?;
+//! # consumer.shutdown().await; Ok(()) }
+//! ```
 //!
 //! ## Rebalances
 //!

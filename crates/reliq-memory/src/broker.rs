@@ -19,6 +19,12 @@ pub struct MemoryBroker {
     inner: Arc<BrokerInner>,
 }
 
+impl std::fmt::Debug for MemoryBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryBroker").finish_non_exhaustive()
+    }
+}
+
 #[derive(Default)]
 struct BrokerInner {
     topics: Mutex<HashMap<String, Topic>>,

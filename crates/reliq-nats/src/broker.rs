@@ -30,6 +30,12 @@ pub struct NatsBroker {
     pub(crate) inner: Arc<Inner>,
 }
 
+impl std::fmt::Debug for NatsBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsBroker").finish_non_exhaustive()
+    }
+}
+
 pub(crate) struct Inner {
     pub(crate) client: async_nats::Client,
     pub(crate) js: jetstream::Context,

@@ -4,29 +4,6 @@
 //! [`Broker`]/[`Receiver`] seam onto native RabbitMQ mechanisms; the consumer runtime
 //! (classification, the retry decision, the dead-letter record) stays in `reliq-core`.
 //!
-//! ```no_run
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use std::sync::Arc;
-//! use std::time::Duration;
-//! use reliq_core::{BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy};
-//! use reliq_rabbit::RabbitBroker;
-//!
-//! let broker = Arc::new(RabbitBroker::connect("amqp://guest:guest@127.0.0.1:5672/%2f").await?);
-//! let consumer = Consumer::builder(broker.clone(), "inventory")
-//!     .subscribe("orders").filter("order.*")
-//!     .retry(RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)]))
-//!     .start(|d: Delivery| async move {
-//!         let _text = d.text()?;
-//!         Ok::<(), BoxError>(())
-//!     })
-//!     .await?;
-//! broker
-//!     .publish(&Destination::new("orders").with_route("order.created"), Message::new("hi"))
-//!     .await?;
-//! consumer.shutdown().await;
-//! # Ok(()) }
-//! ```
-//!
 //! ## The mapping
 //!
 //! | seam | RabbitMQ |
@@ -106,6 +83,31 @@
 //!
 //! RabbitMQ 4.3's quorum-queue delayed retry is not used yet: the brokers reliq is tested
 //! against here (3.10) do not have it, so retries always go through TTL tiers.
+//!
+//! ## Example
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use reliq_core::{BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy};
+//! use reliq_rabbit::RabbitBroker;
+//!
+//! let broker = Arc::new(RabbitBroker::connect("amqp://guest:guest@127.0.0.1:5672/%2f").await?);
+//! let consumer = Consumer::builder(broker.clone(), "inventory")
+//!     .subscribe("orders").filter("order.*")
+//!     .retry(RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)]))
+//!     .start(|d: Delivery| async move {
+//!         let _text = d.text()?;
+//!         Ok::<(), BoxError>(())
+//!     })
+//!     .await?;
+//! broker
+//!     .publish(&Destination::new("orders").with_route("order.created"), Message::new("hi"))
+//!     .await?;
+//! consumer.shutdown().await;
+//! # Ok(()) }
+//! ```
 //!
 //! ## Capabilities
 //!

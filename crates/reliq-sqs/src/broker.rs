@@ -31,6 +31,12 @@ pub struct SqsBroker {
     pub(crate) inner: Arc<Inner>,
 }
 
+impl std::fmt::Debug for SqsBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqsBroker").finish_non_exhaustive()
+    }
+}
+
 pub(crate) struct Inner {
     pub(crate) client: aws_sdk_sqs::Client,
     sends: batch::Batcher<codec::Encoded>,

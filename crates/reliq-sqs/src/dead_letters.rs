@@ -96,6 +96,12 @@ pub struct SqsDeadLetters {
     reader: Arc<Reader>,
 }
 
+impl std::fmt::Debug for SqsDeadLetters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqsDeadLetters").finish_non_exhaustive()
+    }
+}
+
 /// What a scan needs; each operation runs in a task of its own with a clone of it.
 struct Reader {
     broker: SqsBroker,

@@ -41,7 +41,21 @@ pub struct ConsumerBuilder {
     pub(super) batch_size: usize,
 }
 
+impl std::fmt::Debug for ConsumerBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("broker", &self.broker.kind())
+            .field("name", &self.name)
+            .field("source", &self.source)
+            .field("filter", &self.filter)
+            .field("policy", &self.policy)
+            .field("max_in_flight", &self.max_in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Entry point of the runtime.
+#[derive(Debug)]
 pub struct Consumer;
 
 impl Consumer {

@@ -28,6 +28,15 @@ pub struct ConsumerHandle {
     pub(super) receiver: Arc<dyn Receiver>,
 }
 
+impl std::fmt::Debug for ConsumerHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConsumerHandle")
+            .field("stats", &self.shared.stats().snapshot())
+            .field("shutdown_timeout", &self.shutdown_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
 impl ConsumerHandle {
     /// Current counters.
     pub fn stats(&self) -> StatsSnapshot {

@@ -69,6 +69,12 @@ pub struct Relay {
     inner: Arc<RelayInner>,
 }
 
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay").finish_non_exhaustive()
+    }
+}
+
 /// A relay under construction.
 pub struct RelayBuilder {
     store: Arc<dyn OutboxStore>,
@@ -78,6 +84,18 @@ pub struct RelayBuilder {
     lease: Duration,
     poll_interval: Option<Duration>,
     backoff: (Duration, Duration),
+}
+
+impl std::fmt::Debug for RelayBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayBuilder")
+            .field("broker", &self.broker.kind())
+            .field("name", &self.name)
+            .field("batch_size", &self.batch_size)
+            .field("lease", &self.lease)
+            .field("poll_interval", &self.poll_interval)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RelayBuilder {
@@ -220,6 +238,14 @@ pub struct RelayHandle {
     inner: Arc<RelayInner>,
     stop: CancellationToken,
     task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for RelayHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayHandle")
+            .field("stopping", &self.stop.is_cancelled())
+            .finish_non_exhaustive()
+    }
 }
 
 impl RelayHandle {

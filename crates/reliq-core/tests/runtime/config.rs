@@ -83,7 +83,7 @@ async fn batch_config_errors_name_the_field() {
             "ordering",
         ),
     ] {
-        let err = builder.start_batch(ok).await.err().expect("accepted");
+        let err = builder.start_batch(ok).await.expect_err("accepted");
         assert!(matches!(err, ConsumerError::Config { .. }), "{err:?}");
         assert!(
             err.to_string().contains(field),
