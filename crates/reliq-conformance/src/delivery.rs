@@ -99,6 +99,89 @@ pub async fn two_groups_each_get_every_message(b: &dyn Backend) -> anyhow::Resul
     Ok(())
 }
 
+/// A consumer with a filter gets only the messages whose route matches it (`*` one word,
+/// `#` any number), while a consumer without one gets every message; on a broker that
+/// cannot filter ([`Capabilities::filters`](reliq_core::Capabilities::filters) false), a
+/// filter fails at start naming the field instead of being ignored.
+pub async fn filter_delivers_only_matching_routes(b: &dyn Backend) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "filter").await?;
+    let noop = |_d: Delivery| async { Ok::<(), BoxError>(()) };
+    if !ctx.broker.capabilities().filters {
+        let refused = ctx.consumer("filtered").filter("order.*").start(noop).await;
+        match refused {
+            Err(reliq_core::ConsumerError::Subscribe(BrokerError::Config { field, .. })) => {
+                ensure!(field == "filter", "refused naming `{field}`");
+                return Ok(());
+            }
+            Err(e) => anyhow::bail!("a filter this broker cannot apply failed with {e}"),
+            Ok(h) => {
+                h.shutdown().await;
+                anyhow::bail!("a filter this broker cannot apply was accepted");
+            }
+        }
+    }
+    let (filtered, everything) = (Recorder::new(), Recorder::new());
+    let mut handles = Vec::new();
+    for (name, filter, rec) in [
+        ("filtered", Some("order.*"), filtered.clone()),
+        ("everything", None, everything.clone()),
+    ] {
+        let builder = ctx.consumer(name);
+        let builder = match filter {
+            Some(pattern) => builder.filter(pattern),
+            None => builder,
+        };
+        handles.push(
+            builder
+                .start(move |d: Delivery| {
+                    let r = rec.clone();
+                    async move {
+                        r.effect(d.id());
+                        Ok::<(), BoxError>(())
+                    }
+                })
+                .await?,
+        );
+    }
+    let routes = [
+        "order.created",
+        "order.cancelled",
+        "invoice.created",
+        "order.created.eu",
+    ];
+    let mut wanted = std::collections::HashSet::new();
+    for i in 0..20 {
+        let route = routes[i % routes.len()];
+        let m = Message::new(format!("{route} {i}"));
+        if route.starts_with("order.") && route.matches('.').count() == 1 {
+            wanted.insert(m.id().clone());
+        }
+        let dest = Destination::new(ctx.topic.clone()).with_route(route);
+        ctx.broker.publish(&dest, m).await.context("publish")?;
+    }
+    wait_until("the unfiltered consumer got all 20", soon(b), || {
+        everything.effect_count() == 20
+    })
+    .await?;
+    // Whatever the filtered consumer would wrongly get has had as long to arrive.
+    wait_until("the filtered consumer got its 10", soon(b), || {
+        filtered.effect_count() >= wanted.len()
+    })
+    .await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let got: std::collections::HashSet<_> = filtered.effects().into_keys().collect();
+    ensure!(
+        got == wanted,
+        "filter `order.*` let through {} unwanted and missed {}",
+        got.difference(&wanted).count(),
+        wanted.difference(&got).count()
+    );
+    for h in handles {
+        h.shutdown().await;
+    }
+    Ok(())
+}
+
 /// Two members of one group split the messages; none is handled twice.
 pub async fn group_members_split_without_double_handling(b: &dyn Backend) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "members").await?;

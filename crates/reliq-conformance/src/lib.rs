@@ -51,6 +51,7 @@ macro_rules! conformance_suite {
         $crate::conformance_suite!(@tests $backend, $mode, $factory,
             publish_consume_ack_keeps_payload_headers_and_id,
             two_groups_each_get_every_message,
+            filter_delivers_only_matching_routes,
             group_members_split_without_double_handling,
             ack_only_after_success_nothing_redelivered_after_restart,
             crash_before_ack_redelivers,

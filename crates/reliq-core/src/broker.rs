@@ -273,6 +273,10 @@ pub struct Capabilities {
     /// The broker drops a second publish of the same message id within a window (NATS
     /// `Nats-Msg-Id`, SQS FIFO deduplication): a producer retry never reaches consumers.
     pub deduplicates_publishes: bool,
+    /// A [`Subscription::filter`] narrows what the consumer reads (routing-key bindings,
+    /// subject filters, filter tags). False where the broker cannot filter (Kafka):
+    /// subscribing with a filter then fails naming it ([`Subscription::refuse_filter`]).
+    pub filters: bool,
 }
 
 /// Which receiver handed a delivery out: unique in the process. A backend's receiver

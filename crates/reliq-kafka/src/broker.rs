@@ -159,6 +159,7 @@ impl Broker for KafkaBroker {
             // The attempt travels in the `reliq-attempt` header of the retry copy.
             attempts_count_every_delivery: false,
             deduplicates_publishes: false,
+            filters: false,
         }
     }
 

@@ -128,6 +128,7 @@ impl Broker for MemoryBroker {
             consumer_redelivery: true,
             attempts_count_every_delivery: false,
             deduplicates_publishes: false,
+            filters: true,
         }
     }
 

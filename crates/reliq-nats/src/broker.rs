@@ -387,6 +387,7 @@ impl Broker for NatsBroker {
             consumer_redelivery: false,
             attempts_count_every_delivery: true,
             deduplicates_publishes: true,
+            filters: true,
         }
     }
 

@@ -433,6 +433,7 @@ impl Broker for RabbitBroker {
             // The attempt travels in the `reliq-attempt` header of the retry copy.
             attempts_count_every_delivery: false,
             deduplicates_publishes: false,
+            filters: true,
         }
     }
 

@@ -637,6 +637,7 @@ impl Broker for SqsBroker {
             attempts_count_every_delivery: true,
             // FIFO queues drop a second publish of an id within 5 minutes.
             deduplicates_publishes: self.inner.options.fifo,
+            filters: true,
         }
     }
 
@@ -660,7 +661,6 @@ impl Broker for SqsBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError> {
-        subscription.refuse_filter("SQS")?;
         let declared = self.declare(subscription).await?;
         Ok(Box::new(receiver::SqsReceiver::start(
             self.clone(),

@@ -91,8 +91,9 @@ impl ConsumerBuilder {
     }
 
     /// Only what matches `pattern`: a routing-key pattern or subject (`*` one word, `#`
-    /// any number of words). Where the broker cannot filter (Kafka, SQS), `start` fails with
-    /// a config error naming `filter`.
+    /// any number of words). Where the broker cannot filter (Kafka:
+    /// [`Capabilities::filters`](crate::Capabilities::filters) is false), `start` fails
+    /// with a config error naming `filter`.
     pub fn filter(mut self, pattern: impl Into<String>) -> Self {
         self.filter = Some(pattern.into());
         self
