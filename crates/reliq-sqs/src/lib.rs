@@ -4,8 +4,8 @@
 //!
 //! | reliq primitive | SQS |
 //! |---|---|
-//! | publish (confirmed) | SQS has no topics: `SendMessage` (batched like deletes; the entry's success = confirmed) to **every consumer queue of the topic** — the queues named `<topic>-…` ([`names::topic_prefix`]) and tagged `reliq-source=<topic>` (+ `reliq-filter` matching the route), found with `ListQueues` and cached briefly ([`SqsOptions::topic_cache_ttl`]); no such queue → [`BrokerError::Unroutable`](reliq_core::BrokerError::Unroutable) |
-//! | subscribe | queue `<source>-<consumer>` ([`names::queue_name`]), declared idempotently: `VisibilityTimeout` = lease, `RedrivePolicy` → the DLQ with `maxReceiveCount` = delivery limit; tags `reliq-source`, `reliq-consumer`, `reliq-filter` |
+//! | publish (confirmed) | SQS has no topics: `SendMessage` (batched like deletes; the entry's success = confirmed) to **every consumer queue of the topic** — the queues named `<topic>-…` ([`topic_prefix`]) and tagged `reliq-source=<topic>` (+ `reliq-filter` matching the route), found with `ListQueues` and cached briefly ([`SqsOptions::topic_cache_ttl`]); no such queue → [`BrokerError::Unroutable`](reliq_core::BrokerError::Unroutable) |
+//! | subscribe | queue `<source>-<consumer>` ([`queue_name`]), declared idempotently: `VisibilityTimeout` = lease, `RedrivePolicy` → the DLQ with `maxReceiveCount` = delivery limit; tags `reliq-source`, `reliq-consumer`, `reliq-filter` |
 //! | receive (bounded) | a background long poll (`ReceiveMessage`, ≤ 10, never more than `prefetch − held`), message attributes `All`, `ApproximateReceiveCount`, `SentTimestamp`; a visibility extender (`ChangeMessageVisibility` every lease/3, up to [`SqsOptions::max_lease_extension`]) keeps long handlers leased |
 //! | ack | `DeleteMessage`, batched: deletes within [`SqsOptions::batch_window`] go out as one `DeleteMessageBatch`; a failed entry is that ack's error |
 //! | retry after d | `ChangeMessageVisibility(d)` (whole seconds, rounded up, ≤ 12 h): the original comes back after `d` |
@@ -48,16 +48,21 @@
 
 mod batch;
 mod broker;
-pub mod codec;
+mod codec;
 mod dead_letters;
 mod error;
-pub mod names;
+mod names;
 mod options;
 mod receiver;
 
 pub use broker::SqsBroker;
+pub use codec::{BODY_FIELD, KEY_FIELD, MAX_ATTRIBUTES, RELIQ_ATTRIBUTE, ROUTE_FIELD};
 pub use dead_letters::SqsDeadLetters;
 pub use error::SqsError;
+pub use names::{
+    CONSUMER_TAG, FILTER_TAG, ROLE_TAG, SOURCE_TAG, dead_letter_queue_name, queue_name,
+    topic_prefix,
+};
 #[cfg(feature = "test-util")]
 pub use options::Faults;
 pub use options::{MAX_VISIBILITY, SqsOptions};
