@@ -321,9 +321,7 @@ fn partitions(consumer: &BaseConsumer, topic: &str) -> Result<Vec<Span>, BrokerE
     };
     let mut spans = Vec::with_capacity(t.partitions().len());
     for p in t.partitions() {
-        let (low, high) = consumer
-            .fetch_watermarks(topic, p.id(), META_TIMEOUT)
-            .map_err(|e| read_error(e, &format!("the watermarks of {topic} [{}]", p.id())))?;
+        let (low, high) = watermarks(consumer, topic, p.id())?;
         spans.push(Span {
             partition: p.id(),
             low,
@@ -332,6 +330,43 @@ fn partitions(consumer: &BaseConsumer, topic: &str) -> Result<Vec<Span>, BrokerE
     }
     spans.sort_by_key(|s| s.partition);
     Ok(spans)
+}
+
+/// A partition's watermarks. A topic created a moment ago (the DLQ or its ledger, made
+/// by this reader's `open`) is in the metadata before its partitions have a leader, and
+/// the broker then answers "not leader" or "leader not available": asked again until
+/// `META_TIMEOUT` has passed, on this blocking thread.
+fn watermarks(
+    consumer: &BaseConsumer,
+    topic: &str,
+    partition: i32,
+) -> Result<(i64, i64), BrokerError> {
+    use rdkafka::types::RDKafkaErrorCode as Code;
+    let deadline = std::time::Instant::now() + META_TIMEOUT;
+    loop {
+        match consumer.fetch_watermarks(topic, partition, META_TIMEOUT) {
+            Ok(marks) => return Ok(marks),
+            Err(e)
+                if std::time::Instant::now() < deadline
+                    && matches!(
+                        e.rdkafka_error_code(),
+                        Some(
+                            Code::NotLeaderForPartition
+                                | Code::LeaderNotAvailable
+                                | Code::UnknownTopicOrPartition
+                        )
+                    ) =>
+            {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => {
+                return Err(read_error(
+                    e,
+                    &format!("the watermarks of {topic} [{partition}]"),
+                ));
+            }
+        }
+    }
 }
 
 /// Read `topic`'s partitions over `ranges` (partition, first offset, end offset
