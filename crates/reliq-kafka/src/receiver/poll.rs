@@ -319,15 +319,27 @@ impl Shared {
                 }
             }
         }
-        if pause.count() > 0
-            && let Err(e) = consumer.pause(&pause)
-        {
-            tracing::warn!(error = %e, "pausing partitions failed");
-        }
-        if resume.count() > 0
-            && let Err(e) = consumer.resume(&resume)
-        {
-            tracing::warn!(error = %e, "resuming partitions failed");
+        // A pause or resume that failed is asked for again on the next pass: the state
+        // says what librdkafka was told, and a partition left paused by a failed resume
+        // would hold its records for good.
+        for (list, paused, what) in [(&pause, true, "pausing"), (&resume, false, "resuming")] {
+            if list.count() == 0 {
+                continue;
+            }
+            let result = if paused {
+                consumer.pause(list)
+            } else {
+                consumer.resume(list)
+            };
+            if let Err(e) = result {
+                tracing::warn!(error = %e, "{what} partitions failed; trying again");
+                let mut s = lock(&self.state);
+                for element in list.elements() {
+                    if let Some(part) = s.parts.get_mut(&(client, element.partition())) {
+                        part.paused = !paused;
+                    }
+                }
+            }
         }
         next_due.map_or(POLL_SLICE, |d| d.min(POLL_SLICE))
     }
