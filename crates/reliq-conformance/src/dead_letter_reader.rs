@@ -7,8 +7,8 @@ use std::time::{Duration, SystemTime};
 
 use anyhow::{Context as _, ensure};
 use reliq_core::{
-    BoxError, Cursor, DeadLetterEntry, DeadLetterReason, DeadLetters, Delivery, Message, MessageId,
-    Permanent, Replay, ReplayFilter,
+    BoxError, Cursor, DeadLetterEntry, DeadLetterFilter, DeadLetterReason, DeadLetters, Delivery,
+    Message, MessageId, Permanent, Replay,
 };
 
 use crate::support::{Backend, Ctx, browse_all, soon, wait_until};
@@ -255,7 +255,7 @@ pub async fn dead_letter_filtered_replay_leaves_the_rest(b: &dyn Backend) -> any
     let ctx = Ctx::new(b, "dlq-replay-some").await?;
     let ids = park(&ctx, 4).await?;
     let done = Replay::new(ctx.broker.clone(), ctx.subscription("c"))
-        .filter(ReplayFilter::default().ids([ids[0].clone(), ids[3].clone()]))
+        .filter(DeadLetterFilter::default().ids([ids[0].clone(), ids[3].clone()]))
         .execute()
         .await?;
     let mut replayed = done.replayed.clone();

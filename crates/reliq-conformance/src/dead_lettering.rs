@@ -9,8 +9,8 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use reliq_core::headers;
 use reliq_core::{
-    BoxError, DeadLetterReason, Delivery, ErrorClass, MemoryInbox, Message, MessageId, Permanent,
-    Replay, ReplayFilter, RetryPolicy, Transient,
+    BoxError, DeadLetterFilter, DeadLetterReason, Delivery, ErrorClass, MemoryInbox, Message,
+    MessageId, Permanent, Replay, RetryPolicy, Transient,
 };
 
 use crate::support::{Backend, Ctx, Recorder, order, soon, wait_until};
@@ -279,7 +279,7 @@ pub async fn replay_returns_to_consumer_with_same_id_and_marker(
     ensure!(rec.effect_count() == 0, "a dry run moved something");
     let done = Replay::new(ctx.broker.clone(), sub)
         .filter(
-            ReplayFilter::default()
+            DeadLetterFilter::default()
                 .ids([id.clone()])
                 .reasons([DeadLetterReason::Permanent]),
         )

@@ -22,6 +22,7 @@ mod dead_lettering;
 mod delivery;
 mod flow;
 mod lifecycle;
+mod operator;
 mod retries;
 pub mod support;
 
@@ -30,6 +31,7 @@ pub use dead_lettering::*;
 pub use delivery::*;
 pub use flow::*;
 pub use lifecycle::*;
+pub use operator::*;
 pub use retries::*;
 pub use support::{Backend, Ctx, browse_all};
 
@@ -92,7 +94,10 @@ macro_rules! conformance_suite {
             dead_letter_browse_cut_short_skips_nothing,
             redeploy_with_another_retry_policy_processes_waiting_retries,
             failure_burst_does_not_hold_back_healthy_messages,
-            clean_run_logs_no_warning_or_error
+            clean_run_logs_no_warning_or_error,
+            operator_stats_ls_and_show_change_nothing,
+            operator_replay_dry_run_then_at_a_rate,
+            operator_edit_and_purge
             $(, $extra)*
         );
     };

@@ -50,6 +50,8 @@ pub mod dead_letters;
 pub mod envelope;
 #[cfg(feature = "test-util")]
 pub mod faults;
+mod filter;
+pub mod fingerprint;
 pub mod headers;
 pub mod inbox;
 pub mod lease;
@@ -74,10 +76,14 @@ pub use consumer::{
 };
 pub use dead_letters::{Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters};
 pub use envelope::{Aggregate, Envelope};
+pub use filter::DeadLetterFilter;
+pub use fingerprint::Fingerprint;
 pub use headers::{DeadLetter, DeadLetterReason, HeaderError, Origin};
 pub use inbox::{Claim, Duplicate, Inbox, InboxError, MemoryInbox};
 pub use message::{Headers, Message, MessageId};
 pub use outbox::{OutboxError, OutboxRecord, OutboxStore, Relay, RelayHandle, RelayStats};
-pub use replay::{Replay, ReplayEntry, ReplayFilter, ReplayReport, ReplayTarget};
+pub use replay::{
+    Corrected, Correction, Progress, PurgeReport, Replay, ReplayEntry, ReplayReport, ReplayTarget,
+};
 pub use retry::{Decision, Failure, FinalRoute, PanicAction, PolicyError, RetryPolicy, Schedule};
 pub use telemetry::Clock;

@@ -54,13 +54,14 @@ use std::sync::Arc;
 // `Receiver` seam, delivery tokens, raw messages) stays in `reliq-core`.
 pub use reliq_core::{
     Aggregate, Batch, BatchError, BoxError, Broker, BrokerError, Capabilities, Claim, Classifier,
-    Clock, Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, Cursor, DeadLetter,
-    DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetterReason, DeadLetters, DecodeError,
-    Delivery, DeliveryOrder, Destination, Duplicate, Envelope, ErrorChain, ErrorClass, FinalRoute,
-    HeaderError, Headers, Inbox, InboxError, MemoryInbox, Message, MessageId, Origin, OutboxError,
-    OutboxRecord, OutboxStore, PanicAction, Permanent, Poison, PolicyError, Relay, RelayHandle,
-    RelayStats, Replay, ReplayEntry, ReplayFilter, ReplayReport, ReplayTarget, RetryPolicy,
-    Schedule, ShutdownReport, Stats, StatsSnapshot, Subscription, Transient,
+    Clock, Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, Corrected, Correction, Cursor,
+    DeadLetter, DeadLetterCount, DeadLetterEntry, DeadLetterFilter, DeadLetterPage,
+    DeadLetterReason, DeadLetters, DecodeError, Delivery, DeliveryOrder, Destination, Duplicate,
+    Envelope, ErrorChain, ErrorClass, FinalRoute, Fingerprint, HeaderError, Headers, Inbox,
+    InboxError, MemoryInbox, Message, MessageId, Origin, OutboxError, OutboxRecord, OutboxStore,
+    PanicAction, Permanent, Poison, PolicyError, Progress, PurgeReport, Relay, RelayHandle,
+    RelayStats, Replay, ReplayEntry, ReplayReport, ReplayTarget, RetryPolicy, Schedule,
+    ShutdownReport, Stats, StatsSnapshot, Subscription, Transient,
 };
 
 /// The header names reliq reads and writes on every message.

@@ -146,7 +146,7 @@ async fn discard_route_acks_and_counts_without_a_dlq_copy() {
 
 #[tokio::test(start_paused = true)]
 async fn replay_filters_by_class_reason_time_and_limit() {
-    use reliq_core::{Broker, ErrorClass, Replay, ReplayFilter};
+    use reliq_core::{Broker, DeadLetterFilter, ErrorClass, Replay};
     let broker = MemoryBroker::new();
     let shared: Arc<dyn Broker> = Arc::new(broker.clone());
     let h = Consumer::builder(shared.clone(), "c")
@@ -171,7 +171,7 @@ async fn replay_filters_by_class_reason_time_and_limit() {
     let later = reliq_core::Clock::new().now() + secs(3600);
 
     let nothing = Replay::new(shared.clone(), sub.clone())
-        .filter(ReplayFilter::default().since(later))
+        .filter(DeadLetterFilter::default().since(later))
         .dry_run()
         .await
         .unwrap();
@@ -183,7 +183,7 @@ async fn replay_filters_by_class_reason_time_and_limit() {
 
     let plan = Replay::new(shared.clone(), sub.clone())
         .filter(
-            ReplayFilter::default()
+            DeadLetterFilter::default()
                 .classes([ErrorClass::Permanent])
                 .until(later),
         )
@@ -200,7 +200,7 @@ async fn replay_filters_by_class_reason_time_and_limit() {
 
     let done = Replay::new(shared.clone(), sub.clone())
         .filter(
-            ReplayFilter::default()
+            DeadLetterFilter::default()
                 .reasons([DeadLetterReason::Poison])
                 .limit(1),
         )

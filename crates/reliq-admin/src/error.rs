@@ -1,0 +1,66 @@
+//! What an operation can fail with, and the HTTP status each maps to.
+
+use reliq_core::BrokerError;
+
+/// An operator operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdminError {
+    /// An input (a filter field, a flag, a body field) could not be read; names it.
+    #[error("invalid `{field}` value `{value}`: {expected}")]
+    InvalidInput {
+        /// The field.
+        field: &'static str,
+        /// The value given (cut to 80 characters).
+        value: String,
+        /// What was expected.
+        expected: String,
+    },
+    /// No dead letter with this id in the consumer's DLQ.
+    #[error("no dead letter `{id}` in the DLQ of consumer `{consumer}`")]
+    NotFound {
+        /// The consumer.
+        consumer: String,
+        /// The id asked for.
+        id: String,
+    },
+    /// No job with this id.
+    #[error("no job `{0}`")]
+    NoSuchJob(String),
+    /// The broker failed the operation (nothing was lost: see the operation's docs).
+    #[error("broker: {}", reliq_core::ErrorChain(.0))]
+    Broker(#[from] BrokerError),
+    /// Reading or writing a file (tokens, audit log, payload).
+    #[error("{what} `{path}`: {source}")]
+    File {
+        /// What the file is for.
+        what: &'static str,
+        /// Its path.
+        path: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The tokens file could not be read.
+    #[error("tokens file `{path}`: {why}")]
+    Tokens {
+        /// Its path.
+        path: String,
+        /// What is wrong, naming the entry and field.
+        why: String,
+    },
+}
+
+impl AdminError {
+    /// The HTTP status the API answers this error with.
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::InvalidInput { .. } => 400,
+            Self::NotFound { .. } | Self::NoSuchJob(_) => 404,
+            Self::Broker(BrokerError::Timeout(_) | BrokerError::Connection { .. }) => 503,
+            Self::Broker(BrokerError::Config { .. }) => 400,
+            Self::Broker(_) => 502,
+            Self::File { .. } | Self::Tokens { .. } => 500,
+        }
+    }
+}

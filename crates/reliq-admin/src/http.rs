@@ -1,0 +1,695 @@
+//! The admin HTTP API: the operations of [`crate::Dlq`] as versioned JSON endpoints,
+//! behind bearer tokens with roles, every request written to the audit log.
+//!
+//! | Method and path | Role | What |
+//! |---|---|---|
+//! | `GET /v1/openapi.json` | — | this API as an OpenAPI 3.1 document |
+//! | `GET /v1/consumers/{consumer}/dlq/stats?source=…&<filter>` | reader | [`crate::DlqStats`] |
+//! | `GET /v1/consumers/{consumer}/dlq/entries?source=…&<filter>&cursor=…&max=…` | reader | [`crate::EntryList`] |
+//! | `GET /v1/consumers/{consumer}/dlq/entries/{id}?source=…` | reader | [`crate::EntryDetail`] |
+//! | `POST /v1/consumers/{consumer}/dlq/replay?source=…` | operator | body [`crate::ReplayRequest`]; a dry run answers 200 with the [`crate::RunOutcome`], a replay 202 with its job |
+//! | `POST /v1/consumers/{consumer}/dlq/entries/{id}/edit?source=…` | operator | body `{"payload": <JSON>}` or `{"payload_base64": "…"}`, `"headers": ["k=v"]`; [`crate::EditOutcome`] |
+//! | `POST /v1/consumers/{consumer}/dlq/purge?source=…` | admin | body [`crate::PurgeRequest`]; a dry run answers 200, a purge 202 with its job |
+//! | `GET /v1/jobs`, `GET /v1/jobs/{id}` | reader | [`crate::JobView`]s |
+//! | `POST /v1/jobs/{id}/cancel` | operator | the job, asked to stop |
+//!
+//! `<filter>` is [`crate::FilterSpec`]'s fields as query parameters (lists repeat or are
+//! comma-separated). Errors are `{"error": "…"}` with 400 (bad input, naming the field),
+//! 401 (no, wrong, removed or expired token), 403 (a role that may not), 404, 413 (body
+//! over the limit), 502/503 (the broker).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use axum::Router;
+use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, RawQuery, Request, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use base64::Engine;
+use reliq_core::{Broker, Cursor, Subscription};
+use serde::Deserialize;
+
+use crate::audit::{AuditLog, AuditRecord};
+use crate::auth::{Principal, Role, Tokens};
+use crate::error::AdminError;
+use crate::filter::FilterSpec;
+use crate::jobs::Jobs;
+use crate::ops::{Dlq, EditRequest, Run};
+
+/// The OpenAPI document served at `/v1/openapi.json`.
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// Every route: method, path, the least role it needs (`None`: no token needed).
+pub const ROUTES: &[(&str, &str, Option<Role>)] = &[
+    ("GET", "/v1/openapi.json", None),
+    (
+        "GET",
+        "/v1/consumers/{consumer}/dlq/stats",
+        Some(Role::Reader),
+    ),
+    (
+        "GET",
+        "/v1/consumers/{consumer}/dlq/entries",
+        Some(Role::Reader),
+    ),
+    (
+        "GET",
+        "/v1/consumers/{consumer}/dlq/entries/{id}",
+        Some(Role::Reader),
+    ),
+    (
+        "POST",
+        "/v1/consumers/{consumer}/dlq/replay",
+        Some(Role::Operator),
+    ),
+    (
+        "POST",
+        "/v1/consumers/{consumer}/dlq/entries/{id}/edit",
+        Some(Role::Operator),
+    ),
+    (
+        "POST",
+        "/v1/consumers/{consumer}/dlq/purge",
+        Some(Role::Admin),
+    ),
+    ("GET", "/v1/jobs", Some(Role::Reader)),
+    ("GET", "/v1/jobs/{id}", Some(Role::Reader)),
+    ("POST", "/v1/jobs/{id}/cancel", Some(Role::Operator)),
+];
+
+/// What the API serves from.
+pub struct AdminState {
+    broker: Arc<dyn Broker>,
+    tokens: Tokens,
+    audit: Arc<AuditLog>,
+    jobs: Jobs,
+}
+
+impl std::fmt::Debug for AdminState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminState")
+            .field("broker", &self.broker.kind())
+            .field("jobs", &self.jobs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AdminState {
+    /// Serve `broker`'s DLQs to the holders of `tokens`, auditing to `audit`.
+    pub fn new(broker: Arc<dyn Broker>, tokens: Tokens, audit: AuditLog) -> Self {
+        Self {
+            broker,
+            tokens,
+            audit: Arc::new(audit),
+            jobs: Jobs::default(),
+        }
+    }
+}
+
+/// Limits of the API.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Largest request body accepted, bytes (413 beyond).
+    pub max_body_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 1024 * 1024,
+        }
+    }
+}
+
+/// The API's router. Serve it with
+/// `axum::serve(listener, router.into_make_service_with_connect_info::<SocketAddr>())` so
+/// the audit log records peers.
+pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
+    Router::new()
+        .route("/v1/openapi.json", get(openapi))
+        .route("/v1/consumers/{consumer}/dlq/stats", get(stats))
+        .route("/v1/consumers/{consumer}/dlq/entries", get(list))
+        .route("/v1/consumers/{consumer}/dlq/entries/{id}", get(show))
+        .route("/v1/consumers/{consumer}/dlq/replay", post(replay))
+        .route("/v1/consumers/{consumer}/dlq/entries/{id}/edit", post(edit))
+        .route("/v1/consumers/{consumer}/dlq/purge", post(purge))
+        .route("/v1/jobs", get(jobs))
+        .route("/v1/jobs/{id}", get(job))
+        .route("/v1/jobs/{id}/cancel", post(cancel_job))
+        .layer(DefaultBodyLimit::max(limits.max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            audit_every_request,
+        ))
+        .with_state(state)
+}
+
+/// What a handler tells the audit middleware about its request.
+#[derive(Clone, Debug, Default)]
+struct AuditNote {
+    actor: Option<Principal>,
+    action: &'static str,
+    consumer: Option<String>,
+    filter: Option<FilterSpec>,
+    reason: Option<String>,
+    counts: Option<serde_json::Value>,
+    job: Option<String>,
+}
+
+/// Writes one audit record per request, whatever answered it (a handler, a refused
+/// token, a body over the limit, an unknown path), with the handler's note when it left one.
+async fn audit_every_request(
+    State(state): State<Arc<AdminState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let remote = request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.to_string());
+    let line = format!("{} {}", request.method(), request.uri().path());
+    let mut response = next.run(request).await;
+    let note = response
+        .extensions_mut()
+        .remove::<AuditNote>()
+        .unwrap_or_default();
+    let status = response.status().as_u16();
+    let outcome = match status {
+        s if s < 400 => "allowed",
+        401 | 403 | 413 => "refused",
+        _ => "failed",
+    };
+    state.audit.write(AuditRecord {
+        actor: note.actor.as_ref().map(|p| p.name.clone()),
+        role: note.actor.as_ref().map(|p| p.role.as_str()),
+        remote,
+        request: line,
+        action: if note.action.is_empty() {
+            "unknown".into()
+        } else {
+            note.action.into()
+        },
+        consumer: note.consumer,
+        filter: note.filter,
+        outcome,
+        status,
+        reason: note.reason,
+        counts: note.counts,
+        job: note.job,
+        ..AuditRecord::default()
+    });
+    response
+}
+
+/// A JSON answer carrying its audit note.
+struct Reply {
+    status: StatusCode,
+    body: serde_json::Value,
+    note: Box<AuditNote>,
+}
+
+impl IntoResponse for Reply {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body)).into_response();
+        response.extensions_mut().insert(*self.note);
+        response
+    }
+}
+
+impl Reply {
+    fn ok(note: AuditNote, body: impl serde::Serialize) -> Self {
+        Self::with_status(StatusCode::OK, note, body)
+    }
+
+    fn with_status(status: StatusCode, note: AuditNote, body: impl serde::Serialize) -> Self {
+        match serde_json::to_value(body) {
+            Ok(body) => Self {
+                status,
+                body,
+                note: Box::new(note),
+            },
+            Err(e) => Self::error(note, StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+
+    fn error(mut note: AuditNote, status: StatusCode, message: String) -> Self {
+        note.reason = Some(message.clone());
+        Self {
+            status,
+            body: serde_json::json!({ "error": message }),
+            note: Box::new(note),
+        }
+    }
+
+    fn failed(note: AuditNote, e: AdminError) -> Self {
+        let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        Self::error(note, status, e.to_string())
+    }
+}
+
+/// Check the bearer token for `role`; the note to go on with, or the refusal.
+fn authorize(
+    state: &AdminState,
+    headers: &HeaderMap,
+    role: Role,
+    mut note: AuditNote,
+) -> Result<AuditNote, Reply> {
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match state.tokens.check(bearer, SystemTime::now()) {
+        Err(refusal) => Err(Reply::error(
+            note,
+            StatusCode::UNAUTHORIZED,
+            refusal.as_str().into(),
+        )),
+        Ok(principal) if principal.role < role => {
+            let why = format!(
+                "role `{}` may not {} (needs `{}`)",
+                principal.role.as_str(),
+                note.action,
+                role.as_str()
+            );
+            note.actor = Some(principal);
+            Err(Reply::error(note, StatusCode::FORBIDDEN, why))
+        }
+        Ok(principal) => {
+            note.actor = Some(principal);
+            Ok(note)
+        }
+    }
+}
+
+/// The query string's pairs; `source` taken out and required.
+fn query(raw: Option<String>) -> Result<(String, Vec<(String, String)>), AdminError> {
+    let pairs: Vec<(String, String)> = serde_urlencoded::from_str(raw.as_deref().unwrap_or(""))
+        .map_err(|e| AdminError::InvalidInput {
+            field: "query",
+            value: String::new(),
+            expected: e.to_string(),
+        })?;
+    let source = pairs
+        .iter()
+        .find(|(k, _)| k == "source")
+        .map(|(_, v)| v.clone())
+        .filter(|s| !s.is_empty())
+        .ok_or_else(|| AdminError::InvalidInput {
+            field: "source",
+            value: String::new(),
+            expected: "the consumer's source (topic, exchange, stream or queue) as ?source=…"
+                .into(),
+        })?;
+    Ok((source, pairs))
+}
+
+fn dlq(state: &AdminState, consumer: &str, source: String) -> Dlq {
+    Dlq::new(state.broker.clone(), Subscription::new(consumer, source))
+}
+
+/// What a DLQ endpoint goes on with once its caller may: the audit note, the DLQ, the
+/// query's pairs.
+struct Begun {
+    note: AuditNote,
+    dlq: Dlq,
+    pairs: Vec<(String, String)>,
+}
+
+/// Everything a DLQ endpoint starts with: the note, the role check, the source.
+fn begin(
+    state: &AdminState,
+    headers: &HeaderMap,
+    role: Role,
+    action: &'static str,
+    consumer: &str,
+    raw_query: Option<String>,
+) -> Result<Begun, Reply> {
+    let note = AuditNote {
+        action,
+        consumer: Some(consumer.to_owned()),
+        ..AuditNote::default()
+    };
+    let note = authorize(state, headers, role, note)?;
+    match query(raw_query) {
+        Ok((source, pairs)) => Ok(Begun {
+            note,
+            dlq: dlq(state, consumer, source),
+            pairs,
+        }),
+        Err(e) => Err(Reply::failed(note, e)),
+    }
+}
+
+async fn openapi() -> Response {
+    let mut response = ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response();
+    response.extensions_mut().insert(AuditNote {
+        action: "openapi",
+        ..AuditNote::default()
+    });
+    response
+}
+
+async fn stats(
+    State(state): State<Arc<AdminState>>,
+    Path(consumer): Path<String>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Reply {
+    let Begun {
+        mut note,
+        dlq,
+        pairs,
+    } = match begin(&state, &headers, Role::Reader, "stats", &consumer, raw) {
+        Ok(b) => b,
+        Err(reply) => return reply,
+    };
+    let spec = match FilterSpec::from_pairs(&pairs) {
+        Ok(spec) => spec,
+        Err(e) => return Reply::failed(note, e),
+    };
+    note.filter = Some(spec.clone());
+    match dlq.stats(&spec).await {
+        Ok(stats) => {
+            note.counts = Some(serde_json::json!({ "matched": stats.count }));
+            Reply::ok(note, stats)
+        }
+        Err(e) => Reply::failed(note, e),
+    }
+}
+
+async fn list(
+    State(state): State<Arc<AdminState>>,
+    Path(consumer): Path<String>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Reply {
+    let Begun {
+        mut note,
+        dlq,
+        pairs,
+    } = match begin(&state, &headers, Role::Reader, "ls", &consumer, raw) {
+        Ok(b) => b,
+        Err(reply) => return reply,
+    };
+    let spec = match FilterSpec::from_pairs(&pairs) {
+        Ok(spec) => spec,
+        Err(e) => return Reply::failed(note, e),
+    };
+    note.filter = Some(spec.clone());
+    let value = |name: &str| {
+        pairs
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    let cursor = Cursor::from(value("cursor").unwrap_or_default());
+    let max = match value("max").map(|m| m.parse::<usize>()) {
+        None => 100,
+        Some(Ok(m)) if (1..=crate::ops::MAX_LIST).contains(&m) => m,
+        Some(_) => {
+            let e = AdminError::InvalidInput {
+                field: "max",
+                value: value("max").unwrap_or_default(),
+                expected: format!("a whole number from 1 to {}", crate::ops::MAX_LIST),
+            };
+            return Reply::failed(note, e);
+        }
+    };
+    match dlq.list(&spec, &cursor, max).await {
+        Ok(page) => {
+            note.counts = Some(serde_json::json!({ "listed": page.entries.len() }));
+            Reply::ok(note, page)
+        }
+        Err(e) => Reply::failed(note, e),
+    }
+}
+
+async fn show(
+    State(state): State<Arc<AdminState>>,
+    Path((consumer, id)): Path<(String, String)>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Reply {
+    let Begun { note, dlq, .. } =
+        match begin(&state, &headers, Role::Reader, "show", &consumer, raw) {
+            Ok(b) => b,
+            Err(reply) => return reply,
+        };
+    match dlq.show(&id).await {
+        Ok(detail) => Reply::ok(note, detail),
+        Err(e) => Reply::failed(note, e),
+    }
+}
+
+/// A JSON body, or the reply refusing it.
+fn body<T: serde::de::DeserializeOwned + Default>(
+    note: &AuditNote,
+    bytes: &[u8],
+) -> Result<T, Reply> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(bytes).map_err(|e| {
+        Reply::failed(
+            note.clone(),
+            AdminError::InvalidInput {
+                field: "body",
+                value: String::new(),
+                expected: format!("a JSON object as documented: {e}"),
+            },
+        )
+    })
+}
+
+async fn replay(
+    State(state): State<Arc<AdminState>>,
+    Path(consumer): Path<String>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+    bytes: axum::body::Bytes,
+) -> Reply {
+    let parse = |note: &AuditNote| body(note, &bytes).map(Run::Replay);
+    start_run(
+        &state,
+        &consumer,
+        raw,
+        &headers,
+        Role::Operator,
+        "replay",
+        parse,
+    )
+    .await
+}
+
+async fn purge(
+    State(state): State<Arc<AdminState>>,
+    Path(consumer): Path<String>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+    bytes: axum::body::Bytes,
+) -> Reply {
+    let parse = |note: &AuditNote| body(note, &bytes).map(Run::Purge);
+    start_run(
+        &state,
+        &consumer,
+        raw,
+        &headers,
+        Role::Admin,
+        "purge",
+        parse,
+    )
+    .await
+}
+
+/// A replay or purge: a dry run answers at once (200, the outcome), a run starts a job
+/// (202, the job to poll).
+async fn start_run(
+    state: &Arc<AdminState>,
+    consumer: &str,
+    raw: Option<String>,
+    headers: &HeaderMap,
+    role: Role,
+    action: &'static str,
+    parse: impl FnOnce(&AuditNote) -> Result<Run, Reply>,
+) -> Reply {
+    let Begun { mut note, dlq, .. } = match begin(state, headers, role, action, consumer, raw) {
+        Ok(b) => b,
+        Err(reply) => return reply,
+    };
+    let run = match parse(&note) {
+        Ok(r) => r,
+        Err(reply) => return reply,
+    };
+    note.filter = Some(run.filter().clone());
+    if let Err(e) = run.filter().to_filter(SystemTime::now()) {
+        return Reply::failed(note, e);
+    }
+    if run.dry_run() {
+        note.action = match run {
+            Run::Replay(_) => "replay-dry-run",
+            Run::Purge(_) => "purge-dry-run",
+        };
+        return match dlq.run(&run, |_| {}, Default::default()).await {
+            Ok(outcome) => {
+                note.counts = Some(serde_json::json!({ "matched": outcome.matched }));
+                Reply::ok(note, outcome)
+            }
+            Err(e) => Reply::failed(note, e),
+        };
+    }
+    let actor = note
+        .actor
+        .as_ref()
+        .map(|p| p.name.clone())
+        .unwrap_or_default();
+    let filter = run.filter().clone();
+    let job = state.jobs.spawn(
+        run.operation(),
+        consumer,
+        &actor,
+        &filter,
+        state.audit.clone(),
+        |ctx| async move { dlq.run(&run, ctx.progress(), ctx.cancel()).await },
+    );
+    note.job = Some(job.id.clone());
+    Reply::with_status(StatusCode::ACCEPTED, note, job)
+}
+
+/// The body of an edit.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct EditBody {
+    /// The corrected payload as JSON (sent as its compact serialization).
+    payload: Option<serde_json::Value>,
+    /// The corrected payload's bytes, base64 (for payloads that are not JSON).
+    payload_base64: Option<String>,
+    /// Headers to set, `name=value`.
+    headers: Vec<String>,
+}
+
+async fn edit(
+    State(state): State<Arc<AdminState>>,
+    Path((consumer, id)): Path<(String, String)>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+    bytes: axum::body::Bytes,
+) -> Reply {
+    let Begun { note, dlq, .. } =
+        match begin(&state, &headers, Role::Operator, "edit", &consumer, raw) {
+            Ok(b) => b,
+            Err(reply) => return reply,
+        };
+    let edit: EditBody = match body(&note, &bytes) {
+        Ok(r) => r,
+        Err(reply) => return reply,
+    };
+    let payload = match (edit.payload, edit.payload_base64) {
+        (Some(_), Some(_)) => {
+            let e = AdminError::InvalidInput {
+                field: "payload",
+                value: String::new(),
+                expected: "either `payload` or `payload_base64`, not both".into(),
+            };
+            return Reply::failed(note, e);
+        }
+        (Some(json), None) => Some(bytes::Bytes::from(json.to_string())),
+        (None, Some(b64)) => match base64::engine::general_purpose::STANDARD.decode(b64.as_bytes())
+        {
+            Ok(raw) => Some(bytes::Bytes::from(raw)),
+            Err(_) => {
+                let e = AdminError::InvalidInput {
+                    field: "payload_base64",
+                    value: String::new(),
+                    expected: "standard base64".into(),
+                };
+                return Reply::failed(note, e);
+            }
+        },
+        (None, None) => None,
+    };
+    let request = EditRequest {
+        payload,
+        headers: edit.headers,
+    };
+    match dlq.edit(&id, &request).await {
+        Ok(outcome) => Reply::ok(note, outcome),
+        Err(e) => Reply::failed(note, e),
+    }
+}
+
+async fn jobs(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> Reply {
+    let note = AuditNote {
+        action: "jobs",
+        ..AuditNote::default()
+    };
+    match authorize(&state, &headers, Role::Reader, note) {
+        Ok(note) => Reply::ok(note, state.jobs.list()),
+        Err(reply) => reply,
+    }
+}
+
+async fn job(
+    State(state): State<Arc<AdminState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Reply {
+    on_job(&state, &headers, Role::Reader, "job", id, Jobs::get)
+}
+
+async fn cancel_job(
+    State(state): State<Arc<AdminState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Reply {
+    on_job(
+        &state,
+        &headers,
+        Role::Operator,
+        "cancel-job",
+        id,
+        Jobs::cancel,
+    )
+}
+
+/// `what` on the job `id`, for a caller of at least `role`.
+fn on_job(
+    state: &AdminState,
+    headers: &HeaderMap,
+    role: Role,
+    action: &'static str,
+    id: String,
+    what: impl FnOnce(&Jobs, &str) -> Result<crate::jobs::JobView, AdminError>,
+) -> Reply {
+    let note = AuditNote {
+        action,
+        job: Some(id.clone()),
+        ..AuditNote::default()
+    };
+    match authorize(state, headers, role, note) {
+        Ok(note) => match what(&state.jobs, &id) {
+            Ok(view) => Reply::ok(note, view),
+            Err(e) => Reply::failed(note, e),
+        },
+        Err(reply) => reply,
+    }
+}
+
+/// Serve the API on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<AdminState>,
+    limits: Limits,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = router(state, limits);
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+}

@@ -1,0 +1,37 @@
+//! # reliq-admin
+//!
+//! The operator's half of reliq: what the person paged at 3 a.m. because a DLQ is filling
+//! does with it, on any backend, through the seam's [`DeadLetters`](reliq_core::DeadLetters)
+//! reader (which browses without removing anything).
+//!
+//! - [`Dlq`]: the operations on one consumer's DLQ — [`Dlq::stats`] (counts, oldest age,
+//!   groups by reason, class and error [`Fingerprint`](reliq_core::Fingerprint)),
+//!   [`Dlq::list`] and [`Dlq::show`] (read, change nothing), [`Dlq::replay`] (dry run,
+//!   rate, target), [`Dlq::edit`] (a corrected copy with a new id whose causation id is
+//!   the original's) and [`Dlq::purge`]. Replay and purge are the engine's
+//!   ([`reliq_core::Replay`]): a dead letter is removed only after its copy is confirmed.
+//! - [`FilterSpec`]: which dead letters, as flags, query strings and JSON bodies say it;
+//!   the same spec drives every operation, so what `ls` shows is what `replay` moves.
+//! - [`http`]: the same operations as an authenticated JSON API ([`http::router`]) —
+//!   bearer [`Tokens`] with a [`Role`], replay and purge as [`Jobs`], every request in the
+//!   [`AuditLog`].
+//!
+//! The `reliq` command (crate `reliq-cli`) is clap over [`Dlq`] and [`http::serve`].
+
+mod audit;
+mod auth;
+mod error;
+mod filter;
+pub mod http;
+mod jobs;
+mod ops;
+
+pub use audit::{AuditLog, AuditRecord};
+pub use auth::{Principal, Refusal, Role, Tokens, new_token};
+pub use error::AdminError;
+pub use filter::{FILTER_FIELDS, FilterSpec};
+pub use jobs::{JobContext, JobState, JobView, Jobs};
+pub use ops::{
+    Dlq, DlqStats, EditOutcome, EditRequest, EntryDetail, EntryList, EntrySummary, FailedEntry,
+    Group, MAX_LIST, PurgeRequest, ReplayRequest, Run, RunOutcome,
+};

@@ -1,0 +1,284 @@
+//! The command line.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use reliq_admin::FilterSpec;
+
+use crate::Failure;
+
+/// reliq: a consumer's dead letters on Kafka, RabbitMQ, NATS JetStream, SQS or the
+/// embedded broker — look, replay, correct, purge — and the admin API.
+///
+/// Exit codes: 0 done; 1 failed (broker, file); 2 bad usage or input; 3 incomplete (a
+/// replay or purge left matching entries, or was interrupted); 4 no such entry.
+#[derive(Debug, Parser)]
+#[command(name = "reliq", version)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// A consumer's dead-letter queue.
+    Dlq {
+        #[command(subcommand)]
+        command: Box<DlqCommand>,
+    },
+    /// The admin HTTP API.
+    Admin {
+        #[command(subcommand)]
+        command: AdminCommand,
+    },
+}
+
+/// Which broker.
+#[derive(Debug, Args)]
+pub struct BrokerArgs {
+    /// Broker URL: kafka://…, amqp://…, nats://…, sqs://…, memory://.
+    #[arg(long, env = "RELIQ_URL")]
+    pub url: Option<String>,
+    /// Instead of --url: a backend name (kafka, rabbit, nats, sqs) whose URL is
+    /// RELIQ_<NAME>_URL from the environment or ./brokers.env.
+    #[arg(long, env = "RELIQ_BACKEND", conflicts_with = "url")]
+    pub backend: Option<String>,
+}
+
+impl BrokerArgs {
+    /// The URL to connect to.
+    pub fn url(&self) -> Result<String, Failure> {
+        if let Some(url) = &self.url {
+            return Ok(url.clone());
+        }
+        let Some(backend) = &self.backend else {
+            return Err(crate::bad_input(
+                "which broker? pass --url (or RELIQ_URL), or --backend kafka|rabbit|nats|sqs",
+            ));
+        };
+        let key = format!("RELIQ_{}_URL", backend.to_ascii_uppercase());
+        if let Ok(url) = std::env::var(&key)
+            && !url.is_empty()
+        {
+            return Ok(url);
+        }
+        brokers_env_value(Path::new("."), &key).ok_or_else(|| {
+            crate::bad_input(format!(
+                "--backend {backend}: `{key}` is neither set nor in a brokers.env here or above"
+            ))
+        })
+    }
+}
+
+/// `key`'s value in the first brokers.env found from `dir` upwards.
+fn brokers_env_value(dir: &Path, key: &str) -> Option<String> {
+    let dir = dir.canonicalize().ok()?;
+    dir.ancestors().find_map(|d| {
+        let text = std::fs::read_to_string(d.join("brokers.env")).ok()?;
+        text.lines()
+            .map(str::trim)
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| l.split_once('='))
+            .find(|(k, _)| k.trim() == key)
+            .map(|(_, v)| v.trim().to_owned())
+    })
+}
+
+/// Which consumer's DLQ, and how to answer.
+#[derive(Debug, Args)]
+pub struct Target {
+    #[command(flatten)]
+    pub broker: BrokerArgs,
+    /// The consumer (group) whose DLQ it is.
+    #[arg(long, env = "RELIQ_CONSUMER")]
+    pub consumer: String,
+    /// What the consumer consumes: topic, exchange, stream or queue.
+    #[arg(long, env = "RELIQ_SOURCE")]
+    pub source: String,
+    /// One JSON document on stdout instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl Target {
+    pub fn url(&self) -> Result<String, Failure> {
+        self.broker.url()
+    }
+}
+
+/// Which dead letters (every flag given must hold).
+#[derive(Debug, Args)]
+pub struct FilterArgs {
+    /// Dead-letter reason: exhausted, permanent, poison, expired, max-deliveries, panic.
+    #[arg(long, value_delimiter = ',')]
+    pub reason: Vec<String>,
+    /// Error class: transient, permanent, poison, panic.
+    #[arg(long, value_delimiter = ',')]
+    pub class: Vec<String>,
+    /// Error fingerprint id, as `stats` prints it.
+    #[arg(long, value_delimiter = ',')]
+    pub fingerprint: Vec<String>,
+    /// Message id.
+    #[arg(long, value_delimiter = ',')]
+    pub id: Vec<String>,
+    /// A header, name=value (repeat for several; all must match).
+    #[arg(long)]
+    pub header: Vec<String>,
+    /// A substring of the payload.
+    #[arg(long)]
+    pub payload_contains: Option<String>,
+    /// Dead-lettered at or after: RFC 3339, or an age (2h, 30m).
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Dead-lettered before: RFC 3339, or an age.
+    #[arg(long)]
+    pub until: Option<String>,
+    /// At most this many.
+    #[arg(long)]
+    pub limit: Option<usize>,
+}
+
+impl FilterArgs {
+    pub fn spec(&self) -> FilterSpec {
+        FilterSpec {
+            reason: self.reason.clone(),
+            class: self.class.clone(),
+            fingerprint: self.fingerprint.clone(),
+            id: self.id.clone(),
+            header: self.header.clone(),
+            payload_contains: self.payload_contains.clone(),
+            since: self.since.clone(),
+            until: self.until.clone(),
+            limit: self.limit,
+        }
+    }
+}
+
+/// Where replayed messages go.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ReplayTo {
+    /// Only the consumer that dead-lettered them.
+    Consumer,
+    /// The original destination: every consumer of it.
+    Original,
+}
+
+impl ReplayTo {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Consumer => "consumer",
+            Self::Original => "original",
+        }
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// Count, oldest age, and groups by reason, class and error fingerprint.
+    Stats {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        filter: FilterArgs,
+    },
+    /// List entries (changes nothing); --cursor goes on where the last page ended.
+    Ls {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Where to start (the `next cursor` a previous ls printed).
+        #[arg(long)]
+        cursor: Option<String>,
+        /// Most entries to list (1 to 1000).
+        #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..=1000))]
+        max: u64,
+    },
+    /// One entry in full: record, headers, payload.
+    Show {
+        #[command(flatten)]
+        target: Target,
+        /// The message id.
+        id: String,
+    },
+    /// Replay matching entries to the consumer; each is removed from the DLQ only after
+    /// its copy is confirmed.
+    Replay {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Print what would go; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// At most this many messages per second.
+        #[arg(long)]
+        rate: Option<u32>,
+        /// Where copies go.
+        #[arg(long = "target", value_enum, default_value = "consumer")]
+        to: ReplayTo,
+    },
+    /// Replay a corrected copy of one entry (a new id whose causation id is the
+    /// original's); the original is removed once the copy is confirmed.
+    Edit {
+        #[command(flatten)]
+        target: Target,
+        /// The message id.
+        id: String,
+        /// The corrected payload.
+        #[arg(long)]
+        payload_file: Option<PathBuf>,
+        /// A header to set on the copy, name=value (repeat for several).
+        #[arg(long)]
+        header: Vec<String>,
+    },
+    /// Remove matching entries for good.
+    Purge {
+        #[command(flatten)]
+        target: Target,
+        #[command(flatten)]
+        filter: FilterArgs,
+        /// Print what would go; remove nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Do not ask (needed when not at a terminal).
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AdminCommand {
+    /// Serve the admin HTTP API (stops on Ctrl-C / SIGINT).
+    Serve {
+        #[command(flatten)]
+        broker: BrokerArgs,
+        /// Address to listen on (port 0: any free port, printed on start).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+        /// The tokens file (see `reliq admin token`); read again when it changes.
+        #[arg(long, env = "RELIQ_ADMIN_TOKENS")]
+        tokens: PathBuf,
+        /// Append every request's audit record to this file (JSON lines).
+        #[arg(long, env = "RELIQ_ADMIN_AUDIT_LOG")]
+        audit_log: Option<PathBuf>,
+        /// Largest request body, bytes.
+        #[arg(long, default_value_t = 1024 * 1024)]
+        max_body_bytes: usize,
+    },
+    /// Make a token: prints it once, and the entry for the tokens file (its hash).
+    Token {
+        /// Who it is for (written to the audit log).
+        #[arg(long)]
+        name: String,
+        /// reader (look), operator (+ replay, edit), admin (+ purge).
+        #[arg(long)]
+        role: String,
+        /// Valid for this long (90d, 12h); no expiry when absent.
+        #[arg(long)]
+        expires_in: Option<humantime::Duration>,
+        /// One JSON document on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+}

@@ -1,0 +1,378 @@
+//! `reliq`: a consumer's dead letters on any broker, from a terminal or a script.
+//!
+//! ```text
+//! reliq dlq stats   --url amqp://… --consumer inventory --source orders
+//! reliq dlq ls      … [filters] [--cursor C] [--max N]
+//! reliq dlq show    … <id>
+//! reliq dlq replay  … [filters] [--dry-run] [--rate N] [--limit N] [--target consumer|original]
+//! reliq dlq edit    … <id> --payload-file F [--header k=v]…
+//! reliq dlq purge   … [filters] [--dry-run] [--yes]
+//! reliq admin serve --url … --listen 127.0.0.1:8080 --tokens tokens.toml [--audit-log audit.jsonl]
+//! reliq admin token --name alice --role operator [--expires-in 90d]
+//! ```
+//!
+//! Every command takes `--json` (one JSON document on stdout; progress and logs go to
+//! stderr). Exit codes: 0 done; 1 failed (broker, file); 2 bad usage or input (the error
+//! names the flag); 3 incomplete (a replay or purge left matching entries in the DLQ, or
+//! was interrupted); 4 no such entry.
+
+mod args;
+mod progress;
+mod render;
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use reliq_admin::{AdminError, Dlq, EditRequest, PurgeRequest, ReplayRequest, Run};
+use tokio_util::sync::CancellationToken;
+
+use crate::args::{AdminCommand, Cli, Command, DlqCommand, Target};
+
+/// Exit codes (documented in the module docs and `--help`).
+const FAILED: u8 = 1;
+const BAD_INPUT: u8 = 2;
+const INCOMPLETE: u8 = 3;
+const NOT_FOUND: u8 = 4;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Logs to stderr, warnings and up unless RUST_LOG says otherwise: stdout is the
+    // command's answer.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("reliq: cannot start the async runtime: {e}");
+            return ExitCode::from(FAILED);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("reliq: {}", e.message);
+            ExitCode::from(e.code)
+        }
+    }
+}
+
+/// A command's failure: what to print and the exit code.
+struct Failure {
+    message: String,
+    code: u8,
+}
+
+impl From<AdminError> for Failure {
+    fn from(e: AdminError) -> Self {
+        let code = match &e {
+            AdminError::InvalidInput { .. } => BAD_INPUT,
+            AdminError::NotFound { .. } | AdminError::NoSuchJob(_) => NOT_FOUND,
+            _ => FAILED,
+        };
+        Self {
+            message: e.to_string(),
+            code,
+        }
+    }
+}
+
+fn bad_input(message: impl Into<String>) -> Failure {
+    Failure {
+        message: message.into(),
+        code: BAD_INPUT,
+    }
+}
+
+fn failed(message: impl Into<String>) -> Failure {
+    Failure {
+        message: message.into(),
+        code: FAILED,
+    }
+}
+
+async fn connect(target: &Target) -> Result<Dlq, Failure> {
+    let url = target.url()?;
+    let broker = reliq::connect(&url).await.map_err(|e| {
+        let code = match e {
+            reliq::ConnectError::NoScheme { .. }
+            | reliq::ConnectError::UnknownScheme { .. }
+            | reliq::ConnectError::FeatureDisabled { .. } => BAD_INPUT,
+            _ => FAILED,
+        };
+        Failure {
+            message: format!("connecting to {}: {}", redact(&url), reliq::ErrorChain(&e)),
+            code,
+        }
+    })?;
+    Ok(Dlq::new(
+        broker,
+        reliq::Subscription::new(target.consumer.clone(), target.source.clone()),
+    ))
+}
+
+/// The URL without its password, for messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
+            let userinfo = &url[scheme_end + 3..at];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+fn print_json(value: &impl serde::Serialize) -> Result<(), Failure> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| failed(e.to_string()))?;
+    println!("{text}");
+    Ok(())
+}
+
+/// Ctrl-C cancels `token` (the run stops after its copies in flight and says what it did).
+fn cancel_on_ctrl_c(token: CancellationToken) {
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("reliq: interrupted; finishing the copies in flight");
+            token.cancel();
+        }
+    });
+}
+
+async fn run(cli: Cli) -> Result<u8, Failure> {
+    match cli.command {
+        Command::Dlq { command } => dlq(*command).await,
+        Command::Admin { command } => admin(command).await,
+    }
+}
+
+async fn dlq(command: DlqCommand) -> Result<u8, Failure> {
+    match command {
+        DlqCommand::Stats { target, filter } => {
+            let dlq = connect(&target).await?;
+            let stats = dlq.stats(&filter.spec()).await?;
+            answer(target.json, &stats, render::stats)?;
+            Ok(0)
+        }
+        DlqCommand::Ls {
+            target,
+            filter,
+            cursor,
+            max,
+        } => {
+            let dlq = connect(&target).await?;
+            let page = dlq
+                .list(
+                    &filter.spec(),
+                    &reliq::Cursor::from(cursor.unwrap_or_default()),
+                    max as usize,
+                )
+                .await?;
+            answer(target.json, &page, render::list)?;
+            Ok(0)
+        }
+        DlqCommand::Show { target, id } => {
+            let dlq = connect(&target).await?;
+            let entry = dlq.show(&id).await?;
+            answer(target.json, &entry, render::detail)?;
+            Ok(0)
+        }
+        DlqCommand::Replay {
+            target,
+            filter,
+            dry_run,
+            rate,
+            to,
+        } => {
+            let dlq = connect(&target).await?;
+            let run = Run::Replay(ReplayRequest {
+                filter: filter.spec(),
+                dry_run,
+                rate,
+                target: Some(to.as_str().to_owned()),
+            });
+            execute(&dlq, run, target.json).await
+        }
+        DlqCommand::Edit {
+            target,
+            id,
+            payload_file,
+            header,
+        } => {
+            let dlq = connect(&target).await?;
+            let payload = match payload_file {
+                Some(path) => Some(bytes::Bytes::from(std::fs::read(&path).map_err(|e| {
+                    bad_input(format!("--payload-file `{}`: {e}", path.display()))
+                })?)),
+                None => None,
+            };
+            if payload.is_none() && header.is_empty() {
+                return Err(bad_input(
+                    "edit needs a correction: --payload-file and/or --header",
+                ));
+            }
+            let outcome = dlq
+                .edit(
+                    &id,
+                    &EditRequest {
+                        payload,
+                        headers: header,
+                    },
+                )
+                .await?;
+            if target.json {
+                print_json(&outcome)?;
+            } else {
+                println!(
+                    "replayed a corrected copy {} of {} (its causation id); {} removed from the DLQ",
+                    outcome.copy, outcome.original, outcome.original
+                );
+            }
+            Ok(0)
+        }
+        DlqCommand::Purge {
+            target,
+            filter,
+            dry_run,
+            yes,
+        } => {
+            let dlq = connect(&target).await?;
+            let spec = filter.spec();
+            spec.to_filter(std::time::SystemTime::now())?;
+            if !dry_run && !yes {
+                confirm_purge(&dlq, &spec).await?;
+            }
+            let run = Run::Purge(PurgeRequest {
+                filter: spec,
+                dry_run,
+            });
+            execute(&dlq, run, target.json).await
+        }
+    }
+}
+
+/// Run a replay or purge with a progress reporter and Ctrl-C as its cancel; print the
+/// outcome. Exit 0 when everything matching went, 3 when some was left or interrupted.
+async fn execute(dlq: &Dlq, run: Run, json: bool) -> Result<u8, Failure> {
+    run.filter().to_filter(std::time::SystemTime::now())?;
+    let total = dlq.count().await.ok().map(|c| c.count);
+    let bar = progress::Reporter::start(run.operation(), total, json);
+    let cancel = CancellationToken::new();
+    cancel_on_ctrl_c(cancel.clone());
+    let outcome = dlq.run(&run, bar.callback(), cancel).await;
+    bar.finish();
+    let outcome = outcome?;
+    answer(json, &outcome, render::outcome)?;
+    Ok(if outcome.complete() { 0 } else { INCOMPLETE })
+}
+
+/// Print `value` as JSON or, for a person, with `text`.
+fn answer<T: serde::Serialize>(
+    json: bool,
+    value: &T,
+    text: impl FnOnce(&T),
+) -> Result<(), Failure> {
+    if json {
+        print_json(value)
+    } else {
+        text(value);
+        Ok(())
+    }
+}
+
+/// A purge without `--yes` asks on a terminal, and refuses elsewhere.
+async fn confirm_purge(dlq: &Dlq, spec: &reliq_admin::FilterSpec) -> Result<(), Failure> {
+    if !std::io::stdin().is_terminal() {
+        return Err(bad_input(
+            "purge removes dead letters for good: pass --yes (or --dry-run first) when not at a terminal",
+        ));
+    }
+    let plan = dlq
+        .purge(
+            &PurgeRequest {
+                filter: spec.clone(),
+                dry_run: true,
+            },
+            |_| {},
+            CancellationToken::new(),
+        )
+        .await?;
+    eprint!(
+        "Purge {} dead letters of consumer `{}` for good? Type the consumer name to confirm: ",
+        plan.matched,
+        dlq.consumer()
+    );
+    let _ = std::io::stderr().flush();
+    let mut answer = String::new();
+    std::io::stdin()
+        .read_line(&mut answer)
+        .map_err(|e| failed(e.to_string()))?;
+    if answer.trim() != dlq.consumer() {
+        return Err(bad_input("not confirmed; nothing purged"));
+    }
+    Ok(())
+}
+
+async fn admin(command: AdminCommand) -> Result<u8, Failure> {
+    match command {
+        AdminCommand::Serve {
+            broker,
+            listen,
+            tokens,
+            audit_log,
+            max_body_bytes,
+        } => {
+            let url = broker.url()?;
+            let connected = reliq::connect(&url).await.map_err(|e| {
+                failed(format!(
+                    "connecting to {}: {}",
+                    redact(&url),
+                    reliq::ErrorChain(&e)
+                ))
+            })?;
+            let tokens = reliq_admin::Tokens::open(&tokens)?;
+            let audit = match audit_log {
+                Some(path) => reliq_admin::AuditLog::to_file(path)?,
+                None => reliq_admin::AuditLog::tracing_only(),
+            };
+            let listener = tokio::net::TcpListener::bind(&listen)
+                .await
+                .map_err(|e| bad_input(format!("--listen `{listen}`: {e}")))?;
+            let bound = listener.local_addr().map_err(|e| failed(e.to_string()))?;
+            // The one line a supervisor (or a test) waits for.
+            println!("reliq admin API listening on http://{bound}");
+            let _ = std::io::stdout().flush();
+            let state = Arc::new(reliq_admin::http::AdminState::new(connected, tokens, audit));
+            let limits = reliq_admin::http::Limits { max_body_bytes };
+            reliq_admin::http::serve(listener, state, limits, async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await
+            .map_err(|e| failed(format!("serving: {e}")))?;
+            Ok(0)
+        }
+        AdminCommand::Token {
+            name,
+            role,
+            expires_in,
+            json,
+        } => {
+            let role: reliq_admin::Role = role.parse()?;
+            let expires_at = expires_in.map(|d| std::time::SystemTime::now() + *d);
+            let (token, entry) = reliq_admin::new_token(&name, role, expires_at)?;
+            if json {
+                print_json(&serde_json::json!({ "token": token, "entry": entry }))?;
+            } else {
+                println!("token (shown once; give it to {name}): {token}");
+                println!("\nadd to the tokens file:\n{entry}");
+            }
+            Ok(0)
+        }
+    }
+}

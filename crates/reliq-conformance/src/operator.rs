@@ -1,0 +1,547 @@
+//! Scenarios of the operator's operations ([`reliq_admin::Dlq`]) on each backend: stats
+//! grouped by error fingerprint, listings with every filter and a cursor, show, replay
+//! (dry run and at a rate), edit-and-replay, purge (dry run and by filter) — ids and
+//! counts asserted, and every read and dry run changes nothing.
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, ensure};
+use reliq_admin::{AdminError, Dlq, EditRequest, FilterSpec, PurgeRequest, ReplayRequest};
+use reliq_core::{
+    BoxError, ConsumerHandle, Cursor, Delivery, Message, MessageId, Permanent, Poison, headers,
+};
+
+use crate::support::{Backend, Ctx, Recorder, browse_all, soon, wait_until};
+
+/// A consumer `c` whose handler fails every first-time message — `missing-N` payloads
+/// with a permanent "order N not found", `poison-N` ones as poison — and succeeds for a
+/// replayed copy (recorded), as a fixed deployment would.
+async fn failing_until_replayed(ctx: &Ctx<'_>) -> anyhow::Result<(ConsumerHandle, Recorder)> {
+    let rec = Recorder::new();
+    let r = rec.clone();
+    let h = ctx
+        .consumer("c")
+        .start(move |d: Delivery| {
+            let r = r.clone();
+            async move {
+                if d.headers().get(headers::REPLAY_COUNT).is_some() {
+                    r.call(&d);
+                    r.effect(d.id());
+                    return Ok(());
+                }
+                let kind: serde_json::Value =
+                    serde_json::from_slice(d.payload()).unwrap_or_default();
+                let n = kind["n"].as_u64().unwrap_or(0);
+                if kind["kind"] == "poison" {
+                    Err::<(), BoxError>(
+                        Poison::msg(format!("bad field at byte {}", 100 + n)).into(),
+                    )
+                } else {
+                    Err(Permanent::msg(format!("order {} not found", 8000 + n)).into())
+                }
+            }
+        })
+        .await?;
+    Ok((h, rec))
+}
+
+/// Dead-letter `missing` permanent failures then `poison` poison ones, one at a time (so
+/// the DLQ holds them in this order where the broker keeps one); their ids, in order.
+async fn park(
+    ctx: &Ctx<'_>,
+    h: &ConsumerHandle,
+    missing: usize,
+    poison: usize,
+) -> anyhow::Result<(Vec<MessageId>, Vec<MessageId>)> {
+    let mut ids = (Vec::new(), Vec::new());
+    let base = h.stats().dead_lettered;
+    for i in 0..missing + poison {
+        let kind = if i < missing { "missing" } else { "poison" };
+        let m = Message::json(&serde_json::json!({ "kind": kind, "n": i }))?
+            .with_header("x-seq", i.to_string());
+        if i < missing {
+            ids.0.push(m.id().clone());
+        } else {
+            ids.1.push(m.id().clone());
+        }
+        ctx.publish(m).await?;
+        let parked = base + i as u64 + 1;
+        wait_until("dead-lettered", soon(ctx.backend), || {
+            h.stats().dead_lettered == parked
+        })
+        .await?;
+    }
+    Ok(ids)
+}
+
+/// What the DLQ holds, entry by entry (id, payload, headers), to compare before/after.
+async fn snapshot(
+    ctx: &Ctx<'_>,
+) -> anyhow::Result<Vec<(MessageId, Vec<u8>, Vec<(String, String)>)>> {
+    let dlq = ctx.broker.dead_letters(&ctx.subscription("c")).await?;
+    let entries = browse_all(dlq.as_ref()).await?;
+    Ok(entries
+        .iter()
+        .map(|e| {
+            let mut h: Vec<(String, String)> = e
+                .headers()
+                .iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect();
+            h.sort();
+            (e.id().clone(), e.payload().to_vec(), h)
+        })
+        .collect())
+}
+
+fn spec() -> FilterSpec {
+    FilterSpec::default()
+}
+
+/// Every `ls` page (of `max`) for `filter`; the ids in order and how many pages.
+async fn ls_all(
+    dlq: &Dlq,
+    filter: &FilterSpec,
+    max: usize,
+) -> anyhow::Result<(Vec<MessageId>, usize)> {
+    let mut cursor = Cursor::start();
+    let mut ids = Vec::new();
+    let mut pages = 0;
+    loop {
+        let page = dlq.list(filter, &cursor, max).await?;
+        pages += 1;
+        ensure!(
+            page.entries.len() <= max,
+            "a page of {} for max {max}",
+            page.entries.len()
+        );
+        ids.extend(page.entries.iter().map(|e| MessageId::from(e.id.as_str())));
+        if page.at_end {
+            return Ok((ids, pages));
+        }
+        ensure!(pages < 100, "ls never reached the end");
+        cursor = Cursor::from(page.next_cursor);
+    }
+}
+
+fn sorted(ids: &[MessageId]) -> Vec<MessageId> {
+    let mut v = ids.to_vec();
+    v.sort();
+    v
+}
+
+/// `stats` counts and groups by reason, class and fingerprint (10 failures of one bug are
+/// one row), `ls` pages cover a filter's entries once with every filter kind, `show` has
+/// the record, headers and payload — and none of it changes the DLQ.
+pub async fn operator_stats_ls_and_show_change_nothing(b: &dyn Backend) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "op-stats").await?;
+    let (h, _rec) = failing_until_replayed(&ctx).await?;
+    let (missing, poison) = park(&ctx, &h, 5, 3).await?;
+    h.shutdown().await;
+    let before = snapshot(&ctx).await?;
+    ensure!(before.len() == 8, "{} entries parked", before.len());
+    let dlq = Dlq::new(ctx.broker.clone(), ctx.subscription("c"));
+
+    let stats = dlq.stats(&spec()).await?;
+    ensure!(stats.count == 8 && stats.unreadable == 0, "{stats:?}");
+    ensure!(
+        stats.by_reason.get("permanent") == Some(&5) && stats.by_reason.get("poison") == Some(&3),
+        "{:?}",
+        stats.by_reason
+    );
+    ensure!(
+        stats.by_class.get("permanent") == Some(&5),
+        "{:?}",
+        stats.by_class
+    );
+    ensure!(stats.groups.len() == 2, "groups: {:?}", stats.groups);
+    let (big, small) = (&stats.groups[0], &stats.groups[1]);
+    ensure!(
+        big.count == 5 && big.fingerprint.masked_error == "order <n> not found",
+        "{big:?}"
+    );
+    ensure!(
+        small.count == 3 && small.fingerprint.masked_error == "bad field at byte <n>",
+        "{small:?}"
+    );
+    ensure!(big.first_seen <= big.last_seen, "{big:?}");
+    ensure!(
+        missing.iter().any(|id| id.as_str() == big.example_id),
+        "{big:?}"
+    );
+    ensure!(
+        stats.oldest_age_seconds.is_some_and(|a| a < 600),
+        "{stats:?}"
+    );
+    let poisoned = dlq
+        .stats(&FilterSpec {
+            reason: vec!["poison".into()],
+            ..spec()
+        })
+        .await?;
+    ensure!(
+        poisoned.count == 3 && poisoned.groups.len() == 1,
+        "{poisoned:?}"
+    );
+
+    // ls: a fingerprint's entries in pages of 2, each once.
+    let by_fingerprint = FilterSpec {
+        fingerprint: vec![big.fingerprint.id.clone()],
+        ..spec()
+    };
+    let (listed, pages) = ls_all(&dlq, &by_fingerprint, 2).await?;
+    ensure!(
+        sorted(&listed) == sorted(&missing) && pages >= 3,
+        "{pages} pages: {listed:?}"
+    );
+    let (everything, _) = ls_all(&dlq, &spec(), 3).await?;
+    let distinct: HashSet<&MessageId> = everything.iter().collect();
+    ensure!(
+        everything.len() == 8 && distinct.len() == 8,
+        "{everything:?}"
+    );
+    for (filter, expected) in [
+        (
+            FilterSpec {
+                header: vec!["x-seq=3".into()],
+                ..spec()
+            },
+            vec![missing[3].clone()],
+        ),
+        (
+            FilterSpec {
+                payload_contains: Some("\"poison\"".into()),
+                ..spec()
+            },
+            poison.clone(),
+        ),
+        (
+            FilterSpec {
+                id: vec![missing[0].to_string(), poison[2].to_string()],
+                ..spec()
+            },
+            vec![missing[0].clone(), poison[2].clone()],
+        ),
+        (
+            FilterSpec {
+                class: vec!["poison".into()],
+                ..spec()
+            },
+            poison.clone(),
+        ),
+        (
+            FilterSpec {
+                since: Some("1h".into()),
+                reason: vec!["permanent".into()],
+                ..spec()
+            },
+            missing.clone(),
+        ),
+        (
+            FilterSpec {
+                until: Some("1h".into()),
+                ..spec()
+            },
+            vec![],
+        ),
+    ] {
+        let (got, _) = ls_all(&dlq, &filter, 50).await?;
+        ensure!(sorted(&got) == sorted(&expected), "{filter:?}: {got:?}");
+    }
+    let limited = dlq
+        .list(
+            &FilterSpec {
+                limit: Some(2),
+                ..spec()
+            },
+            &Cursor::start(),
+            50,
+        )
+        .await?;
+    ensure!(
+        limited.entries.len() == 2,
+        "limit 2 listed {}",
+        limited.entries.len()
+    );
+
+    // show: the whole entry.
+    let shown = dlq.show(missing[2].as_str()).await?;
+    ensure!(
+        shown.summary.reason == "permanent" && shown.summary.fingerprint == big.fingerprint.id,
+        "{shown:?}"
+    );
+    ensure!(
+        shown.summary.error.as_deref() == Some("order 8002 not found"),
+        "{shown:?}"
+    );
+    ensure!(
+        shown.headers.get("x-seq").map(String::as_str) == Some("2"),
+        "{:?}",
+        shown.headers
+    );
+    ensure!(
+        shown.payload_encoding == "json"
+            && shown.payload["kind"] == "missing"
+            && shown.payload["n"] == 2,
+        "{shown:?}"
+    );
+    match dlq.show("no-such-id").await {
+        Err(AdminError::NotFound { .. }) => {}
+        other => anyhow::bail!("show of an unknown id: {other:?}"),
+    }
+
+    let after = snapshot(&ctx).await?;
+    ensure!(after == before, "stats, ls and show changed the DLQ");
+    Ok(())
+}
+
+/// A dry-run replay lists exactly the filter's entries and changes nothing; the replay
+/// at a rate takes at least the time the rate says, sends each matching id to the
+/// consumer once (with the replay marker), removes exactly those, and leaves the rest.
+pub async fn operator_replay_dry_run_then_at_a_rate(b: &dyn Backend) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "op-replay").await?;
+    let (h, rec) = failing_until_replayed(&ctx).await?;
+    let (missing, poison) = park(&ctx, &h, 5, 3).await?;
+    let before = snapshot(&ctx).await?;
+    let dlq = Dlq::new(ctx.broker.clone(), ctx.subscription("c"));
+    let permanent = FilterSpec {
+        reason: vec!["permanent".into()],
+        ..spec()
+    };
+
+    let plan = dlq
+        .replay(
+            &ReplayRequest {
+                filter: permanent.clone(),
+                dry_run: true,
+                ..ReplayRequest::default()
+            },
+            |_| {},
+            Default::default(),
+        )
+        .await?;
+    let planned: Vec<MessageId> = plan
+        .ids
+        .iter()
+        .map(|i| MessageId::from(i.as_str()))
+        .collect();
+    ensure!(
+        plan.dry_run && plan.matched == 5 && plan.done == 0 && sorted(&planned) == sorted(&missing),
+        "{plan:?}"
+    );
+    ensure!(
+        plan.by_fingerprint.len() == 1 && plan.by_fingerprint.values().all(|n| *n == 5),
+        "{plan:?}"
+    );
+    tokio::time::sleep(b.quiet_period()).await;
+    ensure!(
+        rec.calls().is_empty(),
+        "a dry run sent {} messages",
+        rec.calls().len()
+    );
+    ensure!(snapshot(&ctx).await? == before, "a dry run changed the DLQ");
+
+    let started = Instant::now();
+    let done = dlq
+        .replay(
+            &ReplayRequest {
+                filter: permanent,
+                rate: Some(10),
+                ..ReplayRequest::default()
+            },
+            |_| {},
+            Default::default(),
+        )
+        .await?;
+    let took = started.elapsed();
+    ensure!(
+        done.complete() && done.done == 5 && done.matched == 5,
+        "{done:?}"
+    );
+    // 5 copies at 10/s: at least 4 intervals of 100 ms after the first.
+    ensure!(
+        took >= Duration::from_millis(350),
+        "5 copies at 10/s took {took:?}"
+    );
+    wait_until("the replayed copies handled", soon(b), || {
+        rec.effect_count() == 5
+    })
+    .await?;
+    tokio::time::sleep(b.quiet_period()).await;
+    for id in &missing {
+        let calls = rec.calls_for(id);
+        ensure!(calls.len() == 1, "{id}: {} calls", calls.len());
+        ensure!(
+            calls[0]
+                .headers
+                .iter()
+                .any(|(k, v)| k == headers::REPLAY_COUNT && v == "1"),
+            "{id}: no replay marker"
+        );
+    }
+    let left: Vec<MessageId> = snapshot(&ctx)
+        .await?
+        .into_iter()
+        .map(|(id, _, _)| id)
+        .collect();
+    ensure!(
+        sorted(&left) == sorted(&poison),
+        "left in the DLQ: {left:?}"
+    );
+    h.shutdown().await;
+    Ok(())
+}
+
+/// Edit-and-replay sends a corrected copy with a new id whose causation id is the
+/// original's, and removes the original; a purge dry run changes nothing, and a purge by
+/// filter removes exactly its entries.
+pub async fn operator_edit_and_purge(b: &dyn Backend) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "op-edit").await?;
+    let (h, rec) = failing_until_replayed(&ctx).await?;
+    let (missing, poison) = park(&ctx, &h, 2, 3).await?;
+    let dlq = Dlq::new(ctx.broker.clone(), ctx.subscription("c"));
+
+    let refused = dlq
+        .edit(
+            poison[0].as_str(),
+            &EditRequest {
+                payload: None,
+                headers: vec!["reliq-attempt=1".into()],
+            },
+        )
+        .await;
+    ensure!(
+        matches!(
+            refused,
+            Err(AdminError::InvalidInput {
+                field: "header",
+                ..
+            })
+        ),
+        "{refused:?}"
+    );
+    let fixed = br#"{"kind":"fixed","n":0}"#.to_vec();
+    let edit = EditRequest {
+        payload: Some(fixed.clone().into()),
+        headers: vec!["x-fixed=yes".into()],
+    };
+    let outcome = dlq.edit(poison[0].as_str(), &edit).await?;
+    ensure!(
+        outcome.original == poison[0].as_str() && outcome.copy != outcome.original,
+        "{outcome:?}"
+    );
+    let copy = MessageId::from(outcome.copy.as_str());
+    wait_until("the corrected copy handled", soon(b), || {
+        rec.effect_count() == 1
+    })
+    .await?;
+    let calls = rec.calls_for(&copy);
+    let call = calls
+        .first()
+        .context("the corrected copy reached the consumer")?;
+    let header = |n: &str| {
+        call.headers
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.as_str())
+    };
+    ensure!(
+        call.payload == fixed,
+        "payload {:?}",
+        String::from_utf8_lossy(&call.payload)
+    );
+    ensure!(
+        header(headers::CAUSATION_ID) == Some(poison[0].as_str()),
+        "{:?}",
+        call.headers
+    );
+    ensure!(
+        header("x-fixed") == Some("yes") && header("x-seq") == Some("2"),
+        "{:?}",
+        call.headers
+    );
+    ensure!(
+        header(headers::DEAD_LETTER_REASON).is_none(),
+        "failure headers kept: {:?}",
+        call.headers
+    );
+    ensure!(
+        rec.calls_for(&poison[0]).is_empty(),
+        "the original was replayed too"
+    );
+    ensure!(
+        matches!(
+            dlq.show(poison[0].as_str()).await,
+            Err(AdminError::NotFound { .. })
+        ),
+        "original still in the DLQ"
+    );
+    ensure!(
+        matches!(
+            dlq.edit(poison[0].as_str(), &edit).await,
+            Err(AdminError::NotFound { .. })
+        ),
+        "a second edit of a removed entry"
+    );
+
+    let poisoned = FilterSpec {
+        reason: vec!["poison".into()],
+        ..spec()
+    };
+    let before = snapshot(&ctx).await?;
+    let plan = dlq
+        .purge(
+            &PurgeRequest {
+                filter: poisoned.clone(),
+                dry_run: true,
+            },
+            |_| {},
+            Default::default(),
+        )
+        .await?;
+    let planned: Vec<MessageId> = plan
+        .ids
+        .iter()
+        .map(|i| MessageId::from(i.as_str()))
+        .collect();
+    ensure!(
+        plan.matched == 2 && plan.done == 0 && sorted(&planned) == sorted(&poison[1..]),
+        "{plan:?}"
+    );
+    ensure!(
+        snapshot(&ctx).await? == before,
+        "a purge dry run changed the DLQ"
+    );
+    let purged = dlq
+        .purge(
+            &PurgeRequest {
+                filter: poisoned,
+                dry_run: false,
+            },
+            |_| {},
+            Default::default(),
+        )
+        .await?;
+    let gone: Vec<MessageId> = purged
+        .ids
+        .iter()
+        .map(|i| MessageId::from(i.as_str()))
+        .collect();
+    ensure!(
+        purged.complete() && purged.done == 2 && sorted(&gone) == sorted(&poison[1..]),
+        "{purged:?}"
+    );
+    let left: Vec<MessageId> = snapshot(&ctx)
+        .await?
+        .into_iter()
+        .map(|(id, _, _)| id)
+        .collect();
+    ensure!(
+        sorted(&left) == sorted(&missing),
+        "left after the purge: {left:?}"
+    );
+    ensure!(dlq.stats(&spec()).await?.count == 2);
+    h.shutdown().await;
+    Ok(())
+}
