@@ -56,6 +56,8 @@ test:
     cargo nextest run --workspace --no-fail-fast || rc=1
     # Broker restarts, alone: they would break the tests above if run beside them.
     cargo nextest run --workspace --no-fail-fast --profile disruptive || rc=1
+    # Replays against the rate asked for, one at a time (6,000 dead letters at 1,000/s).
+    cargo nextest run --workspace --no-fail-fast --profile scale || rc=1
     scripts/brokers-selftest || rc=1
     exit $rc
 
@@ -95,3 +97,12 @@ bench:
 # Inbox claim cost and outbox relay throughput on PostgreSQL and SQLite (needs `just up-local`).
 bench-stores messages="2000":
     cargo run --release -p reliq-integration --bin bench-stores -- --messages {{messages}}
+
+# Replay at scale with the `reliq` command on a release build (needs `just up-local`):
+# <messages> dead letters on RabbitMQ and Kafka replayed at --rate <rate>, the achieved
+# rate checked against 0.9 × the rate asked for, then the same with the command SIGKILLed
+# midway and run again (every id handled once, none left). `just test` runs 6,000 at
+# 1,000/s on the debug build. `-p reliq-cli`: a release build of only what these tests
+# need (the workspace's would build every test binary again).
+replay-scale messages="100000" rate="5000":
+    RELIQ_SCALE_N={{messages}} RELIQ_SCALE_RATE={{rate}} cargo nextest run --release -p reliq-cli --profile scale --no-capture

@@ -201,9 +201,12 @@ pub struct RunOutcome {
     pub unreadable: u64,
     /// Stopped before the end (cancelled); what it did is above.
     pub cancelled: bool,
-    /// Wall time of the run, seconds.
+    /// Wall time of the run, seconds (reads, publishing, removals).
     pub elapsed_seconds: f64,
-    /// `done` per second of wall time.
+    /// A replay's publishing time: first copy sent to last confirmed, seconds (what
+    /// `--rate` paces); a purge's wall time.
+    pub publishing_seconds: f64,
+    /// `done` per second of `publishing_seconds`: the rate achieved against `--rate`.
     pub rate_per_second: f64,
     /// Matching entries by fingerprint id.
     pub by_fingerprint: BTreeMap<String, u64>,
@@ -501,6 +504,7 @@ impl Dlq {
             report.cancelled,
             ids,
             started.elapsed(),
+            report.publishing,
         ))
     }
 
@@ -546,6 +550,7 @@ impl Dlq {
             report.unreadable,
             report.cancelled,
             ids,
+            started.elapsed(),
             started.elapsed(),
         ))
     }
@@ -611,6 +616,7 @@ fn outcome(
     cancelled: bool,
     ids: Vec<String>,
     elapsed: Duration,
+    publishing: Duration,
 ) -> RunOutcome {
     let mut by_fingerprint = BTreeMap::new();
     for entry in matched {
@@ -618,7 +624,7 @@ fn outcome(
             .entry(Fingerprint::of(&entry.record).id)
             .or_default() += 1;
     }
-    let seconds = elapsed.as_secs_f64();
+    let publishing_seconds = publishing.as_secs_f64();
     RunOutcome {
         operation,
         dry_run,
@@ -628,9 +634,10 @@ fn outcome(
         failed,
         unreadable: unreadable as u64,
         cancelled,
-        elapsed_seconds: seconds,
-        rate_per_second: if seconds > 0.0 {
-            done as f64 / seconds
+        elapsed_seconds: elapsed.as_secs_f64(),
+        publishing_seconds,
+        rate_per_second: if publishing_seconds > 0.0 {
+            done as f64 / publishing_seconds
         } else {
             0.0
         },

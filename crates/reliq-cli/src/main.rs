@@ -261,7 +261,12 @@ async fn dlq(command: DlqCommand) -> Result<u8, Failure> {
 /// outcome. Exit 0 when everything matching went, 3 when some was left or interrupted.
 async fn execute(dlq: &Dlq, run: Run, json: bool) -> Result<u8, Failure> {
     run.filter().to_filter(std::time::SystemTime::now())?;
-    let total = dlq.count().await.ok().map(|c| c.count);
+    // The bar's length; a count can cost a read of the whole DLQ, so only for a bar.
+    let total = if progress::draws_a_bar(json) {
+        dlq.count().await.ok().map(|c| c.count)
+    } else {
+        None
+    };
     let bar = progress::Reporter::start(run.operation(), total, json);
     let cancel = CancellationToken::new();
     cancel_on_ctrl_c(cancel.clone());

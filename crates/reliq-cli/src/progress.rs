@@ -22,10 +22,15 @@ pub enum Reporter {
     },
 }
 
+/// Whether progress is drawn as a bar (stderr is a terminal and the answer is not JSON).
+pub fn draws_a_bar(json: bool) -> bool {
+    std::io::stderr().is_terminal() && !json
+}
+
 impl Reporter {
     /// `total` is the DLQ's size when known (the bar counts entries read against it).
     pub fn start(operation: &'static str, total: Option<u64>, json: bool) -> Self {
-        if std::io::stderr().is_terminal() && !json {
+        if draws_a_bar(json) {
             let bar = ProgressBar::with_draw_target(total, ProgressDrawTarget::stderr());
             let style = ProgressStyle::with_template(
                 "{prefix} [{bar:30}] {pos}/{len} read · {msg} · {per_sec} · ETA {eta}",

@@ -13,6 +13,9 @@ pub fn stats(s: &DlqStats) {
     if s.unreadable > 0 {
         println!("unreadable (no dead-letter record): {}", s.unreadable);
     }
+    if s.count == 0 {
+        return;
+    }
     let counts = |m: &std::collections::BTreeMap<String, u64>| {
         m.iter()
             .map(|(k, v)| format!("{k} {v}"))
@@ -119,7 +122,7 @@ pub fn outcome(o: &RunOutcome) {
             String::new()
         } else {
             format!(
-                " in {:.1} s ({:.0}/s)",
+                " in {:.1} s ({:.0}/s while publishing)",
                 o.elapsed_seconds, o.rate_per_second
             )
         }

@@ -26,13 +26,14 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::num::NonZeroU32;
 use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::Ordering::Relaxed;
 
 use bytes::Bytes;
-use futures::StreamExt;
-use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use governor::{Quota, RateLimiter};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{Broker, BrokerError, Destination, Subscription};
@@ -77,6 +78,9 @@ pub struct ReplayReport {
     pub unreadable: usize,
     /// The run was cancelled before it reached the end; what it did is above.
     pub cancelled: bool,
+    /// From the first copy sent to the last one confirmed: the time the rate limit
+    /// paces (the reads before and the last removal after are not in it).
+    pub publishing: std::time::Duration,
 }
 
 /// What a purge run did.
@@ -166,7 +170,7 @@ impl Replay {
             per_second: None,
             target: ReplayTarget::Consumer,
             scan_max: usize::MAX,
-            in_flight: 64,
+            in_flight: 256,
             progress: None,
             cancel: CancellationToken::new(),
         }
@@ -197,7 +201,7 @@ impl Replay {
         self
     }
 
-    /// Copies awaiting their broker confirm at once (default 64; at least 1). With 1, the
+    /// Copies awaiting their broker confirm at once (default 256; at least 1). With 1, the
     /// whole DLQ goes back in DLQ order; otherwise each key's dead letters do.
     pub fn in_flight(mut self, n: usize) -> Self {
         self.in_flight = n.max(1);
@@ -253,11 +257,11 @@ impl Replay {
                 }
                 report.removed.extend(removed);
             }
-            self.report_progress(&scan, report.removed.len(), 0);
+            self.report_progress(scan.scanned, scan.matched, report.removed.len(), 0);
         }
         report.scanned = scan.scanned;
         report.unreadable = scan.unreadable;
-        self.report_progress(&scan, report.removed.len(), 0);
+        self.report_progress(scan.scanned, scan.matched, report.removed.len(), 0);
         tracing::info!(target: "reliq::audit", consumer = %sub.consumer, dry_run, scanned = report.scanned,
             matched = report.matched.len(), removed = report.removed.len(), cancelled = report.cancelled, "purge finished");
         Ok(report)
@@ -304,11 +308,11 @@ impl Replay {
         }))
     }
 
-    fn report_progress(&self, scan: &Scan<'_>, done: usize, failed: usize) {
+    fn report_progress(&self, scanned: usize, matched: usize, done: usize, failed: usize) {
         if let Some(f) = &self.progress {
             f(&Progress {
-                scanned: scan.scanned,
-                matched: scan.matched,
+                scanned,
+                matched,
                 done,
                 failed,
             });
@@ -318,6 +322,53 @@ impl Replay {
     async fn run(self, dry_run: bool) -> Result<ReplayReport, BrokerError> {
         let sub = &self.subscription;
         let dlq = self.broker.dead_letters(sub).await?;
+        let report = if dry_run {
+            self.list_matching(dlq.as_ref()).await?
+        } else {
+            self.replay_matching(dlq.as_ref()).await?
+        };
+        tracing::info!(target: "reliq::audit", consumer = %sub.consumer, dry_run, scanned = report.scanned,
+            matched = report.matched.len(), replayed = report.replayed.len(), failed = report.failed.len(),
+            cancelled = report.cancelled, "replay finished");
+        Ok(report)
+    }
+
+    /// A dry run: what matches, moving nothing.
+    async fn list_matching(&self, dlq: &dyn DeadLetters) -> Result<ReplayReport, BrokerError> {
+        let mut report = ReplayReport::default();
+        let mut scan = Scan::new(&self.filter, self.scan_max);
+        while let Some(page) = scan.next_page(dlq).await? {
+            report
+                .matched
+                .extend(page.into_iter().map(|(e, record)| ReplayEntry {
+                    id: e.message.id().clone(),
+                    record,
+                }));
+            self.report_progress(scan.scanned, scan.matched, 0, 0);
+        }
+        report.scanned = scan.scanned;
+        report.unreadable = scan.unreadable;
+        self.report_progress(scan.scanned, scan.matched, 0, 0);
+        Ok(report)
+    }
+
+    /// The replay proper, as a pipeline of three stages running at once, so the broker's
+    /// read and remove costs hide behind the (rate-limited) publishing:
+    ///
+    /// 1. the **reader** browses the next page while the current one is published (at
+    ///    most two pages ahead);
+    /// 2. the **publisher** sends each page's copies, `in_flight` at a time, one key's in
+    ///    order, and hands on the ids the broker confirmed;
+    /// 3. the **remover** takes confirmed ids out of the DLQ in batches of
+    ///    [`REMOVE_BATCH`] — never an id before its copy was confirmed. A run killed
+    ///    between a confirm and its batch's removal leaves those entries in the DLQ: the
+    ///    next run sends them again with the same ids, and the consumer's inbox absorbs
+    ///    them.
+    ///
+    /// A browse error stops the reader; what was already read is still published and
+    /// removed before the error is returned, so nothing confirmed stays behind.
+    async fn replay_matching(&self, dlq: &dyn DeadLetters) -> Result<ReplayReport, BrokerError> {
+        let sub = &self.subscription;
         // A burst of 1/100 of the rate (10 ms of it): paced evenly, yet reachable when
         // the timer wakes the publishing lanes a millisecond late.
         let limiter = self.per_second.map(|n| {
@@ -327,126 +378,187 @@ impl Replay {
         let clock = Clock::new();
         let replayed_total =
             metrics::counter!(telemetry::REPLAYED, "consumer" => sub.consumer.clone());
-        let mut report = ReplayReport::default();
-        let mut scan = Scan::new(&self.filter, self.scan_max);
-        while let Some(page) = scan.next_page(dlq.as_ref()).await? {
-            report
-                .matched
-                .extend(page.iter().map(|(e, record)| ReplayEntry {
-                    id: e.id().clone(),
-                    record: record.clone(),
-                }));
-            if !dry_run {
-                // Confirmed copies' DLQ entries are removed after the page: a crash in
-                // between leaves a replayed entry in the DLQ, which a later replay sends
-                // again (same id: the consumer's inbox absorbs it).
-                let (confirmed, cancelled) = self
-                    .republish_page(sub, page, limiter.as_ref(), &clock, &mut report)
-                    .await;
-                self.remove_replayed(dlq.as_ref(), confirmed, &mut report, &replayed_total)
-                    .await;
-                if cancelled {
-                    report.cancelled = true;
+        let report = std::sync::Mutex::new(ReplayReport::default());
+        let tally = Tally::default();
+        let (pages_tx, mut pages_rx) =
+            tokio::sync::mpsc::channel::<Vec<(DeadLetterEntry, DeadLetter)>>(2);
+        let (confirmed_tx, mut confirmed_rx) = tokio::sync::mpsc::unbounded_channel::<MessageId>();
+
+        let reader = async {
+            let mut scan = Scan::new(&self.filter, self.scan_max);
+            let result = loop {
+                if self.cancel.is_cancelled() {
+                    break Ok(());
+                }
+                let started = std::time::Instant::now();
+                match scan.next_page(dlq).await {
+                    Ok(Some(page)) => {
+                        tracing::debug!(entries = page.len(), took = ?started.elapsed(), "replay: page read");
+                        tally.read(scan.scanned, scan.matched);
+                        if pages_tx.send(page).await.is_err() {
+                            break Ok(()); // the publisher stopped (cancelled)
+                        }
+                    }
+                    Ok(None) => break Ok(()),
+                    Err(e) => break Err(e),
+                }
+            };
+            drop(pages_tx);
+            (scan.scanned, scan.unreadable, result)
+        };
+        let publishing = std::sync::Mutex::new(None::<(std::time::Instant, std::time::Instant)>);
+        // One lane per worker, `in_flight` of them for the whole run: a key always goes to
+        // the same lane (so its dead letters go back in DLQ order, across pages), keyless
+        // entries round the lanes; no page waits for the last copy of the one before.
+        let (lane_txs, lane_rxs): (Vec<_>, Vec<_>) = (0..self.in_flight)
+            .map(|_| tokio::sync::mpsc::channel::<(DeadLetterEntry, DeadLetter)>(LANE_DEPTH))
+            .unzip();
+        let dispatcher = async {
+            let mut round = 0usize;
+            'pages: while let Some(page) = pages_rx.recv().await {
+                lock(&report)
+                    .matched
+                    .extend(page.iter().map(|(e, record)| ReplayEntry {
+                        id: e.id().clone(),
+                        record: record.clone(),
+                    }));
+                for item in page {
+                    if self.cancel.is_cancelled() {
+                        break 'pages;
+                    }
+                    let lane = match item.0.message.key() {
+                        Some(key) => lane_of(key, lane_txs.len()),
+                        None => {
+                            round = round.wrapping_add(1);
+                            round % lane_txs.len()
+                        }
+                    };
+                    if lane_txs[lane].send(item).await.is_err() {
+                        break 'pages;
+                    }
                 }
             }
-            self.report_progress(&scan, report.replayed.len(), report.failed.len());
-            if report.cancelled {
-                break;
-            }
-            if self.cancel.is_cancelled() {
-                report.cancelled = true;
-                break;
-            }
-        }
-        report.scanned = scan.scanned;
-        report.unreadable = scan.unreadable;
-        self.report_progress(&scan, report.replayed.len(), report.failed.len());
-        tracing::info!(target: "reliq::audit", consumer = %sub.consumer, dry_run, scanned = report.scanned,
-            matched = report.matched.len(), replayed = report.replayed.len(), failed = report.failed.len(),
-            cancelled = report.cancelled, "replay finished");
-        Ok(report)
-    }
-
-    /// Publish one page's copies, `in_flight` at a time, one key's in order; the ids
-    /// confirmed, and whether the run was cancelled midway.
-    async fn republish_page(
-        &self,
-        sub: &Subscription,
-        page: Vec<(DeadLetterEntry, DeadLetter)>,
-        limiter: Option<&DefaultDirectRateLimiter>,
-        clock: &Clock,
-        report: &mut ReplayReport,
-    ) -> (Vec<MessageId>, bool) {
-        // One lane per key, in order of first appearance; keyless messages each alone.
-        let mut lanes: Vec<Vec<(DeadLetterEntry, DeadLetter)>> = Vec::new();
-        let mut lane_of_key: HashMap<String, usize> = HashMap::new();
-        for item in page {
-            match item.0.message.key().map(str::to_owned) {
-                Some(key) => match lane_of_key.get(&key) {
-                    Some(&lane) => lanes[lane].push(item),
-                    None => {
-                        lane_of_key.insert(key, lanes.len());
-                        lanes.push(vec![item]);
+            drop(lane_txs);
+            // Let the reader's pending send fail, so it stops.
+            pages_rx.close();
+        };
+        let lanes = futures::future::join_all(lane_rxs.into_iter().map(|mut lane| {
+            let confirmed_tx = confirmed_tx.clone();
+            let (report, tally, publishing, limiter, clock) = (&report, &tally, &publishing, &limiter, &clock);
+            async move {
+                // A key that failed here: its later dead letters stay in the DLQ, so none
+                // overtakes it.
+                let mut failed_keys: HashSet<String> = HashSet::new();
+                while let Some((entry, record)) = lane.recv().await {
+                    if self.cancel.is_cancelled() {
+                        continue; // not sent: stays in the DLQ
                     }
-                },
-                None => lanes.push(vec![item]),
-            }
-        }
-        let outcomes: Vec<Vec<LaneOutcome>> = futures::stream::iter(lanes)
-            .map(|lane| async move {
-                let mut out = Vec::with_capacity(lane.len());
-                let mut failed = false;
-                for (entry, record) in lane {
                     let id = entry.id().clone();
-                    // After a failure or a cancel, the rest of the lane stays in the
-                    // DLQ: a later message of a key must not overtake an earlier one.
-                    if failed || self.cancel.is_cancelled() {
-                        out.push((id, None));
+                    let key = entry.message.key().map(str::to_owned);
+                    if key.as_ref().is_some_and(|k| failed_keys.contains(k)) {
+                        tally.failed.fetch_add(1, Relaxed);
+                        lock(report).failed.push((id, "an earlier message of its key failed; left in the DLQ".into()));
                         continue;
                     }
                     if let Some(l) = limiter {
                         l.until_ready().await;
                     }
+                    let sent = std::time::Instant::now();
                     let result = self.republish(sub, entry.message, &record, clock).await;
-                    failed = result.is_err();
-                    out.push((id, Some(result)));
+                    {
+                        let mut window = lock(publishing);
+                        let first = window.map_or(sent, |(f, _)| f.min(sent));
+                        *window = Some((first, std::time::Instant::now()));
+                    }
+                    match result {
+                        Ok(()) => {
+                            let _ = confirmed_tx.send(id);
+                        }
+                        Err(e) => {
+                            let why = crate::ErrorChain(&e).to_string();
+                            tracing::warn!(target: "reliq::audit", message_id = %id, error = %why, "replay publish failed; left in the DLQ");
+                            failed_keys.extend(key);
+                            tally.failed.fetch_add(1, Relaxed);
+                            lock(report).failed.push((id, why));
+                        }
+                    }
                 }
-                out
-            })
-            .buffer_unordered(self.in_flight)
-            .collect()
-            .await;
-        let mut confirmed = Vec::new();
-        let mut cancelled = false;
-        for (id, outcome) in outcomes.into_iter().flatten() {
-            match outcome {
-                Some(Ok(())) => confirmed.push(id),
-                Some(Err(e)) => {
-                    let why = crate::ErrorChain(&e).to_string();
-                    tracing::warn!(target: "reliq::audit", message_id = %id, error = %why, "replay publish failed; left in the DLQ");
-                    report.failed.push((id, why));
-                }
-                None if self.cancel.is_cancelled() => cancelled = true,
-                None => report.failed.push((
-                    id,
-                    "an earlier message of its key failed; left in the DLQ".into(),
-                )),
             }
+        }));
+        drop(confirmed_tx);
+        let publisher = async {
+            tokio::join!(dispatcher, lanes);
+        };
+        let remover = async {
+            let mut batch = Vec::new();
+            let mut last_removal = std::time::Instant::now();
+            loop {
+                let next = match tokio::time::timeout(REMOVE_EVERY, confirmed_rx.recv()).await {
+                    Ok(next) => next.map(Some),
+                    Err(_) => Some(None), // nothing new for a while: remove what is due
+                };
+                let closed = next.is_none();
+                batch.extend(next.flatten());
+                // Take what else is already confirmed, up to a batch.
+                while batch.len() < REMOVE_BATCH {
+                    match confirmed_rx.try_recv() {
+                        Ok(id) => batch.push(id),
+                        Err(_) => break,
+                    }
+                }
+                let due =
+                    batch.len() >= REMOVE_BATCH || last_removal.elapsed() >= REMOVE_EVERY || closed;
+                if due && !batch.is_empty() {
+                    last_removal = std::time::Instant::now();
+                    let ids = std::mem::take(&mut batch);
+                    let started = std::time::Instant::now();
+                    let (replayed, failed) = self.remove_replayed(dlq, ids, &replayed_total).await;
+                    tracing::debug!(removed = replayed.len() - failed.len(), took = ?started.elapsed(), "replay: batch removed");
+                    tally.done.fetch_add(replayed.len() - failed.len(), Relaxed);
+                    tally.failed.fetch_add(failed.len(), Relaxed);
+                    let mut report = lock(&report);
+                    report.replayed.extend(replayed);
+                    report.failed.extend(failed);
+                    drop(report);
+                    self.report_tally(&tally);
+                }
+                if closed {
+                    break;
+                }
+            }
+        };
+        let ((scanned, unreadable, read), (), ()) = tokio::join!(reader, publisher, remover);
+        let mut report = report.into_inner().unwrap_or_else(|p| p.into_inner());
+        report.scanned = scanned;
+        report.unreadable = unreadable;
+        report.publishing = lock(&publishing).map_or(std::time::Duration::ZERO, |(f, l)| l - f);
+        if self.cancel.is_cancelled()
+            && report.matched.len() > report.replayed.len() + report.failed.len()
+        {
+            report.cancelled = true;
         }
-        (confirmed, cancelled)
+        self.report_tally(&tally);
+        read.map(|()| report)
     }
 
-    /// Remove the DLQ entries whose replayed copies were confirmed, and report them.
+    fn report_tally(&self, t: &Tally) {
+        self.report_progress(
+            t.scanned.load(Relaxed),
+            t.matched.load(Relaxed),
+            t.done.load(Relaxed),
+            t.failed.load(Relaxed),
+        );
+    }
+
+    /// Remove the DLQ entries whose replayed copies were confirmed: the ids replayed (all
+    /// of `confirmed`) and, of those, the ones still in the DLQ because the removal
+    /// failed, with why.
     async fn remove_replayed(
         &self,
         dlq: &dyn DeadLetters,
         confirmed: Vec<MessageId>,
-        report: &mut ReplayReport,
         replayed_total: &metrics::Counter,
-    ) {
-        if confirmed.is_empty() {
-            return;
-        }
+    ) -> (Vec<MessageId>, Vec<(MessageId, String)>) {
         let consumer = &self.subscription.consumer;
         let error = match dlq.remove(&confirmed).await {
             Ok(removed) if removed.len() == confirmed.len() => None,
@@ -456,10 +568,11 @@ impl Replay {
                     missing = confirmed.len() - removed.len(), "replayed dead letters were no longer in the DLQ");
                 None
             }
-            Err(e) => Some(e),
+            Err(e) => Some(crate::ErrorChain(&e).to_string()),
         };
-        for id in confirmed {
-            replayed_total.increment(1);
+        replayed_total.increment(confirmed.len() as u64);
+        let mut failed = Vec::new();
+        for id in &confirmed {
             match &error {
                 None => {
                     tracing::info!(target: "reliq::audit", consumer = %consumer, message_id = %id, "dead letter replayed")
@@ -467,15 +580,13 @@ impl Replay {
                 Some(e) => {
                     // Replayed but still in the DLQ: a later replay would duplicate it
                     // (the inbox absorbs that). Report it.
-                    tracing::warn!(target: "reliq::audit", message_id = %id, error = %crate::ErrorChain(e),
+                    tracing::warn!(target: "reliq::audit", message_id = %id, error = %e,
                         "replayed, but removing the DLQ copy failed");
-                    report
-                        .failed
-                        .push((id.clone(), format!("dlq remove: {}", crate::ErrorChain(e))));
+                    failed.push((id.clone(), format!("dlq remove: {e}")));
                 }
             }
-            report.replayed.push(id);
         }
+        (confirmed, failed)
     }
 
     /// Send `copy` of a dead letter to the replay target: failure headers stripped, the
@@ -508,10 +619,6 @@ impl Replay {
         }
     }
 }
-
-/// One copy's fate in a lane: sent (and how it went), or not sent (`None`: an earlier
-/// copy of its key failed, or the run was cancelled).
-type LaneOutcome = (MessageId, Option<Result<(), BrokerError>>);
 
 /// The id of a corrected copy: a UUID (v5) of the original id and the correction.
 fn corrected_id(original: &MessageId, correction: &Correction) -> MessageId {
@@ -599,4 +706,46 @@ impl<'f> Scan<'f> {
 }
 
 /// Entries read per browse.
-const PAGE: usize = 256;
+const PAGE: usize = 1_000;
+
+/// Entries waiting in each publishing lane.
+const LANE_DEPTH: usize = 64;
+
+/// The lane of `key`: FNV-1a of it, modulo `lanes` (stable within a run, which is all a
+/// lane needs).
+fn lane_of(key: &str, lanes: usize) -> usize {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    (hash % lanes as u64) as usize
+}
+
+/// Confirmed copies whose DLQ entries are removed together, at the latest after
+/// [`REMOVE_EVERY`]: fewer, larger removals (one costs a broker round trip or a ledger
+/// append whatever its size, and on some brokers makes the next read wait). What a killed
+/// run leaves behind — sent again by the next run, taken once by the inbox — is at most
+/// this many, or this long.
+const REMOVE_BATCH: usize = 10_000;
+const REMOVE_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The running counts of a replay, for its progress callback.
+#[derive(Default)]
+struct Tally {
+    scanned: AtomicUsize,
+    matched: AtomicUsize,
+    done: AtomicUsize,
+    failed: AtomicUsize,
+}
+
+impl Tally {
+    fn read(&self, scanned: usize, matched: usize) {
+        self.scanned.store(scanned, Relaxed);
+        self.matched.store(matched, Relaxed);
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

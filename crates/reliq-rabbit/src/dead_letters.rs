@@ -32,7 +32,7 @@ const SETTLE: Duration = Duration::from_millis(300);
 /// stream's `queue.declare-ok` lags behind publishes).
 const EMPTY_PROBE: Duration = Duration::from_millis(500);
 /// Deliveries in flight per stream read (a stream consumer needs a prefetch).
-const READ_PREFETCH: u16 = 512;
+const READ_PREFETCH: u16 = 2048;
 /// Landed messages in flight per relay.
 const RELAY_PREFETCH: u16 = 32;
 
@@ -85,8 +85,32 @@ impl std::fmt::Debug for RabbitDeadLetters {
 struct Ledger {
     /// The ledger offset the next read starts at.
     next: u64,
+    /// The first offset of the ledger's last chunk when this reader last read the ledger
+    /// to its end. A stream's chunks never change once written and every append makes a
+    /// new one, so while a probe names the same last chunk nothing was appended since:
+    /// the read (and its quiet-spell wait) is skipped.
+    read_through_chunk: Option<u64>,
     /// Removed entries: (offset in the dead-letter stream, message id).
     removed: HashSet<(u64, MessageId)>,
+    /// Where this reader saw each id in the dead-letter stream (its oldest copy seen, by
+    /// browse): `remove` takes those entries there without reading the stream again.
+    seen_at: std::collections::HashMap<MessageId, u64>,
+}
+
+/// Most ids a reader keeps in [`Ledger::seen_at`]; past it the hints start again.
+const MAX_HINTS: usize = 500_000;
+
+impl Ledger {
+    fn saw(&mut self, id: &MessageId, offset: u64) {
+        if self.seen_at.len() >= MAX_HINTS {
+            self.seen_at.clear();
+        }
+        // The oldest copy of an id is the one `remove` takes first.
+        self.seen_at
+            .entry(id.clone())
+            .and_modify(|o| *o = (*o).min(offset))
+            .or_insert(offset);
+    }
 }
 
 impl Ledger {
@@ -159,6 +183,9 @@ impl RabbitDeadLetters {
     async fn read_ledger(&self) -> Result<tokio::sync::MutexGuard<'_, Ledger>, BrokerError> {
         let mut ledger = self.ledger.lock().await;
         let end = last_chunk_start(&self.inner, &self.names.removed).await?;
+        if end.is_some() && end == ledger.read_through_chunk {
+            return Ok(ledger);
+        }
         let mut records = Vec::new();
         let scan = scan(&self.inner, &self.names.removed, ledger.next, end, |_, d| {
             match serde_json::from_slice::<LedgerRecord>(&d.data) {
@@ -176,6 +203,9 @@ impl RabbitDeadLetters {
             }
         }
         ledger.next = scan.next;
+        if scan.at_end {
+            ledger.read_through_chunk = end;
+        }
         Ok(ledger)
     }
 
@@ -185,6 +215,11 @@ impl RabbitDeadLetters {
             position: format!("stream offset {offset}"),
         }
     }
+}
+
+/// The offset in an entry's position text (`stream offset 17`), as [`RabbitDeadLetters::entry`] wrote it.
+fn offset_in(position: &str) -> Option<u64> {
+    position.strip_prefix("stream offset ")?.parse().ok()
 }
 
 fn parse_cursor(cursor: &Cursor) -> Result<u64, BrokerError> {
@@ -201,7 +236,7 @@ fn parse_cursor(cursor: &Cursor) -> Result<u64, BrokerError> {
 impl DeadLetters for RabbitDeadLetters {
     async fn browse(&self, from: &Cursor, max: usize) -> Result<DeadLetterPage, BrokerError> {
         let start = parse_cursor(from)?;
-        let (ledger, end) = self.refresh().await?;
+        let (mut ledger, end) = self.refresh().await?;
         let mut entries = Vec::new();
         let scan = scan(&self.inner, &self.names.parking, start, end, |offset, d| {
             let message = codec::message(&d.properties, &d.data);
@@ -215,6 +250,11 @@ impl DeadLetters for RabbitDeadLetters {
             true
         })
         .await?;
+        for e in &entries {
+            if let Some(offset) = offset_in(&e.position) {
+                ledger.saw(e.id(), offset);
+            }
+        }
         Ok(DeadLetterPage {
             entries,
             next: Cursor::from(scan.next.to_string()),
@@ -245,14 +285,35 @@ impl DeadLetters for RabbitDeadLetters {
         let (mut ledger, end) = self.refresh().await?;
         let mut wanted = IdCounts::new(ids);
         let mut taken: Vec<(u64, MessageId)> = Vec::new();
-        scan(&self.inner, &self.names.parking, 0, end, |offset, d| {
-            let message = codec::message(&d.properties, &d.data);
-            if !ledger.hides(offset, message.id()) && wanted.take(message.id()) {
-                taken.push((offset, message.id().clone()));
+        // The entries this reader has seen are taken where it saw them, without reading
+        // the stream again: an entry at a stream offset never changes (only deleting and
+        // recreating the stream could, and that deletes the dead letters with it). A
+        // replay removes what it just browsed, so its removals cost one ledger append,
+        // not a read of the whole stream. Ids not seen (or seen only at a removed offset)
+        // are looked for from the start.
+        for id in ids {
+            if let Some(&offset) = ledger.seen_at.get(id)
+                && !ledger.hides(offset, id)
+                && !taken.iter().any(|(o, _)| *o == offset)
+                && wanted.take(id)
+            {
+                taken.push((offset, id.clone()));
             }
-            !wanted.is_done()
-        })
-        .await?;
+        }
+        if !wanted.is_done() {
+            let already: HashSet<u64> = taken.iter().map(|(o, _)| *o).collect();
+            scan(&self.inner, &self.names.parking, 0, end, |offset, d| {
+                let message = codec::message(&d.properties, &d.data);
+                if !already.contains(&offset)
+                    && !ledger.hides(offset, message.id())
+                    && wanted.take(message.id())
+                {
+                    taken.push((offset, message.id().clone()));
+                }
+                !wanted.is_done()
+            })
+            .await?;
+        }
         if taken.is_empty() {
             return Ok(Vec::new());
         }
@@ -298,6 +359,11 @@ struct StreamRead {
     ch: Channel,
     consumer: lapin::Consumer,
     stream: String,
+    /// Deliveries taken and not yet acked, and the last one's tag: credit is given back a
+    /// quarter of the prefetch at a time (one `multiple` ack), not per delivery.
+    unacked: u16,
+    last_tag: u64,
+    ack_every: u16,
 }
 
 /// The offset a stream delivery carries in its `x-stream-offset` header.
@@ -358,13 +424,17 @@ impl StreamRead {
                 ch,
                 consumer,
                 stream: stream.to_owned(),
+                unacked: 0,
+                last_tag: 0,
+                ack_every: (prefetch / 4).max(1),
             },
             declared.message_count(),
         ))
     }
 
-    /// The next entry and its offset, or `None` after `wait` without one. Acked at once:
-    /// on a stream an ack removes nothing, it only returns the credit of the prefetch.
+    /// The next entry and its offset, or `None` after `wait` without one. Acked a quarter
+    /// prefetch at a time: on a stream an ack removes nothing, it only returns the credit
+    /// of the prefetch, and three quarters of it are always left to deliver into.
     async fn next(
         &mut self,
         wait: Duration,
@@ -381,10 +451,15 @@ impl StreamRead {
                     )));
                 }
             };
-            self.ch
-                .basic_ack(d.delivery_tag, BasicAckOptions::default())
-                .await
-                .map_err(|e| RabbitError::client("basic.ack", e))?;
+            self.unacked += 1;
+            self.last_tag = d.delivery_tag;
+            if self.unacked >= self.ack_every {
+                self.ch
+                    .basic_ack(self.last_tag, BasicAckOptions { multiple: true })
+                    .await
+                    .map_err(|e| RabbitError::client("basic.ack", e))?;
+                self.unacked = 0;
+            }
             match offset_of(&d) {
                 Some(offset) => return Ok(Some((offset, d))),
                 None => {

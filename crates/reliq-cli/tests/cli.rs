@@ -1,0 +1,288 @@
+//! The built `reliq` command on every real broker: each `dlq` command's exit code and
+//! `--json` shape, dry runs that change nothing, and bad input named with exit 2.
+
+mod support;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, ensure};
+use reliq_core::{Broker, MessageId};
+use support::{consumer, dlq, json, park, reliq, run, unique, url, wait_for};
+
+fn ids_of(value: &serde_json::Value, field: &str) -> HashSet<String> {
+    value[field]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Every `dlq` command on one backend, against six dead letters.
+async fn every_command(backend: &str) -> anyhow::Result<()> {
+    let url = url(backend);
+    let (name, source) = (unique("cli"), unique("cli-src"));
+    let broker: Arc<dyn Broker> = reliq::connect(&url).await?;
+    let (handle, effects) = consumer(broker.clone(), &name, &source).await?;
+    let ids = park(&broker, &handle, &source, 6, Duration::from_secs(60)).await?;
+    let id = |i: usize| ids[i].as_str().to_owned();
+    let cmd = |args: &[&str]| dlq(&url, &name, &source, args);
+
+    // stats
+    let stats = json(&mut cmd(&["stats", "--json"]), 0)?;
+    ensure!(stats["count"] == 6 && stats["unreadable"] == 0, "{stats}");
+    ensure!(stats["by_reason"]["permanent"] == 6, "{stats}");
+    ensure!(stats["groups"][0]["count"] == 6, "{stats}");
+    ensure!(
+        stats["groups"][0]["masked_error"] == "order <n> not found",
+        "{stats}"
+    );
+    ensure!(
+        stats["oldest_age_seconds"]
+            .as_u64()
+            .is_some_and(|a| a < 600),
+        "{stats}"
+    );
+    let (code, text, _) = run(&mut cmd(&["stats"]))?;
+    ensure!(
+        code == 0 && text.contains("6 dead letters") && text.contains("order <n> not found"),
+        "{text}"
+    );
+
+    // ls, in two pages
+    let first = json(&mut cmd(&["ls", "--json", "--max", "4"]), 0)?;
+    ensure!(
+        first["entries"].as_array().map(Vec::len) == Some(4) && first["at_end"] == false,
+        "{first}"
+    );
+    let cursor = first["next_cursor"]
+        .as_str()
+        .context("next_cursor")?
+        .to_owned();
+    let second = json(
+        &mut cmd(&["ls", "--json", "--max", "4", "--cursor", &cursor]),
+        0,
+    )?;
+    ensure!(
+        second["entries"].as_array().map(Vec::len) == Some(2) && second["at_end"] == true,
+        "{second}"
+    );
+    let listed: HashSet<String> = [&first, &second]
+        .iter()
+        .flat_map(|p| p["entries"].as_array().cloned().unwrap_or_default())
+        .filter_map(|e| e["id"].as_str().map(str::to_owned))
+        .collect();
+    ensure!(
+        listed
+            == ids
+                .iter()
+                .map(|i| i.as_str().to_owned())
+                .collect::<HashSet<_>>(),
+        "{listed:?}"
+    );
+
+    // show
+    let shown = json(&mut cmd(&["show", &id(2), "--json"]), 0)?;
+    ensure!(
+        shown["id"] == id(2).as_str() && shown["headers"]["x-n"] == "2",
+        "{shown}"
+    );
+    ensure!(
+        shown["payload_encoding"] == "json" && shown["payload"]["order"] == 2,
+        "{shown}"
+    );
+    let (code, _, err) = run(&mut cmd(&["show", "no-such-id"]))?;
+    ensure!(
+        code == 4 && err.contains("no dead letter"),
+        "exit {code}: {err}"
+    );
+
+    // replay: a dry run changes nothing, then one id at a rate
+    let ab = format!("{},{}", id(0), id(1));
+    let plan = json(&mut cmd(&["replay", "--dry-run", "--json", "--id", &ab]), 0)?;
+    ensure!(
+        plan["dry_run"] == true && plan["matched"] == 2 && plan["done"] == 0,
+        "{plan}"
+    );
+    ensure!(
+        ids_of(&plan, "ids") == HashSet::from([id(0), id(1)]),
+        "{plan}"
+    );
+    let (code, text, _) = run(&mut cmd(&["replay", "--dry-run", "--id", &ab]))?;
+    ensure!(
+        code == 0 && text.contains("dry run: nothing was changed"),
+        "{text}"
+    );
+    ensure!(
+        json(&mut cmd(&["stats", "--json"]), 0)?["count"] == 6,
+        "a dry run changed the DLQ"
+    );
+    ensure!(effects.count() == 0, "a dry run sent something");
+    let done = json(
+        &mut cmd(&["replay", "--json", "--id", &id(0), "--rate", "50"]),
+        0,
+    )?;
+    ensure!(
+        done["done"] == 1 && done["failed"].as_array().is_some_and(Vec::is_empty),
+        "{done}"
+    );
+    wait_for("the replayed copy handled", Duration::from_secs(30), || {
+        effects.snapshot().contains_key(&ids[0])
+    })
+    .await?;
+
+    // edit: a corrected copy with a new id
+    let dir = tempfile::tempdir()?;
+    let fixed = dir.path().join("fixed.json");
+    std::fs::write(&fixed, br#"{"order":1,"fixed":true}"#)?;
+    let edited = json(
+        &mut cmd(&[
+            "edit",
+            &id(1),
+            "--json",
+            "--payload-file",
+            fixed.to_str().context("path")?,
+            "--header",
+            "x-fixed=1",
+        ]),
+        0,
+    )?;
+    ensure!(
+        edited["original"] == id(1).as_str() && edited["copy"] != id(1).as_str(),
+        "{edited}"
+    );
+    let copy = MessageId::from(edited["copy"].as_str().context("copy")?);
+    wait_for(
+        "the corrected copy handled",
+        Duration::from_secs(30),
+        || effects.snapshot().contains_key(&copy),
+    )
+    .await?;
+    ensure!(
+        !effects.snapshot().contains_key(&ids[1]),
+        "the original was replayed too"
+    );
+
+    // purge: refused without --yes off a terminal, then a dry run, then for real
+    let (code, _, err) = run(cmd(&["purge", "--id", &id(3)]).stdin(std::process::Stdio::null()))?;
+    ensure!(code == 2 && err.contains("--yes"), "exit {code}: {err}");
+    let plan = json(
+        &mut cmd(&["purge", "--dry-run", "--json", "--id", &id(3)]),
+        0,
+    )?;
+    ensure!(plan["matched"] == 1 && plan["done"] == 0, "{plan}");
+    ensure!(
+        json(&mut cmd(&["stats", "--json"]), 0)?["count"] == 4,
+        "a purge dry run changed the DLQ"
+    );
+    let purged = json(&mut cmd(&["purge", "--yes", "--json", "--id", &id(3)]), 0)?;
+    ensure!(
+        purged["done"] == 1 && ids_of(&purged, "ids") == HashSet::from([id(3)]),
+        "{purged}"
+    );
+    let left = json(&mut cmd(&["ls", "--json"]), 0)?;
+    let left: HashSet<String> = left["entries"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|e| e["id"].as_str().map(str::to_owned))
+        .collect();
+    ensure!(
+        left == HashSet::from([id(2), id(4), id(5)]),
+        "left: {left:?}"
+    );
+
+    // bad input: exit 2, the field named
+    for (args, field) in [
+        (vec!["ls", "--reason", "tired"], "reason"),
+        (vec!["ls", "--since", "yesterday"], "since"),
+        (vec!["ls", "--header", "novalue"], "header"),
+        (
+            vec!["replay", "--dry-run", "--fingerprint", "xyz"],
+            "fingerprint",
+        ),
+    ] {
+        let (code, _, err) = run(&mut cmd(&args))?;
+        ensure!(
+            code == 2 && err.contains(field),
+            "{args:?}: exit {code}: {err}"
+        );
+    }
+    handle.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_every_command() -> anyhow::Result<()> {
+    every_command("rabbit").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_every_command() -> anyhow::Result<()> {
+    every_command("kafka").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_every_command() -> anyhow::Result<()> {
+    every_command("nats").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_every_command() -> anyhow::Result<()> {
+    every_command("sqs").await
+}
+
+/// Exit codes and shapes that need no broker (the embedded one, empty in the command's
+/// own process).
+#[test]
+fn exit_codes_without_a_broker() -> anyhow::Result<()> {
+    let memory = |args: &[&str]| dlq("memory://cli", "c", "orders", args);
+    let stats = json(&mut memory(&["stats", "--json"]), 0)?;
+    ensure!(
+        stats["count"] == 0 && stats["groups"].as_array().is_some_and(Vec::is_empty),
+        "{stats}"
+    );
+    let (code, _, _) = run(&mut memory(&["show", "x"]))?;
+    ensure!(code == 4, "show of a missing id: exit {code}");
+    let plan = json(&mut memory(&["replay", "--dry-run", "--json"]), 0)?;
+    ensure!(plan["matched"] == 0 && plan["dry_run"] == true, "{plan}");
+    let (code, _, err) = run(&mut dlq("foo://x", "c", "orders", &["stats"]))?;
+    ensure!(
+        code == 2 && err.contains("foo"),
+        "unknown scheme: exit {code}: {err}"
+    );
+    let (code, _, err) = run(reliq().args(["dlq", "stats", "--consumer", "c", "--source", "o"]))?;
+    ensure!(
+        code == 2 && err.contains("--url"),
+        "no URL: exit {code}: {err}"
+    );
+    let (code, _, err) = run(reliq().args(["dlq", "stats", "--url", "memory://x"]))?;
+    ensure!(
+        code == 2 && err.contains("--consumer"),
+        "no consumer: exit {code}: {err}"
+    );
+    let (code, _, err) = run(reliq().args(["admin", "token", "--name", "a", "--role", "root"]))?;
+    ensure!(
+        code == 2 && err.contains("role"),
+        "bad role: exit {code}: {err}"
+    );
+    let token = json(
+        reliq().args([
+            "admin", "token", "--name", "a", "--role", "reader", "--json",
+        ]),
+        0,
+    )?;
+    let secret = token["token"].as_str().context("token")?;
+    let entry = token["entry"].as_str().context("entry")?;
+    ensure!(secret.starts_with("rlq_") && secret.len() == 68, "{token}");
+    ensure!(
+        entry.contains("role = \"reader\"") && !entry.contains(secret),
+        "{entry}"
+    );
+    Ok(())
+}
