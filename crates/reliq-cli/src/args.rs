@@ -40,7 +40,7 @@ pub struct BrokerArgs {
     #[arg(long, env = "RELIQ_URL")]
     pub url: Option<String>,
     /// Instead of --url: a backend name (kafka, rabbit, nats, sqs) whose URL is
-    /// RELIQ_<NAME>_URL from the environment or ./brokers.env.
+    /// `RELIQ_<NAME>_URL` from the environment or ./brokers.env.
     #[arg(long, env = "RELIQ_BACKEND", conflicts_with = "url")]
     pub backend: Option<String>,
 }

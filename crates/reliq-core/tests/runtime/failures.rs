@@ -297,3 +297,61 @@ async fn handler_duplicate_marker_acks_skips_and_counts() {
     });
     assert_eq!(duplicates, Some(2));
 }
+
+/// A replay cancelled midway stops sending, still removes what was confirmed, says it was
+/// cancelled, and leaves every other dead letter in the DLQ: replayed + left = all.
+#[tokio::test]
+async fn a_cancelled_replay_removes_what_went_and_leaves_the_rest() {
+    use reliq_core::{Broker, Replay};
+    let broker = MemoryBroker::new();
+    let shared: Arc<dyn Broker> = Arc::new(broker.clone());
+    let h = Consumer::builder(shared.clone(), "c")
+        .subscribe("t")
+        .start(|_d: Delivery| async move {
+            Err::<(), BoxError>(reliq_core::Permanent::msg("rejected").into())
+        })
+        .await
+        .unwrap();
+    for i in 0..300 {
+        shared
+            .publish(&Destination::new("t"), Message::new(format!("m{i}")))
+            .await
+            .unwrap();
+    }
+    wait_for("300 dead letters", || h.stats().dead_lettered == 300).await;
+    h.shutdown().await;
+    let sub = Subscription::new("c", "t");
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let stop = cancel.clone();
+    let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let progress = seen.clone();
+    // 100/s: cancelled after about half a second, some 50 copies in.
+    let run = Replay::new(shared.clone(), sub.clone())
+        .rate_limit(100)
+        .cancel_on(cancel)
+        .on_progress(move |p| progress.store(p.done, std::sync::atomic::Ordering::Relaxed))
+        .execute();
+    let canceller = async {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        stop.cancel();
+    };
+    let (report, ()) = tokio::join!(run, canceller);
+    let report = report.unwrap();
+    assert!(report.cancelled, "{report:?}");
+    let replayed = report.replayed.len();
+    assert!(
+        (10..300).contains(&replayed),
+        "{replayed} replayed before the cancel"
+    );
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    assert_eq!(
+        broker.dead_letter_depth(&sub) + replayed,
+        300,
+        "what was not replayed is still in the DLQ"
+    );
+    assert_eq!(
+        seen.load(std::sync::atomic::Ordering::Relaxed),
+        replayed,
+        "the last progress"
+    );
+}
