@@ -78,6 +78,21 @@ impl AuditLog {
         })
     }
 
+    /// The last `n` records of the audit file, newest first (empty without a file).
+    pub fn tail(&self, n: usize) -> Vec<serde_json::Value> {
+        let Some((path, _)) = &self.file else {
+            return Vec::new();
+        };
+        let Ok(text) = std::fs::read_to_string(path) else {
+            return Vec::new();
+        };
+        text.lines()
+            .rev()
+            .take(n)
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
     /// Write one record (its `at` is set here).
     pub fn write(&self, mut record: AuditRecord) {
         record.at = reliq_core::headers::format_time(SystemTime::now());

@@ -145,16 +145,22 @@ impl Tokens {
     /// Who `bearer` is, as of the file now.
     pub fn check(&self, bearer: Option<&str>, now: SystemTime) -> Result<Principal, Refusal> {
         let token = bearer.ok_or(Refusal::Missing)?;
+        self.check_hash(&hash_token(token), now)
+    }
+
+    /// Who the token with SHA-256 `hash` is, as of the file now (a console session keeps
+    /// the hash, never the token, and is checked again on every request: a removed or
+    /// expired token ends its sessions).
+    pub fn check_hash(&self, hash: &[u8; 32], now: SystemTime) -> Result<Principal, Refusal> {
         if let Err(e) = self.refresh() {
             // A file being rewritten: keep the last good entries, say so.
             tracing::warn!(error = %e, "tokens file unreadable; the last good one stays in force");
         }
-        let presented: [u8; 32] = Sha256::digest(token.as_bytes()).into();
         let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
         // Compare with every entry, whatever matched, so timing says nothing.
         let mut found: Option<&Entry> = None;
         for entry in &loaded.entries {
-            if bool::from(entry.hash.ct_eq(&presented)) {
+            if bool::from(entry.hash.ct_eq(hash)) {
                 found = Some(entry);
             }
         }
@@ -222,6 +228,17 @@ fn parse(text: &str) -> Result<Vec<Entry>, String> {
     Ok(entries)
 }
 
+/// 32 bytes from the OS's random source, as hex: tokens, session ids, CSRF tokens.
+pub(crate) fn random_hex() -> Result<String, AdminError> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes).map_err(|e| AdminError::File {
+        what: "the OS random source",
+        path: "getrandom".into(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    Ok(hex::encode(bytes))
+}
+
 /// A new random token (32 bytes from the OS, hex, prefixed `rlq_`) and its tokens-file
 /// entry. The token is shown once; only its hash is kept.
 pub fn new_token(
@@ -229,13 +246,7 @@ pub fn new_token(
     role: Role,
     expires_at: Option<SystemTime>,
 ) -> Result<(String, String), AdminError> {
-    let mut bytes = [0u8; 32];
-    getrandom::fill(&mut bytes).map_err(|e| AdminError::File {
-        what: "the OS random source",
-        path: "getrandom".into(),
-        source: std::io::Error::other(e.to_string()),
-    })?;
-    let token = format!("rlq_{}", hex::encode(bytes));
+    let token = format!("rlq_{}", random_hex()?);
     let hash = hex::encode(Sha256::digest(token.as_bytes()));
     let mut entry = format!(
         "[[token]]\nname = {}\nrole = \"{}\"\nsha256 = \"{hash}\"\n",
@@ -249,6 +260,11 @@ pub fn new_token(
         ));
     }
     Ok((token, entry))
+}
+
+/// The SHA-256 of a token, as the tokens file holds it.
+pub fn hash_token(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
 }
 
 fn toml_string(s: &str) -> String {

@@ -13,6 +13,8 @@
 //! | `GET /v1/jobs`, `GET /v1/jobs/{id}` | reader | [`crate::JobView`]s |
 //! | `POST /v1/jobs/{id}/cancel` | operator | the job, asked to stop |
 //!
+//! The web console's pages are under `/console/` (see the `console` module's docs).
+//!
 //! `<filter>` is [`crate::FilterSpec`]'s fields as query parameters (lists repeat or are
 //! comma-separated). Errors are `{"error": "…"}` with 400 (bad input, naming the field),
 //! 401 (no, wrong, removed or expired token), 403 (a role that may not), 404, 413 (body
@@ -82,10 +84,14 @@ pub const ROUTES: &[(&str, &str, Option<Role>)] = &[
 
 /// What the API serves from.
 pub struct AdminState {
-    broker: Arc<dyn Broker>,
-    tokens: Tokens,
-    audit: Arc<AuditLog>,
-    jobs: Jobs,
+    pub(crate) broker: Arc<dyn Broker>,
+    pub(crate) tokens: Tokens,
+    pub(crate) audit: Arc<AuditLog>,
+    pub(crate) jobs: Jobs,
+    /// The consumers the console lists: (consumer, source).
+    pub(crate) consumers: Vec<(String, String)>,
+    pub(crate) sessions: crate::console::Sessions,
+    pub(crate) secure_cookies: bool,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -105,7 +111,23 @@ impl AdminState {
             tokens,
             audit: Arc::new(audit),
             jobs: Jobs::default(),
+            consumers: Vec::new(),
+            sessions: crate::console::Sessions::default(),
+            secure_cookies: false,
         }
+    }
+
+    /// The consumers the console's overview lists, each with its source.
+    pub fn with_consumers(mut self, consumers: impl IntoIterator<Item = (String, String)>) -> Self {
+        self.consumers = consumers.into_iter().collect();
+        self
+    }
+
+    /// Mark the console's session cookie `Secure`: the server is reached over TLS (a
+    /// terminating proxy in front of it).
+    pub fn secure_cookies(mut self, secure: bool) -> Self {
+        self.secure_cookies = secure;
+        self
     }
 }
 
@@ -139,6 +161,7 @@ pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
         .route("/v1/jobs", get(jobs))
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
+        .merge(crate::console::routes())
         .layer(DefaultBodyLimit::max(limits.max_body_bytes))
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -149,14 +172,14 @@ pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
 
 /// What a handler tells the audit middleware about its request.
 #[derive(Clone, Debug, Default)]
-struct AuditNote {
-    actor: Option<Principal>,
-    action: &'static str,
-    consumer: Option<String>,
-    filter: Option<FilterSpec>,
-    reason: Option<String>,
-    counts: Option<serde_json::Value>,
-    job: Option<String>,
+pub(crate) struct AuditNote {
+    pub(crate) actor: Option<Principal>,
+    pub(crate) action: &'static str,
+    pub(crate) consumer: Option<String>,
+    pub(crate) filter: Option<FilterSpec>,
+    pub(crate) reason: Option<String>,
+    pub(crate) counts: Option<serde_json::Value>,
+    pub(crate) job: Option<String>,
 }
 
 /// Writes one audit record per request, whatever answered it (a handler, a refused

@@ -14,12 +14,15 @@
 //!   the same spec drives every operation, so what `ls` shows is what `replay` moves.
 //! - [`http`]: the same operations as an authenticated JSON API ([`http::router`]) —
 //!   bearer [`Tokens`] with a [`Role`], replay and purge as [`Jobs`], every request in the
-//!   [`AuditLog`].
+//!   [`AuditLog`] — and as a web console of server-rendered pages under `/console/`
+//!   (sign-in with a token, a session cookie, a CSRF token on every form that changes
+//!   something, the role checked on every post).
 //!
 //! The `reliq` command (crate `reliq-cli`) is clap over [`Dlq`] and [`http::serve`].
 
 mod audit;
 mod auth;
+mod console;
 mod error;
 mod filter;
 pub mod http;
@@ -27,7 +30,8 @@ mod jobs;
 mod ops;
 
 pub use audit::{AuditLog, AuditRecord};
-pub use auth::{Principal, Refusal, Role, Tokens, new_token};
+pub use auth::{Principal, Refusal, Role, Tokens, hash_token, new_token};
+pub use console::SESSION_COOKIE;
 pub use error::AdminError;
 pub use filter::{FILTER_FIELDS, FilterSpec};
 pub use jobs::{JobContext, JobState, JobView, Jobs};

@@ -265,6 +265,13 @@ pub enum AdminCommand {
         /// Largest request body, bytes.
         #[arg(long, default_value_t = 1024 * 1024)]
         max_body_bytes: usize,
+        /// A consumer the web console lists, as name=source (repeat for several).
+        #[arg(long = "consumer", value_name = "NAME=SOURCE")]
+        consumers: Vec<String>,
+        /// Mark the console's session cookie Secure (the server is reached over TLS,
+        /// through a terminating proxy).
+        #[arg(long)]
+        secure_cookies: bool,
     },
     /// Make a token: prints it once, and the entry for the tokens file (its hash).
     Token {

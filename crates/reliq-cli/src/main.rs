@@ -332,7 +332,20 @@ async fn admin(command: AdminCommand) -> Result<u8, Failure> {
             tokens,
             audit_log,
             max_body_bytes,
+            consumers,
+            secure_cookies,
         } => {
+            let consumers = consumers
+                .iter()
+                .map(|pair| {
+                    pair.split_once('=')
+                        .filter(|(c, s)| !c.is_empty() && !s.is_empty())
+                        .map(|(c, s)| (c.to_owned(), s.to_owned()))
+                        .ok_or_else(|| {
+                            bad_input(format!("--consumer `{pair}`: expected name=source"))
+                        })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
             let url = broker.url()?;
             let connected = reliq::connect(&url).await.map_err(|e| {
                 failed(format!(
@@ -352,8 +365,13 @@ async fn admin(command: AdminCommand) -> Result<u8, Failure> {
             let bound = listener.local_addr().map_err(|e| failed(e.to_string()))?;
             // The one line a supervisor (or a test) waits for.
             println!("reliq admin API listening on http://{bound}");
+            eprintln!("web console: http://{bound}/console/");
             let _ = std::io::stdout().flush();
-            let state = Arc::new(reliq_admin::http::AdminState::new(connected, tokens, audit));
+            let state = Arc::new(
+                reliq_admin::http::AdminState::new(connected, tokens, audit)
+                    .with_consumers(consumers)
+                    .secure_cookies(secure_cookies),
+            );
             let limits = reliq_admin::http::Limits { max_body_bytes };
             reliq_admin::http::serve(listener, state, limits, async {
                 let _ = tokio::signal::ctrl_c().await;

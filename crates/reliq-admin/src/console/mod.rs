@@ -1,0 +1,703 @@
+//! The web console: the same operations as the API, as server-rendered pages under
+//! `/console/`, for people.
+//!
+//! - **Sign-in** with an admin token makes a session: a random id in a cookie
+//!   (`HttpOnly`, `SameSite=Strict`, `Path=/console`, `Secure` when the server is told it
+//!   sits behind TLS). The session keeps the token's hash, never the token, and checks it
+//!   against the tokens file on every request: a removed or expired token ends it.
+//! - Every form that changes something carries the session's **CSRF token**; a POST
+//!   without it (or with another) is refused with 403.
+//! - A **role** decides which buttons a page shows, and the server decides again when the
+//!   form is posted: a reader who forges a replay gets 403.
+//! - Every request is audited like an API request (the same middleware).
+
+pub mod pages;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use axum::Router;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use maud::Markup;
+use reliq_core::Cursor;
+
+use crate::auth::{Principal, Role, hash_token, random_hex};
+use crate::error::AdminError;
+use crate::filter::FilterSpec;
+use crate::http::{AdminState, AuditNote};
+use crate::ops::{Dlq, EditRequest, PurgeRequest, ReplayRequest, Run};
+
+/// The session cookie's name.
+pub const SESSION_COOKIE: &str = "reliq_session";
+
+/// How long a session lasts without a new sign-in.
+const SESSION_TTL: Duration = Duration::from_secs(12 * 3600);
+
+struct Session {
+    token_hash: [u8; 32],
+    csrf: String,
+    started: Instant,
+}
+
+/// The console's signed-in sessions (in memory: a restarted server signs everyone out).
+#[derive(Default)]
+pub struct Sessions(Mutex<HashMap<String, Session>>);
+
+impl std::fmt::Debug for Sessions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0.lock().map(|m| m.len()).unwrap_or(0);
+        f.debug_struct("Sessions").field("sessions", &n).finish()
+    }
+}
+
+impl Sessions {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn start(&self, token_hash: [u8; 32]) -> Result<String, AdminError> {
+        let id = random_hex()?;
+        let csrf = random_hex()?;
+        let mut map = self.lock();
+        map.retain(|_, s| s.started.elapsed() < SESSION_TTL);
+        map.insert(
+            id.clone(),
+            Session {
+                token_hash,
+                csrf,
+                started: Instant::now(),
+            },
+        );
+        Ok(id)
+    }
+
+    /// The session's token hash and CSRF token, if it is live.
+    fn get(&self, id: &str) -> Option<([u8; 32], String)> {
+        let map = self.lock();
+        map.get(id)
+            .filter(|s| s.started.elapsed() < SESSION_TTL)
+            .map(|s| (s.token_hash, s.csrf.clone()))
+    }
+
+    fn end(&self, id: &str) {
+        self.lock().remove(id);
+    }
+}
+
+/// The console's routes (merged into the API's router, under its audit middleware).
+pub(crate) fn routes() -> Router<Arc<AdminState>> {
+    Router::new()
+        .route("/console", get(|| async { Redirect::to("/console/") }))
+        .route("/console/", get(overview))
+        .route("/console/assets/console.css", get(stylesheet))
+        .route("/console/sign-in", get(sign_in_page).post(sign_in))
+        .route("/console/sign-out", post(sign_out))
+        .route("/console/consumers/{consumer}", get(groups))
+        .route("/console/consumers/{consumer}/entries", get(entries))
+        .route("/console/consumers/{consumer}/entries/{id}", get(detail))
+        .route(
+            "/console/consumers/{consumer}/entries/{id}/edit",
+            post(edit),
+        )
+        .route("/console/consumers/{consumer}/replay", post(replay))
+        .route("/console/consumers/{consumer}/purge", post(purge))
+        .route("/console/jobs", get(jobs))
+        .route("/console/jobs/{id}", get(job))
+        .route("/console/jobs/{id}/cancel", post(cancel_job))
+        .route("/console/audit", get(audit))
+}
+
+/// A page answer: a response carrying its audit note (for the audit middleware).
+type Page = Response;
+
+fn with_note(mut response: Response, status: StatusCode, note: AuditNote) -> Page {
+    *response.status_mut() = status;
+    response.extensions_mut().insert(note);
+    response
+}
+
+fn page(note: AuditNote, markup: Markup) -> Page {
+    with_note(markup.into_response(), StatusCode::OK, note)
+}
+
+fn redirect(note: AuditNote, to: &str) -> Page {
+    with_note(
+        Redirect::to(to).into_response(),
+        StatusCode::SEE_OTHER,
+        note,
+    )
+}
+
+/// A refusal or failure, as a page with its status.
+fn refusal(mut note: AuditNote, status: StatusCode, message: String) -> Page {
+    note.reason = Some(message.clone());
+    let body = maud::html! {
+        (maud::DOCTYPE)
+        html lang="en" {
+            (pages::head(&status.as_u16().to_string()))
+            body { main {
+                h1 { (status.as_u16()) " " (status.canonical_reason().unwrap_or("")) }
+                p.error role="alert" { (message) }
+                p { a href="/console/" { "Back to the overview" } }
+            } }
+        }
+    };
+    with_note(body.into_response(), status, note)
+}
+
+fn failed(note: AuditNote, e: AdminError) -> Page {
+    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    refusal(note, status, e.to_string())
+}
+
+fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|c| c.trim().split_once('='))
+        .find(|(k, _)| *k == name)
+        .map(|(_, v)| v.to_owned())
+}
+
+/// Who is signed in, and their CSRF token; or the sign-in page to go to.
+struct Visitor {
+    who: Principal,
+    csrf: String,
+}
+
+// The error is the page to answer with (an axum `Response`), returned as it is.
+#[allow(clippy::result_large_err)]
+fn visitor(state: &AdminState, headers: &HeaderMap, note: &mut AuditNote) -> Result<Visitor, Page> {
+    let to_sign_in = |note: &AuditNote| redirect(note.clone(), "/console/sign-in");
+    let id = cookie_value(headers, SESSION_COOKIE).ok_or_else(|| to_sign_in(note))?;
+    let (hash, csrf) = state.sessions.get(&id).ok_or_else(|| to_sign_in(note))?;
+    match state.tokens.check_hash(&hash, SystemTime::now()) {
+        Ok(who) => {
+            note.actor = Some(who.clone());
+            Ok(Visitor { who, csrf })
+        }
+        Err(why) => {
+            // The token was removed or expired: the session ends with it.
+            state.sessions.end(&id);
+            note.reason = Some(format!("session ended: {}", why.as_str()));
+            Err(to_sign_in(note))
+        }
+    }
+}
+
+/// A POST's form fields, checked: a live session, the CSRF token, a role of at least `role`.
+#[allow(clippy::result_large_err)] // the error is the page to answer with
+fn posted(
+    state: &AdminState,
+    headers: &HeaderMap,
+    body: &[u8],
+    role: Role,
+    note: &mut AuditNote,
+) -> Result<(Visitor, Vec<(String, String)>), Page> {
+    let v = visitor(state, headers, note)?;
+    let fields: Vec<(String, String)> = serde_urlencoded::from_bytes(body).unwrap_or_default();
+    let csrf = fields
+        .iter()
+        .find(|(k, _)| k == "csrf")
+        .map(|(_, v)| v.as_str());
+    let csrf_ok = csrf.is_some_and(|c| {
+        bool::from(subtle::ConstantTimeEq::ct_eq(
+            c.as_bytes(),
+            v.csrf.as_bytes(),
+        ))
+    });
+    if !csrf_ok {
+        return Err(refusal(
+            note.clone(),
+            StatusCode::FORBIDDEN,
+            "missing or wrong CSRF token: reload the page and try again".into(),
+        ));
+    }
+    if v.who.role < role {
+        let why = format!(
+            "role `{}` may not {} (needs `{}`)",
+            v.who.role.as_str(),
+            note.action,
+            role.as_str()
+        );
+        return Err(refusal(note.clone(), StatusCode::FORBIDDEN, why));
+    }
+    Ok((v, fields))
+}
+
+fn note(action: &'static str, consumer: Option<&str>) -> AuditNote {
+    AuditNote {
+        action,
+        consumer: consumer.map(str::to_owned),
+        ..AuditNote::default()
+    }
+}
+
+/// The DLQ of a consumer the server was started with.
+fn known_dlq(state: &AdminState, consumer: &str) -> Result<Dlq, AdminError> {
+    let source = state
+        .consumers
+        .iter()
+        .find(|(c, _)| c == consumer)
+        .map(|(_, s)| s.clone())
+        .ok_or_else(|| AdminError::InvalidInput {
+            field: "consumer",
+            value: consumer.chars().take(80).collect(),
+            expected: "a consumer this server was started with (--consumer name=source)".into(),
+        })?;
+    Ok(Dlq::new(
+        state.broker.clone(),
+        reliq_core::Subscription::new(consumer, source),
+    ))
+}
+
+async fn stylesheet() -> Response {
+    let mut response = (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        pages::STYLESHEET,
+    )
+        .into_response();
+    response
+        .extensions_mut()
+        .insert(note("console-asset", None));
+    response
+}
+
+async fn sign_in_page() -> Page {
+    page(note("console-sign-in-page", None), pages::sign_in(None))
+}
+
+async fn sign_in(State(state): State<Arc<AdminState>>, body: axum::body::Bytes) -> Page {
+    let mut note = note("console-sign-in", None);
+    let fields: Vec<(String, String)> = serde_urlencoded::from_bytes(&body).unwrap_or_default();
+    let token = fields
+        .iter()
+        .find(|(k, _)| k == "token")
+        .map(|(_, v)| v.trim().to_owned())
+        .unwrap_or_default();
+    let hash = hash_token(&token);
+    match state.tokens.check_hash(&hash, SystemTime::now()) {
+        Err(why) => {
+            note.reason = Some(why.as_str().into());
+            let again = pages::sign_in(Some(
+                "That token is not valid (unknown, removed or expired).",
+            ));
+            with_note(again.into_response(), StatusCode::UNAUTHORIZED, note)
+        }
+        Ok(who) => {
+            note.actor = Some(who);
+            let id = match state.sessions.start(hash) {
+                Ok(id) => id,
+                Err(e) => return failed(note, e),
+            };
+            let secure = if state.secure_cookies { "; Secure" } else { "" };
+            let cookie = format!(
+                "{SESSION_COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/console; Max-Age={}{secure}",
+                SESSION_TTL.as_secs()
+            );
+            let mut response = redirect(note, "/console/");
+            if let Ok(v) = HeaderValue::from_str(&cookie) {
+                response.headers_mut().insert(header::SET_COOKIE, v);
+            }
+            response
+        }
+    }
+}
+
+async fn sign_out(
+    State(state): State<Arc<AdminState>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Page {
+    let mut note = note("console-sign-out", None);
+    if let Err(p) = posted(&state, &headers, &body, Role::Reader, &mut note) {
+        return p;
+    }
+    if let Some(id) = cookie_value(&headers, SESSION_COOKIE) {
+        state.sessions.end(&id);
+    }
+    let mut response = redirect(note, "/console/sign-in");
+    let gone = format!("{SESSION_COOKIE}=; HttpOnly; SameSite=Strict; Path=/console; Max-Age=0");
+    if let Ok(v) = HeaderValue::from_str(&gone) {
+        response.headers_mut().insert(header::SET_COOKIE, v);
+    }
+    response
+}
+
+async fn overview(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> Page {
+    let mut note = note("console-overview", None);
+    let v = match visitor(&state, &headers, &mut note) {
+        Ok(v) => v,
+        Err(p) => return p,
+    };
+    let last_hour = FilterSpec {
+        since: Some("1h".into()),
+        ..FilterSpec::default()
+    };
+    let mut rows = Vec::new();
+    for (consumer, source) in &state.consumers {
+        let dlq = Dlq::new(
+            state.broker.clone(),
+            reliq_core::Subscription::new(consumer.clone(), source.clone()),
+        );
+        let row = match (
+            dlq.stats(&FilterSpec::default()).await,
+            dlq.stats(&last_hour).await,
+        ) {
+            (Ok(all), Ok(recent)) => pages::OverviewRow {
+                consumer: consumer.clone(),
+                source: source.clone(),
+                count: Some(all.count),
+                oldest_age_seconds: all.oldest_age_seconds,
+                last_hour: Some(recent.count),
+                error: None,
+            },
+            (Err(e), _) | (_, Err(e)) => pages::OverviewRow {
+                consumer: consumer.clone(),
+                source: source.clone(),
+                count: None,
+                oldest_age_seconds: None,
+                last_hour: None,
+                error: Some(e.to_string()),
+            },
+        };
+        rows.push(row);
+    }
+    page(
+        note,
+        pages::layout("Overview", &v.who, &v.csrf, pages::overview(&rows)),
+    )
+}
+
+async fn groups(
+    State(state): State<Arc<AdminState>>,
+    Path(consumer): Path<String>,
+    headers: HeaderMap,
+) -> Page {
+    let mut note = note("console-groups", Some(&consumer));
+    let v = match visitor(&state, &headers, &mut note) {
+        Ok(v) => v,
+        Err(p) => return p,
+    };
+    let stats = match known_dlq(&state, &consumer) {
+        Ok(dlq) => dlq.stats(&FilterSpec::default()).await,
+        Err(e) => Err(e),
+    };
+    match stats {
+        Ok(stats) => {
+            let title = format!("{consumer}: failure groups");
+            page(
+                note,
+                pages::layout(
+                    &title,
+                    &v.who,
+                    &v.csrf,
+                    pages::groups(&consumer, &stats, &v.who, &v.csrf),
+                ),
+            )
+        }
+        Err(e) => failed(note, e),
+    }
+}
+
+async fn entries(
+    State(state): State<Arc<AdminState>>,
+    Path(consumer): Path<String>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Page {
+    let mut note = note("console-ls", Some(&consumer));
+    let v = match visitor(&state, &headers, &mut note) {
+        Ok(v) => v,
+        Err(p) => return p,
+    };
+    let pairs: Vec<(String, String)> =
+        serde_urlencoded::from_str(raw.as_deref().unwrap_or("")).unwrap_or_default();
+    // Empty form fields mean "not this condition".
+    let pairs: Vec<(String, String)> = pairs.into_iter().filter(|(_, v)| !v.is_empty()).collect();
+    let listed = async {
+        let dlq = known_dlq(&state, &consumer)?;
+        let spec = FilterSpec::from_pairs(&pairs)?;
+        let cursor = pairs
+            .iter()
+            .find(|(k, _)| k == "cursor")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        dlq.list(&spec, &Cursor::from(cursor), 50).await
+    };
+    match listed.await {
+        Ok(list) => {
+            let title = format!("{consumer}: dead letters");
+            page(
+                note,
+                pages::layout(
+                    &title,
+                    &v.who,
+                    &v.csrf,
+                    pages::entries(&consumer, &pairs, &list),
+                ),
+            )
+        }
+        Err(e) => failed(note, e),
+    }
+}
+
+async fn detail(
+    State(state): State<Arc<AdminState>>,
+    Path((consumer, id)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Page {
+    let mut note = note("console-show", Some(&consumer));
+    let v = match visitor(&state, &headers, &mut note) {
+        Ok(v) => v,
+        Err(p) => return p,
+    };
+    let shown = async { known_dlq(&state, &consumer)?.show(&id).await };
+    match shown.await {
+        Ok(d) => {
+            let title = format!("Dead letter {id}");
+            page(
+                note,
+                pages::layout(
+                    &title,
+                    &v.who,
+                    &v.csrf,
+                    pages::detail(&consumer, &d, &v.who, &v.csrf),
+                ),
+            )
+        }
+        Err(e) => failed(note, e),
+    }
+}
+
+/// The filter a console form posted (its hidden fields), and the rest of its fields.
+fn form_filter(fields: &[(String, String)]) -> Result<FilterSpec, AdminError> {
+    let filter: Vec<(String, String)> = fields
+        .iter()
+        .filter(|(k, v)| crate::filter::FILTER_FIELDS.contains(&k.as_str()) && !v.is_empty())
+        .cloned()
+        .collect();
+    FilterSpec::from_pairs(&filter)
+}
+
+async fn replay(
+    State(state): State<Arc<AdminState>>,
+    Path(consumer): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Page {
+    run(state, consumer, headers, body, Role::Operator, "replay").await
+}
+
+async fn purge(
+    State(state): State<Arc<AdminState>>,
+    Path(consumer): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Page {
+    run(state, consumer, headers, body, Role::Admin, "purge").await
+}
+
+/// A replay or purge form: a dry run shows the preview page, a run starts a job and goes
+/// to its page.
+async fn run(
+    state: Arc<AdminState>,
+    consumer: String,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+    role: Role,
+    action: &'static str,
+) -> Page {
+    let mut note = note(action, Some(&consumer));
+    let (v, fields) = match posted(&state, &headers, &body, role, &mut note) {
+        Ok(ok) => ok,
+        Err(p) => return p,
+    };
+    let field = |name: &str| {
+        fields
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let parsed = (|| {
+        let filter = form_filter(&fields)?;
+        let dry_run = field("dry_run") == Some("true");
+        let rate = match field("rate").filter(|r| !r.is_empty()) {
+            None => None,
+            Some(r) => Some(r.parse::<u32>().map_err(|_| AdminError::InvalidInput {
+                field: "rate",
+                value: r.chars().take(80).collect(),
+                expected: "a whole number of messages per second".into(),
+            })?),
+        };
+        let run = if action == "purge" {
+            Run::Purge(PurgeRequest { filter, dry_run })
+        } else {
+            Run::Replay(ReplayRequest {
+                filter,
+                dry_run,
+                rate,
+                target: None,
+            })
+        };
+        Ok::<_, AdminError>(run)
+    })();
+    let (run, dlq) = match parsed.and_then(|r| Ok((r, known_dlq(&state, &consumer)?))) {
+        Ok(ok) => ok,
+        Err(e) => return failed(note, e),
+    };
+    note.filter = Some(run.filter().clone());
+    if run.dry_run() {
+        note.action = if action == "purge" {
+            "purge-dry-run"
+        } else {
+            "replay-dry-run"
+        };
+        return match dlq.run(&run, |_| {}, Default::default()).await {
+            Ok(outcome) => {
+                note.counts = Some(serde_json::json!({ "matched": outcome.matched }));
+                let title = format!("{consumer}: {action} preview");
+                page(
+                    note,
+                    pages::layout(
+                        &title,
+                        &v.who,
+                        &v.csrf,
+                        pages::preview(&consumer, &outcome, &fields, &v.csrf),
+                    ),
+                )
+            }
+            Err(e) => failed(note, e),
+        };
+    }
+    let filter = run.filter().clone();
+    let job = state.jobs.spawn(
+        run.operation(),
+        &consumer,
+        &v.who.name,
+        &filter,
+        state.audit.clone(),
+        |ctx| async move { dlq.run(&run, ctx.progress(), ctx.cancel()).await },
+    );
+    note.job = Some(job.id.clone());
+    redirect(note, &format!("/console/jobs/{}", job.id))
+}
+
+async fn edit(
+    State(state): State<Arc<AdminState>>,
+    Path((consumer, id)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Page {
+    let mut note = note("edit", Some(&consumer));
+    let (_, fields) = match posted(&state, &headers, &body, Role::Operator, &mut note) {
+        Ok(ok) => ok,
+        Err(p) => return p,
+    };
+    let field = |name: &str| {
+        fields
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    };
+    // A browser posts a textarea's line breaks as CR LF.
+    let payload = field("payload").replace("\r\n", "\n");
+    let header_lines: Vec<String> = field("headers")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(str::to_owned)
+        .collect();
+    let request = EditRequest {
+        payload: Some(bytes::Bytes::from(payload)),
+        headers: header_lines,
+    };
+    let edited = async { known_dlq(&state, &consumer)?.edit(&id, &request).await };
+    match edited.await {
+        Ok(outcome) => redirect(
+            note,
+            &format!("/console/consumers/{consumer}?edited={}", outcome.copy),
+        ),
+        Err(e) => failed(note, e),
+    }
+}
+
+async fn jobs(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> Page {
+    let mut note = note("console-jobs", None);
+    match visitor(&state, &headers, &mut note) {
+        Ok(v) => page(
+            note,
+            pages::layout("Jobs", &v.who, &v.csrf, pages::jobs(&state.jobs.list())),
+        ),
+        Err(p) => p,
+    }
+}
+
+async fn job(
+    State(state): State<Arc<AdminState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Page {
+    let mut note = note("console-job", None);
+    note.job = Some(id.clone());
+    let v = match visitor(&state, &headers, &mut note) {
+        Ok(v) => v,
+        Err(p) => return p,
+    };
+    match state.jobs.get(&id) {
+        Ok(j) => page(
+            note,
+            pages::layout(
+                &format!("Job {id}"),
+                &v.who,
+                &v.csrf,
+                pages::job(&j, &v.who, &v.csrf),
+            ),
+        ),
+        Err(e) => failed(note, e),
+    }
+}
+
+async fn cancel_job(
+    State(state): State<Arc<AdminState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Page {
+    let mut note = note("cancel-job", None);
+    note.job = Some(id.clone());
+    if let Err(p) = posted(&state, &headers, &body, Role::Operator, &mut note) {
+        return p;
+    }
+    match state.jobs.cancel(&id) {
+        Ok(_) => redirect(note, &format!("/console/jobs/{id}")),
+        Err(e) => failed(note, e),
+    }
+}
+
+async fn audit(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> Page {
+    let mut note = note("console-audit", None);
+    let v = match visitor(&state, &headers, &mut note) {
+        Ok(v) => v,
+        Err(p) => return p,
+    };
+    if v.who.role < Role::Admin {
+        let why = format!(
+            "role `{}` may not read the audit log (needs `admin`)",
+            v.who.role.as_str()
+        );
+        return refusal(note, StatusCode::FORBIDDEN, why);
+    }
+    let records = state.audit.tail(200);
+    page(
+        note,
+        pages::layout("Audit log", &v.who, &v.csrf, pages::audit(&records)),
+    )
+}
