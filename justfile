@@ -51,6 +51,8 @@ test:
     scripts/brokers status >/dev/null 2>&1 && already_up=1
     if [ "$already_up" = 0 ]; then trap 'scripts/brokers down >/dev/null 2>&1 || true' EXIT; fi
     scripts/brokers up || exit 1
+    # Headless Chromium and its driver for the web console's browser tests.
+    scripts/brokers browser || exit 1
     rc=0
     cargo test --workspace --doc --quiet || rc=1
     cargo nextest run --workspace --no-fail-fast || rc=1

@@ -33,6 +33,9 @@ input[type=number] { width: 6rem; }
 textarea { width: 100%; min-height: 10rem; }
 button { cursor: pointer; padding: .2rem .7rem; border: 1px solid #20303f; background: #fff; border-radius: 3px; }
 button.danger { border-color: #a11; color: #a11; }
+header button { background: transparent; border-color: #fff; color: #fff; }
+td a + form, td form + form { margin-left: .3rem; }
+td > a { margin-right: .5rem; }
 :focus-visible { outline: 3px solid #f0a000; outline-offset: 2px; }
 .notice { padding: .6rem; background: #fff7d6; border: 1px solid #e0c060; }
 .error { padding: .6rem; background: #fde8e8; border: 1px solid #d08080; }

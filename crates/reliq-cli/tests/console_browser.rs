@@ -1,0 +1,412 @@
+//! The web console in a real headless Chromium (Debian's `chromium` and `chromedriver`,
+//! installed by `scripts/brokers browser`), against the admin server and a broker — the
+//! embedded one, RabbitMQ and Kafka: sign in; the group a run of failures made, with its
+//! count; a message's payload and reason; a dry-run group replay that changes nothing; the
+//! replay at a rate, its job finished and the consumer's count up by exactly that many;
+//! edit-and-replay; a purge; a reader who finds no action and whose forged post is refused;
+//! a post without the CSRF token refused; sign-out. Each step saves a screenshot to
+//! `<target>/console-screenshots/`.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::process::{Child, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail, ensure};
+use fantoccini::{Client, ClientBuilder, Locator};
+use reliq_admin::http::{AdminState, Limits, router};
+use reliq_admin::{AuditLog, Role, Tokens, new_token};
+use reliq_core::{Broker, Subscription};
+use support::{Effects, consumer, park, unique, url, wait_for};
+
+/// chromedriver on a free port, killed on drop.
+struct Driver {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+async fn driver() -> anyhow::Result<Driver> {
+    let port = free_port()?;
+    let child = std::process::Command::new("chromedriver")
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting chromedriver (scripts/brokers browser installs it)")?;
+    let driver = Driver {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+    };
+    for _ in 0..100 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return Ok(driver);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("chromedriver did not listen on {port}")
+}
+
+/// A headless Chromium session, with the flags a closed network needs (no background
+/// connections, no component updates) and a fresh profile.
+async fn browser(driver: &Driver, profile: &std::path::Path) -> anyhow::Result<Client> {
+    let mut caps = serde_json::Map::new();
+    caps.insert(
+        "goog:chromeOptions".into(),
+        serde_json::json!({
+            "binary": "/usr/bin/chromium",
+            "args": [
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-quic", "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--window-size=1280,900",
+                format!("--user-data-dir={}", profile.display()),
+            ],
+        }),
+    );
+    let connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    Ok(ClientBuilder::new(connector)
+        .capabilities(caps)
+        .connect(&driver.url)
+        .await?)
+}
+
+struct Shots {
+    dir: std::path::PathBuf,
+    backend: &'static str,
+}
+
+impl Shots {
+    async fn take(&self, c: &Client, name: &str) -> anyhow::Result<()> {
+        let png = c.screenshot().await?;
+        ensure!(
+            png.starts_with(b"\x89PNG"),
+            "a screenshot that is not a PNG"
+        );
+        std::fs::write(self.dir.join(format!("{}-{name}.png", self.backend)), png)?;
+        Ok(())
+    }
+}
+
+async fn sign_in(c: &Client, base: &str, token: &str) -> anyhow::Result<()> {
+    c.goto(&format!("{base}/console/sign-in")).await?;
+    c.find(Locator::Css("#token"))
+        .await?
+        .send_keys(token)
+        .await?;
+    c.find(Locator::Css("button[type=submit]"))
+        .await?
+        .click()
+        .await?;
+    c.wait().for_element(Locator::Css("nav")).await?;
+    Ok(())
+}
+
+async fn sign_out(c: &Client) -> anyhow::Result<()> {
+    c.find(Locator::XPath("//button[normalize-space()='Sign out']"))
+        .await?
+        .click()
+        .await?;
+    c.wait().for_element(Locator::Css("#token")).await?;
+    Ok(())
+}
+
+/// Click the button whose text starts with `text` in the table row holding `row_text`.
+async fn click_in_row(c: &Client, row_text: &str, text: &str) -> anyhow::Result<()> {
+    let xpath = format!(
+        "//tr[contains(., '{row_text}')]//button[starts-with(normalize-space(), '{text}')]"
+    );
+    c.find(Locator::XPath(&xpath)).await?.click().await?;
+    Ok(())
+}
+
+async fn wait_for_job(c: &Client) -> anyhow::Result<String> {
+    for _ in 0..120 {
+        let state = c
+            .find(Locator::Css("[data-testid=job-state]"))
+            .await?
+            .text()
+            .await?;
+        if state != "running" {
+            return Ok(state);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        c.refresh().await?;
+    }
+    bail!("the job still runs after a minute")
+}
+
+async fn console_in_a_browser(backend: &'static str) -> anyhow::Result<()> {
+    let broker: Arc<dyn Broker> = match backend {
+        "memory" => Arc::new(reliq_memory::MemoryBroker::new()),
+        other => reliq::connect(&url(other)).await?,
+    };
+    let (name, source) = (unique("console"), unique("console-src"));
+    let (handle, effects): (_, Effects) = consumer(broker.clone(), &name, &source).await?;
+    park(&broker, &handle, &source, 5, Duration::from_secs(60)).await?;
+    let sub = Subscription::new(name.clone(), source.clone());
+    let depth = async || -> anyhow::Result<u64> {
+        Ok(broker.dead_letters(&sub).await?.count().await?.count)
+    };
+
+    let dir = tempfile::tempdir()?;
+    let tokens = dir.path().join("tokens.toml");
+    let (reader, reader_entry) = new_token("rita", Role::Reader, None)?;
+    let (operator, operator_entry) = new_token("oscar", Role::Operator, None)?;
+    let (admin, admin_entry) = new_token("ada", Role::Admin, None)?;
+    std::fs::write(
+        &tokens,
+        format!("{reader_entry}\n{operator_entry}\n{admin_entry}"),
+    )?;
+    let state = AdminState::new(
+        broker.clone(),
+        Tokens::open(&tokens)?,
+        AuditLog::tracing_only(),
+    )
+    .with_consumers([(name.clone(), source.clone())]);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let app = router(Arc::new(state), Limits::default());
+    tokio::spawn(async move {
+        let _ = axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await;
+    });
+
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| "target".into());
+    let shots = Shots {
+        dir: target.join("console-screenshots"),
+        backend,
+    };
+    std::fs::create_dir_all(&shots.dir)?;
+    let driver = driver().await?;
+    let c = browser(&driver, &dir.path().join("profile")).await?;
+    let result = async {
+        // An operator signs in and sees the consumer with its 5 dead letters.
+        sign_in(&c, &base, &operator).await?;
+        let row = c
+            .find(Locator::XPath(&format!("//tr[td/a[text()='{name}']]")))
+            .await?
+            .text()
+            .await?;
+        ensure!(row.contains(" 5 "), "the overview row: {row}");
+        shots.take(&c, "overview").await?;
+        c.find(Locator::LinkText(&name)).await?.click().await?;
+        let group = c
+            .find(Locator::XPath("//tr[contains(., 'order <n> not found')]"))
+            .await?
+            .text()
+            .await?;
+        ensure!(group.starts_with("5 "), "the group row: {group}");
+        shots.take(&c, "group").await?;
+
+        // A dry run changes nothing; the replay at a rate ends as a job, +5 exactly.
+        click_in_row(&c, "order <n> not found", "Preview replay").await?;
+        let preview = c
+            .find(Locator::Css("[data-testid=preview]"))
+            .await?
+            .text()
+            .await?;
+        ensure!(
+            preview.contains("5 dead letters would be replayed"),
+            "{preview}"
+        );
+        ensure!(
+            depth().await? == 5 && effects.count() == 0,
+            "a dry run changed something"
+        );
+        shots.take(&c, "preview").await?;
+        c.back().await?;
+        click_in_row(&c, "order <n> not found", "Replay").await?;
+        let state = wait_for_job(&c).await?;
+        ensure!(state == "succeeded", "the replay job ended {state}");
+        shots.take(&c, "job").await?;
+        wait_for(
+            "the 5 replayed copies handled",
+            Duration::from_secs(30),
+            || effects.count() == 5,
+        )
+        .await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        ensure!(
+            effects.count() == 5 && depth().await? == 0,
+            "replayed {}, left {}",
+            effects.count(),
+            depth().await?
+        );
+
+        // A message's page: payload and reason; edit and replay it.
+        let ids = park(&broker, &handle, &source, 2, Duration::from_secs(60)).await?;
+        c.goto(&format!(
+            "{base}/console/consumers/{name}/entries?id={}",
+            ids[0]
+        ))
+        .await?;
+        c.find(Locator::Css("td a code")).await?.click().await?;
+        let payload = c
+            .find(Locator::Css("[data-testid=payload]"))
+            .await?
+            .text()
+            .await?;
+        ensure!(payload.contains("\"order\": 0"), "payload: {payload}");
+        let page = c.source().await?;
+        ensure!(
+            page.contains("permanent") && page.contains("order 0 not found"),
+            "the record is not shown"
+        );
+        shots.take(&c, "detail").await?;
+        let area = c.find(Locator::Css("#payload")).await?;
+        area.clear().await?;
+        area.send_keys(r#"{"order":0,"fixed":true}"#).await?;
+        c.find(Locator::XPath(
+            "//button[normalize-space()='Replay the edited copy']",
+        ))
+        .await?
+        .click()
+        .await?;
+        wait_for("the edited copy handled", Duration::from_secs(30), || {
+            effects.count() == 6
+        })
+        .await?;
+        ensure!(
+            depth().await? == 1,
+            "the edited original is still in the DLQ"
+        );
+
+        // A post without the CSRF token is refused.
+        let cookie = c
+            .get_all_cookies()
+            .await?
+            .into_iter()
+            .find(|k| k.name() == reliq_admin::SESSION_COOKIE)
+            .context("the session cookie")?;
+        let session = format!("{}={}", cookie.name(), cookie.value());
+        ensure!(
+            cookie.http_only() == Some(true),
+            "the session cookie is readable by scripts"
+        );
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let http = reqwest::Client::new();
+        let forged = http
+            .post(format!("{base}/console/consumers/{name}/replay"))
+            .header("cookie", &session)
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body("dry_run=true")
+            .send()
+            .await?;
+        ensure!(
+            forged.status() == 403,
+            "a post without CSRF: {}",
+            forged.status()
+        );
+        sign_out(&c).await?;
+        c.goto(&format!("{base}/console/")).await?;
+        ensure!(
+            c.current_url().await?.path() == "/console/sign-in",
+            "signed out, still in"
+        );
+
+        // An admin purges the group.
+        sign_in(&c, &base, &admin).await?;
+        c.goto(&format!("{base}/console/consumers/{name}")).await?;
+        click_in_row(&c, "order <n> not found", "Preview purge").await?;
+        c.find(Locator::XPath(
+            "//button[starts-with(normalize-space(), 'Purge these 1')]",
+        ))
+        .await?
+        .click()
+        .await?;
+        let state = wait_for_job(&c).await?;
+        ensure!(
+            state == "succeeded" && depth().await? == 0,
+            "the purge ended {state}"
+        );
+        sign_out(&c).await?;
+
+        // A reader finds no action, and a forged post is refused.
+        park(&broker, &handle, &source, 1, Duration::from_secs(60)).await?;
+        sign_in(&c, &base, &reader).await?;
+        c.goto(&format!("{base}/console/consumers/{name}")).await?;
+        let buttons: Vec<String> = {
+            let mut texts = Vec::new();
+            for b in c.find_all(Locator::Css("main button")).await? {
+                texts.push(b.text().await?);
+            }
+            texts
+        };
+        ensure!(buttons.is_empty(), "a reader sees buttons: {buttons:?}");
+        shots.take(&c, "reader").await?;
+        let page = c.source().await?;
+        let at = page
+            .find(r#"name="csrf" value=""#)
+            .context("the reader's CSRF token")?
+            + r#"name="csrf" value=""#.len();
+        let csrf = page[at..at + 64].to_owned();
+        let cookie = c
+            .get_all_cookies()
+            .await?
+            .into_iter()
+            .find(|k| k.name() == reliq_admin::SESSION_COOKIE)
+            .context("cookie")?;
+        let forged = http
+            .post(format!("{base}/console/consumers/{name}/replay"))
+            .header("cookie", format!("{}={}", cookie.name(), cookie.value()))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(format!("csrf={csrf}"))
+            .send()
+            .await?;
+        ensure!(
+            forged.status() == 403,
+            "a reader's forged replay: {}",
+            forged.status()
+        );
+        ensure!(
+            depth().await? == 1 && effects.count() == 6,
+            "the forged replay moved something"
+        );
+        sign_out(&c).await?;
+        Ok(())
+    }
+    .await;
+    if result.is_err() {
+        let _ = shots.take(&c, "failure").await;
+    }
+    let _ = c.close().await;
+    handle.shutdown().await;
+    result
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_in_a_browser_on_the_embedded_broker() -> anyhow::Result<()> {
+    console_in_a_browser("memory").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_in_a_browser_on_rabbitmq() -> anyhow::Result<()> {
+    console_in_a_browser("rabbit").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_in_a_browser_on_kafka() -> anyhow::Result<()> {
+    console_in_a_browser("kafka").await
+}
