@@ -1,6 +1,6 @@
 //! The web console in a real headless Chromium (Debian's `chromium` and `chromedriver`,
 //! installed by `scripts/brokers browser`), against the admin server and a broker — the
-//! embedded one, RabbitMQ and Kafka: sign in; the group a run of failures made, with its
+//! embedded one, RabbitMQ and Kafka: sign in; the group a run of poison messages made, with its
 //! count; a message's payload and reason; a dry-run group replay that changes nothing; the
 //! replay at a rate, its job finished and the consumer's count up by exactly that many;
 //! edit-and-replay; a purge; a reader who finds no action and whose forged post is refused;
@@ -19,7 +19,7 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use reliq_admin::http::{AdminState, Limits, router};
 use reliq_admin::{AuditLog, Role, Tokens, new_token};
 use reliq_core::{Broker, Subscription};
-use support::{Effects, consumer, park, unique, url, wait_for};
+use support::{Effects, consumer_failing, park, unique, url, wait_for};
 
 /// chromedriver on a free port, killed on drop.
 struct Driver {
@@ -104,13 +104,22 @@ impl Shots {
     }
 }
 
+/// The element `locator` finds, waiting up to 20 s for it: a click that submits a form
+/// returns before the next page has loaded, and a busy machine takes its time.
+async fn el(c: &Client, locator: Locator<'_>) -> anyhow::Result<fantoccini::elements::Element> {
+    Ok(c.wait()
+        .at_most(Duration::from_secs(20))
+        .for_element(locator)
+        .await?)
+}
+
 async fn sign_in(c: &Client, base: &str, token: &str) -> anyhow::Result<()> {
     c.goto(&format!("{base}/console/sign-in")).await?;
-    c.find(Locator::Css("#token"))
+    el(&c, Locator::Css("#token"))
         .await?
         .send_keys(token)
         .await?;
-    c.find(Locator::Css("button[type=submit]"))
+    el(&c, Locator::Css("button[type=submit]"))
         .await?
         .click()
         .await?;
@@ -119,7 +128,7 @@ async fn sign_in(c: &Client, base: &str, token: &str) -> anyhow::Result<()> {
 }
 
 async fn sign_out(c: &Client) -> anyhow::Result<()> {
-    c.find(Locator::XPath("//button[normalize-space()='Sign out']"))
+    el(&c, Locator::XPath("//button[normalize-space()='Sign out']"))
         .await?
         .click()
         .await?;
@@ -132,14 +141,13 @@ async fn click_in_row(c: &Client, row_text: &str, text: &str) -> anyhow::Result<
     let xpath = format!(
         "//tr[contains(., '{row_text}')]//button[starts-with(normalize-space(), '{text}')]"
     );
-    c.find(Locator::XPath(&xpath)).await?.click().await?;
+    el(&c, Locator::XPath(&xpath)).await?.click().await?;
     Ok(())
 }
 
 async fn wait_for_job(c: &Client) -> anyhow::Result<String> {
     for _ in 0..120 {
-        let state = c
-            .find(Locator::Css("[data-testid=job-state]"))
+        let state = el(&c, Locator::Css("[data-testid=job-state]"))
             .await?
             .text()
             .await?;
@@ -158,7 +166,9 @@ async fn console_in_a_browser(backend: &'static str) -> anyhow::Result<()> {
         other => reliq::connect(&url(other)).await?,
     };
     let (name, source) = (unique("console"), unique("console-src"));
-    let (handle, effects): (_, Effects) = consumer(broker.clone(), &name, &source).await?;
+    // A run of poison messages.
+    let (handle, effects): (_, Effects) =
+        consumer_failing(broker.clone(), &name, &source, true).await?;
     park(&broker, &handle, &source, 5, Duration::from_secs(60)).await?;
     let sub = Subscription::new(name.clone(), source.clone());
     let depth = async || -> anyhow::Result<u64> {
@@ -204,26 +214,26 @@ async fn console_in_a_browser(backend: &'static str) -> anyhow::Result<()> {
     let result = async {
         // An operator signs in and sees the consumer with its 5 dead letters.
         sign_in(&c, &base, &operator).await?;
-        let row = c
-            .find(Locator::XPath(&format!("//tr[td/a[text()='{name}']]")))
+        let row = el(&c, Locator::XPath(&format!("//tr[td/a[text()='{name}']]")))
             .await?
             .text()
             .await?;
         ensure!(row.contains(" 5 "), "the overview row: {row}");
         shots.take(&c, "overview").await?;
-        c.find(Locator::LinkText(&name)).await?.click().await?;
-        let group = c
-            .find(Locator::XPath("//tr[contains(., 'order <n> not found')]"))
-            .await?
-            .text()
-            .await?;
+        el(&c, Locator::LinkText(&name)).await?.click().await?;
+        let group = el(
+            &c,
+            Locator::XPath("//tr[contains(., 'undecodable field at byte <n>')]"),
+        )
+        .await?
+        .text()
+        .await?;
         ensure!(group.starts_with("5 "), "the group row: {group}");
         shots.take(&c, "group").await?;
 
         // A dry run changes nothing; the replay at a rate ends as a job, +5 exactly.
-        click_in_row(&c, "order <n> not found", "Preview replay").await?;
-        let preview = c
-            .find(Locator::Css("[data-testid=preview]"))
+        click_in_row(&c, "undecodable field at byte <n>", "Preview replay").await?;
+        let preview = el(&c, Locator::Css("[data-testid=preview]"))
             .await?
             .text()
             .await?;
@@ -237,7 +247,7 @@ async fn console_in_a_browser(backend: &'static str) -> anyhow::Result<()> {
         );
         shots.take(&c, "preview").await?;
         c.back().await?;
-        click_in_row(&c, "order <n> not found", "Replay").await?;
+        click_in_row(&c, "undecodable field at byte <n>", "Replay").await?;
         let state = wait_for_job(&c).await?;
         ensure!(state == "succeeded", "the replay job ended {state}");
         shots.take(&c, "job").await?;
@@ -262,25 +272,25 @@ async fn console_in_a_browser(backend: &'static str) -> anyhow::Result<()> {
             ids[0]
         ))
         .await?;
-        c.find(Locator::Css("td a code")).await?.click().await?;
-        let payload = c
-            .find(Locator::Css("[data-testid=payload]"))
+        el(&c, Locator::Css("td a code")).await?.click().await?;
+        let payload = el(&c, Locator::Css("[data-testid=payload]"))
             .await?
             .text()
             .await?;
         ensure!(payload.contains("\"order\": 0"), "payload: {payload}");
         let page = c.source().await?;
         ensure!(
-            page.contains("permanent") && page.contains("order 0 not found"),
+            page.contains("poison") && page.contains("undecodable field at byte 10"),
             "the record is not shown"
         );
         shots.take(&c, "detail").await?;
-        let area = c.find(Locator::Css("#payload")).await?;
+        let area = el(&c, Locator::Css("#payload")).await?;
         area.clear().await?;
         area.send_keys(r#"{"order":0,"fixed":true}"#).await?;
-        c.find(Locator::XPath(
-            "//button[normalize-space()='Replay the edited copy']",
-        ))
+        el(
+            &c,
+            Locator::XPath("//button[normalize-space()='Replay the edited copy']"),
+        )
         .await?
         .click()
         .await?;
@@ -329,10 +339,11 @@ async fn console_in_a_browser(backend: &'static str) -> anyhow::Result<()> {
         // An admin purges the group.
         sign_in(&c, &base, &admin).await?;
         c.goto(&format!("{base}/console/consumers/{name}")).await?;
-        click_in_row(&c, "order <n> not found", "Preview purge").await?;
-        c.find(Locator::XPath(
-            "//button[starts-with(normalize-space(), 'Purge these 1')]",
-        ))
+        click_in_row(&c, "undecodable field at byte <n>", "Preview purge").await?;
+        el(
+            &c,
+            Locator::XPath("//button[starts-with(normalize-space(), 'Purge these 1')]"),
+        )
         .await?
         .click()
         .await?;

@@ -11,7 +11,7 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use reliq_core::{
     BoxError, Broker, Consumer, ConsumerHandle, Delivery, Destination, MemoryInbox, Message,
-    MessageId, Permanent, RetryPolicy, headers,
+    MessageId, Permanent, Poison, RetryPolicy, headers,
 };
 
 /// The URL of a real backend, from the environment or brokers.env.
@@ -48,6 +48,17 @@ pub async fn consumer(
     consumer: &str,
     source: &str,
 ) -> anyhow::Result<(ConsumerHandle, Effects)> {
+    consumer_failing(broker, consumer, source, false).await
+}
+
+/// [`consumer`], whose first-time messages fail as poison ("undecodable field at byte N")
+/// when `poison`, as a permanent "order N not found" otherwise.
+pub async fn consumer_failing(
+    broker: Arc<dyn Broker>,
+    consumer: &str,
+    source: &str,
+    poison: bool,
+) -> anyhow::Result<(ConsumerHandle, Effects)> {
     let effects = Effects::default();
     let sink = effects.clone();
     let handle = Consumer::builder(broker, consumer)
@@ -69,6 +80,11 @@ pub async fn consumer(
                     .get("x-n")
                     .and_then(|v| v.parse::<u64>().ok())
                     .unwrap_or(0);
+                if poison {
+                    return Err::<(), BoxError>(
+                        Poison::msg(format!("undecodable field at byte {}", 10 + n)).into(),
+                    );
+                }
                 Err::<(), BoxError>(Permanent::msg(format!("order {n} not found")).into())
             }
         })
