@@ -115,11 +115,11 @@ async fn el(c: &Client, locator: Locator<'_>) -> anyhow::Result<fantoccini::elem
 
 async fn sign_in(c: &Client, base: &str, token: &str) -> anyhow::Result<()> {
     c.goto(&format!("{base}/console/sign-in")).await?;
-    el(&c, Locator::Css("#token"))
+    el(c, Locator::Css("#token"))
         .await?
         .send_keys(token)
         .await?;
-    el(&c, Locator::Css("button[type=submit]"))
+    el(c, Locator::Css("button[type=submit]"))
         .await?
         .click()
         .await?;
@@ -128,7 +128,7 @@ async fn sign_in(c: &Client, base: &str, token: &str) -> anyhow::Result<()> {
 }
 
 async fn sign_out(c: &Client) -> anyhow::Result<()> {
-    el(&c, Locator::XPath("//button[normalize-space()='Sign out']"))
+    el(c, Locator::XPath("//button[normalize-space()='Sign out']"))
         .await?
         .click()
         .await?;
@@ -141,13 +141,13 @@ async fn click_in_row(c: &Client, row_text: &str, text: &str) -> anyhow::Result<
     let xpath = format!(
         "//tr[contains(., '{row_text}')]//button[starts-with(normalize-space(), '{text}')]"
     );
-    el(&c, Locator::XPath(&xpath)).await?.click().await?;
+    el(c, Locator::XPath(&xpath)).await?.click().await?;
     Ok(())
 }
 
 async fn wait_for_job(c: &Client) -> anyhow::Result<String> {
     for _ in 0..120 {
-        let state = el(&c, Locator::Css("[data-testid=job-state]"))
+        let state = el(c, Locator::Css("[data-testid=job-state]"))
             .await?
             .text()
             .await?;
