@@ -367,6 +367,25 @@ fn begin(
     }
 }
 
+/// [`begin`] for a reader's endpoint that takes the filter from the query string: the
+/// filter parsed (and noted for the audit log) too.
+fn begin_filtered(
+    state: &AdminState,
+    headers: &HeaderMap,
+    action: &'static str,
+    consumer: &str,
+    raw_query: Option<String>,
+) -> Result<(Begun, FilterSpec), Reply> {
+    let mut begun = begin(state, headers, Role::Reader, action, consumer, raw_query)?;
+    match FilterSpec::from_pairs(&begun.pairs) {
+        Ok(spec) => {
+            begun.note.filter = Some(spec.clone());
+            Ok((begun, spec))
+        }
+        Err(e) => Err(Reply::failed(begun.note, e)),
+    }
+}
+
 async fn openapi() -> Response {
     let mut response = ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response();
     response.extensions_mut().insert(AuditNote {
@@ -382,19 +401,11 @@ async fn stats(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Reply {
-    let Begun {
-        mut note,
-        dlq,
-        pairs,
-    } = match begin(&state, &headers, Role::Reader, "stats", &consumer, raw) {
-        Ok(b) => b,
-        Err(reply) => return reply,
-    };
-    let spec = match FilterSpec::from_pairs(&pairs) {
-        Ok(spec) => spec,
-        Err(e) => return Reply::failed(note, e),
-    };
-    note.filter = Some(spec.clone());
+    let (Begun { mut note, dlq, .. }, spec) =
+        match begin_filtered(&state, &headers, "stats", &consumer, raw) {
+            Ok(b) => b,
+            Err(reply) => return reply,
+        };
     match dlq.stats(&spec).await {
         Ok(stats) => {
             note.counts = Some(serde_json::json!({ "matched": stats.count }));
@@ -410,19 +421,17 @@ async fn list(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Reply {
-    let Begun {
-        mut note,
-        dlq,
-        pairs,
-    } = match begin(&state, &headers, Role::Reader, "ls", &consumer, raw) {
+    let (
+        Begun {
+            mut note,
+            dlq,
+            pairs,
+        },
+        spec,
+    ) = match begin_filtered(&state, &headers, "ls", &consumer, raw) {
         Ok(b) => b,
         Err(reply) => return reply,
     };
-    let spec = match FilterSpec::from_pairs(&pairs) {
-        Ok(spec) => spec,
-        Err(e) => return Reply::failed(note, e),
-    };
-    note.filter = Some(spec.clone());
     let value = |name: &str| {
         pairs
             .iter()

@@ -464,19 +464,7 @@ impl Dlq {
         } else {
             replay.execute().await?
         };
-        let ids = if request.dry_run {
-            report
-                .matched
-                .iter()
-                .map(|e| e.id.as_str().to_owned())
-                .collect()
-        } else {
-            report
-                .replayed
-                .iter()
-                .map(|id| id.as_str().to_owned())
-                .collect()
-        };
+        let ids = listed_ids(request.dry_run, &report.matched, &report.replayed);
         let failed: Vec<FailedEntry> = report
             .failed
             .iter()
@@ -523,19 +511,7 @@ impl Dlq {
             .cancel_on(cancel)
             .purge(request.dry_run)
             .await?;
-        let ids = if request.dry_run {
-            report
-                .matched
-                .iter()
-                .map(|e| e.id.as_str().to_owned())
-                .collect()
-        } else {
-            report
-                .removed
-                .iter()
-                .map(|id| id.as_str().to_owned())
-                .collect()
-        };
+        let ids = listed_ids(request.dry_run, &report.matched, &report.removed);
         Ok(outcome(
             "purge",
             request.dry_run,
@@ -601,6 +577,15 @@ impl Dlq {
             consumer: self.consumer().to_owned(),
             id: id.chars().take(200).collect(),
         }
+    }
+}
+
+/// The ids an outcome lists: what matched in a dry run, what was done otherwise.
+fn listed_ids(dry_run: bool, matched: &[ReplayEntry], done: &[MessageId]) -> Vec<String> {
+    if dry_run {
+        matched.iter().map(|e| e.id.as_str().to_owned()).collect()
+    } else {
+        done.iter().map(|id| id.as_str().to_owned()).collect()
     }
 }
 

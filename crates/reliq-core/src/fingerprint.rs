@@ -134,7 +134,7 @@ fn mask_word(word: &str) -> String {
 
 /// FNV-1a, 64 bits: tiny, and stable across Rust versions (unlike `DefaultHasher`), so a
 /// fingerprint id written in a ticket still finds its group next year.
-struct Fnv1a(u64);
+pub(crate) struct Fnv1a(pub(crate) u64);
 
 impl Default for Fnv1a {
     fn default() -> Self {
@@ -143,7 +143,7 @@ impl Default for Fnv1a {
 }
 
 impl Fnv1a {
-    fn write(&mut self, bytes: &[u8]) {
+    pub(crate) fn write(&mut self, bytes: &[u8]) {
         for b in bytes {
             self.0 ^= u64::from(*b);
             self.0 = self.0.wrapping_mul(0x0100_0000_01b3);

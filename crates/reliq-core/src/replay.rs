@@ -713,15 +713,11 @@ const PAGE: usize = 5_000;
 /// Entries waiting in each publishing lane.
 const LANE_DEPTH: usize = 64;
 
-/// The lane of `key`: FNV-1a of it, modulo `lanes` (stable within a run, which is all a
-/// lane needs).
+/// The lane of `key`: its FNV-1a hash (the fingerprints' hash), modulo `lanes`.
 fn lane_of(key: &str, lanes: usize) -> usize {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.bytes() {
-        hash ^= u64::from(b);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    (hash % lanes as u64) as usize
+    let mut hash = crate::fingerprint::Fnv1a::default();
+    hash.write(key.as_bytes());
+    (hash.0 % lanes as u64) as usize
 }
 
 /// Confirmed copies whose DLQ entries are removed together, at the latest after
