@@ -108,3 +108,14 @@ bench-stores messages="2000":
 # need (the workspace's would build every test binary again).
 replay-scale messages="100000" rate="5000":
     RELIQ_SCALE_N={{messages}} RELIQ_SCALE_RATE={{rate}} cargo nextest run --release -p reliq-cli --profile scale --no-capture
+
+# Refresh the README's console screenshots from a run of the browser tests on RabbitMQ
+# (needs `just up-local`; `scripts/brokers browser` installs Chromium and its driver).
+console-screenshots:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    scripts/brokers browser
+    cargo nextest run --workspace -E 'binary(console_browser) & test(/rabbitmq/)'
+    shots="${CARGO_TARGET_DIR:-target}/console-screenshots"
+    for page in overview group detail; do cp "$shots/rabbit-$page.png" "docs/console/$page.png"; done
+    echo "docs/console/{overview,group,detail}.png refreshed from $shots"

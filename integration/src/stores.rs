@@ -718,6 +718,12 @@ impl Broker for Slow {
     ) -> Result<Box<dyn reliq_core::DeadLetters>, reliq_core::BrokerError> {
         self.inner.dead_letters(s).await
     }
+    async fn backlog(
+        &self,
+        s: &Subscription,
+    ) -> Result<reliq_core::Backlog, reliq_core::BrokerError> {
+        self.inner.backlog(s).await
+    }
 }
 
 /// Enqueue `ids` (each in its own committed transaction) for `topic`.

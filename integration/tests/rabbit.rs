@@ -246,6 +246,9 @@ impl Broker for StallAfterRetryCopy {
     ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
         self.inner.dead_letters(s).await
     }
+    async fn backlog(&self, s: &Subscription) -> Result<reliq_core::Backlog, BrokerError> {
+        self.inner.backlog(s).await
+    }
 }
 
 #[async_trait]

@@ -88,8 +88,9 @@ pub struct AdminState {
     pub(crate) tokens: Tokens,
     pub(crate) audit: Arc<AuditLog>,
     pub(crate) jobs: Jobs,
-    /// The consumers the console lists: (consumer, source).
-    pub(crate) consumers: Vec<(String, String)>,
+    /// The consumers the console lists and the metrics poller reads, with their retry
+    /// tiers (the broker's tier routes are named by them).
+    pub(crate) consumers: Vec<Subscription>,
     pub(crate) sessions: crate::console::Sessions,
     pub(crate) secure_cookies: bool,
 }
@@ -117,8 +118,10 @@ impl AdminState {
         }
     }
 
-    /// The consumers the console's overview lists, each with its source.
-    pub fn with_consumers(mut self, consumers: impl IntoIterator<Item = (String, String)>) -> Self {
+    /// The consumers the console's overview lists: each one's subscription as its
+    /// consumer makes it (source, and the retry tiers its policy declares), e.g. from
+    /// [`parse_consumer`].
+    pub fn with_consumers(mut self, consumers: impl IntoIterator<Item = Subscription>) -> Self {
         self.consumers = consumers.into_iter().collect();
         self
     }
@@ -306,6 +309,37 @@ fn authorize(
             Ok(note)
         }
     }
+}
+
+/// A consumer as `reliq admin serve --consumer` takes it: `NAME=SOURCE`, then
+/// optionally `@` and its retry tiers as its policy has them (`billing=orders@1s,30s,5m`),
+/// which the backlog of Kafka's retry topics and RabbitMQ's TTL queues needs (they are
+/// named by their delay).
+pub fn parse_consumer(spec: &str) -> Result<Subscription, AdminError> {
+    let bad = |expected: &str| AdminError::InvalidInput {
+        field: "consumer",
+        value: spec.chars().take(80).collect(),
+        expected: expected.to_owned(),
+    };
+    let (consumer, rest) = spec
+        .split_once('=')
+        .ok_or_else(|| bad("NAME=SOURCE[@TIER,TIER…], e.g. billing=orders@1s,30s"))?;
+    let (source, tiers) = match rest.split_once('@') {
+        Some((source, tiers)) => (source, Some(tiers)),
+        None => (rest, None),
+    };
+    if consumer.is_empty() || source.is_empty() {
+        return Err(bad("a consumer name and a source: NAME=SOURCE"));
+    }
+    let mut sub = Subscription::new(consumer, source);
+    if let Some(tiers) = tiers {
+        sub.retry_tiers = tiers
+            .split(',')
+            .map(|t| humantime::parse_duration(t.trim()))
+            .collect::<Result<_, _>>()
+            .map_err(|e| bad(&format!("retry tiers as durations (1s,30s,5m): {e}")))?;
+    }
+    Ok(sub)
 }
 
 /// The query string's pairs; `source` taken out and required.
@@ -724,4 +758,46 @@ pub async fn serve(
     )
     .with_graceful_shutdown(shutdown)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_consumer_spec_gives_its_subscription_and_a_bad_one_names_the_field() {
+        let sub = parse_consumer("billing=orders").expect("plain");
+        assert_eq!(
+            (sub.consumer.as_str(), sub.source.as_str()),
+            ("billing", "orders")
+        );
+        assert!(sub.retry_tiers.is_empty());
+        let sub = parse_consumer("billing=orders.v2@1s, 30s,5m").expect("tiers");
+        assert_eq!(sub.source, "orders.v2");
+        assert_eq!(
+            sub.retry_tiers,
+            [1, 30, 300].map(Duration::from_secs).to_vec()
+        );
+        for bad in [
+            "billing",
+            "=orders",
+            "billing=",
+            "billing=orders@soon",
+            "b=o@",
+        ] {
+            let e = parse_consumer(bad).expect_err(bad);
+            assert!(
+                matches!(
+                    e,
+                    AdminError::InvalidInput {
+                        field: "consumer",
+                        ..
+                    }
+                ),
+                "{bad}: {e}"
+            );
+        }
+    }
 }

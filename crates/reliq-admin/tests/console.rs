@@ -144,7 +144,7 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
         Tokens::open(&tokens_path)?,
         AuditLog::to_file(&audit_path)?,
     )
-    .with_consumers([("billing".to_owned(), "invoices".to_owned())]);
+    .with_consumers([reliq_admin::http::parse_consumer("billing=invoices")?]);
     let console = Console {
         app: router(Arc::new(state), Limits::default()),
     };
@@ -179,7 +179,8 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
     ensure!(
         a.status == StatusCode::OK
             && a.body.contains("billing")
-            && a.body.contains(r#"<td class="num">3</td>"#),
+            && a.body.contains(r#"<td class="num dead">3</td>"#)
+            && a.body.contains(r#"<td class="num waiting">0</td>"#),
         "{}",
         a.body
     );

@@ -265,8 +265,10 @@ pub enum AdminCommand {
         /// Largest request body, bytes.
         #[arg(long, default_value_t = 1024 * 1024)]
         max_body_bytes: usize,
-        /// A consumer the web console lists, as name=source (repeat for several).
-        #[arg(long = "consumer", value_name = "NAME=SOURCE")]
+        /// A consumer the web console lists, as name=source, and its policy's retry
+        /// tiers after an @ (billing=orders@1s,30s: the backlog of Kafka retry topics and
+        /// RabbitMQ TTL queues is read by them). Repeat for several.
+        #[arg(long = "consumer", value_name = "NAME=SOURCE[@TIERS]")]
         consumers: Vec<String>,
         /// Mark the console's session cookie Secure (the server is reached over TLS,
         /// through a terminating proxy).

@@ -337,14 +337,7 @@ async fn admin(command: AdminCommand) -> Result<u8, Failure> {
         } => {
             let consumers = consumers
                 .iter()
-                .map(|pair| {
-                    pair.split_once('=')
-                        .filter(|(c, s)| !c.is_empty() && !s.is_empty())
-                        .map(|(c, s)| (c.to_owned(), s.to_owned()))
-                        .ok_or_else(|| {
-                            bad_input(format!("--consumer `{pair}`: expected name=source"))
-                        })
-                })
+                .map(|spec| reliq_admin::http::parse_consumer(spec))
                 .collect::<Result<Vec<_>, _>>()?;
             let url = broker.url()?;
             let connected = reliq::connect(&url).await.map_err(|e| {

@@ -18,7 +18,7 @@ use anyhow::{Context as _, bail, ensure};
 use fantoccini::{Client, ClientBuilder, Locator};
 use reliq_admin::http::{AdminState, Limits, router};
 use reliq_admin::{AuditLog, Role, Tokens, new_token};
-use reliq_core::{Broker, Subscription};
+use reliq_core::{Broker, Destination, Message, RetryRequest, Subscription};
 use support::{Effects, consumer_failing, park, unique, url, wait_for};
 
 /// chromedriver on a free port, killed on drop.
@@ -87,12 +87,63 @@ async fn browser(driver: &Driver, profile: &std::path::Path) -> anyhow::Result<C
         .await?)
 }
 
+/// An admin server on a free port for `consumers`, with a reader's, an operator's and an
+/// admin's token (the tokens file and the browser profile live in `dir`).
+struct Served {
+    base: String,
+    reader: String,
+    operator: String,
+    admin: String,
+    dir: tempfile::TempDir,
+}
+
+async fn serve(broker: Arc<dyn Broker>, consumers: Vec<Subscription>) -> anyhow::Result<Served> {
+    let dir = tempfile::tempdir()?;
+    let tokens = dir.path().join("tokens.toml");
+    let (reader, reader_entry) = new_token("rita", Role::Reader, None)?;
+    let (operator, operator_entry) = new_token("oscar", Role::Operator, None)?;
+    let (admin, admin_entry) = new_token("ada", Role::Admin, None)?;
+    std::fs::write(
+        &tokens,
+        format!("{reader_entry}\n{operator_entry}\n{admin_entry}"),
+    )?;
+    let state = AdminState::new(broker, Tokens::open(&tokens)?, AuditLog::tracing_only())
+        .with_consumers(consumers);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let app = router(Arc::new(state), Limits::default());
+    tokio::spawn(async move {
+        let _ = axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await;
+    });
+    Ok(Served {
+        base,
+        reader,
+        operator,
+        admin,
+        dir,
+    })
+}
+
 struct Shots {
     dir: std::path::PathBuf,
     backend: &'static str,
 }
 
 impl Shots {
+    /// Screenshots of `backend`'s test, in `<target>/console-screenshots/`.
+    fn new(backend: &'static str) -> anyhow::Result<Self> {
+        let target = std::env::var("CARGO_TARGET_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|_| "target".into());
+        let dir = target.join("console-screenshots");
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self { dir, backend })
+    }
+
     async fn take(&self, c: &Client, name: &str) -> anyhow::Result<()> {
         let png = c.screenshot().await?;
         ensure!(
@@ -160,6 +211,52 @@ async fn wait_for_job(c: &Client) -> anyhow::Result<String> {
     bail!("the job still runs after a minute")
 }
 
+/// A second consumer, not running, with a backlog at the broker: 3 published, one of
+/// them retried on its 10-minute tier (so it waits there for the whole test), the others
+/// given back when its receiver closed.
+async fn idle_consumer_with_a_retry(broker: &Arc<dyn Broker>) -> anyhow::Result<Subscription> {
+    let tier = Duration::from_secs(600);
+    let mut sub = Subscription::new(unique("idle"), unique("idle-src"));
+    sub.retry_tiers = vec![tier];
+    let receiver = broker.subscribe(&sub).await?;
+    for i in 0..3 {
+        broker
+            .publish(
+                &Destination::new(sub.source.clone()),
+                Message::new(format!("idle-{i}")),
+            )
+            .await?;
+    }
+    let d = tokio::time::timeout(Duration::from_secs(30), receiver.receive())
+        .await
+        .context("the idle consumer's first delivery")??;
+    receiver
+        .retry(
+            &d,
+            RetryRequest {
+                message: d.message().clone(),
+                delay: tier,
+                tier: 0,
+            },
+        )
+        .await?;
+    receiver.close().await?;
+    Ok(sub)
+}
+
+/// The text of the overview's `column` cell in `consumer`'s row.
+async fn overview_cell(c: &Client, consumer: &str, column: &str) -> anyhow::Result<String> {
+    Ok(el(
+        c,
+        Locator::XPath(&format!(
+            "//tr[@data-consumer='{consumer}']/td[contains(@class, '{column}')]"
+        )),
+    )
+    .await?
+    .text()
+    .await?)
+}
+
 async fn console_in_a_browser(backend: &'static str) -> anyhow::Result<()> {
     let broker: Arc<dyn Broker> = match backend {
         "memory" => Arc::new(reliq_memory::MemoryBroker::new()),
@@ -170,55 +267,48 @@ async fn console_in_a_browser(backend: &'static str) -> anyhow::Result<()> {
     let (handle, effects): (_, Effects) =
         consumer_failing(broker.clone(), &name, &source, true).await?;
     park(&broker, &handle, &source, 5, Duration::from_secs(60)).await?;
-    let sub = Subscription::new(name.clone(), source.clone());
+    let mut sub = Subscription::new(name.clone(), source.clone());
+    sub.retry_tiers = vec![Duration::from_secs(1)]; // consumer_failing's policy
+    let idle = idle_consumer_with_a_retry(&broker).await?;
     let depth = async || -> anyhow::Result<u64> {
         Ok(broker.dead_letters(&sub).await?.count().await?.count)
     };
 
-    let dir = tempfile::tempdir()?;
-    let tokens = dir.path().join("tokens.toml");
-    let (reader, reader_entry) = new_token("rita", Role::Reader, None)?;
-    let (operator, operator_entry) = new_token("oscar", Role::Operator, None)?;
-    let (admin, admin_entry) = new_token("ada", Role::Admin, None)?;
-    std::fs::write(
-        &tokens,
-        format!("{reader_entry}\n{operator_entry}\n{admin_entry}"),
-    )?;
-    let state = AdminState::new(
-        broker.clone(),
-        Tokens::open(&tokens)?,
-        AuditLog::tracing_only(),
-    )
-    .with_consumers([(name.clone(), source.clone())]);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let base = format!("http://{}", listener.local_addr()?);
-    let app = router(Arc::new(state), Limits::default());
-    tokio::spawn(async move {
-        let _ = axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await;
-    });
-
-    let target = std::env::var("CARGO_TARGET_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|_| "target".into());
-    let shots = Shots {
-        dir: target.join("console-screenshots"),
-        backend,
-    };
-    std::fs::create_dir_all(&shots.dir)?;
+    let Served {
+        base,
+        reader,
+        operator,
+        admin,
+        dir,
+    } = serve(broker.clone(), vec![sub.clone(), idle.clone()]).await?;
+    let shots = Shots::new(backend)?;
     let driver = driver().await?;
     let c = browser(&driver, &dir.path().join("profile")).await?;
     let result = async {
         // An operator signs in and sees the consumer with its 5 dead letters.
         sign_in(&c, &base, &operator).await?;
-        let row = el(&c, Locator::XPath(&format!("//tr[td/a[text()='{name}']]")))
-            .await?
-            .text()
-            .await?;
-        ensure!(row.contains(" 5 "), "the overview row: {row}");
+        let dead = overview_cell(&c, &name, "dead").await?;
+        ensure!(dead == "5", "the overview's dead letters: {dead}");
+        // The idle consumer's backlog, as the broker tells it (its counters settle within
+        // seconds after the receiver closed: RabbitMQ's, Kafka's commit).
+        let tiered = !broker.capabilities().exact_retry_delay;
+        let mut seen = (String::new(), String::new());
+        for _ in 0..40 {
+            seen = (
+                overview_cell(&c, &idle.consumer, "waiting").await?,
+                overview_cell(&c, &idle.consumer, "retries").await?,
+            );
+            let tier_shown = !tiered || seen.1.contains("10m: 1");
+            if seen.0 == "2" && seen.1.starts_with('1') && tier_shown {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            c.refresh().await?;
+        }
+        ensure!(
+            seen.0 == "2" && seen.1.starts_with('1') && (!tiered || seen.1.contains("10m: 1")),
+            "the idle consumer's backlog (waiting, retries): {seen:?}"
+        );
         shots.take(&c, "overview").await?;
         el(&c, Locator::LinkText(&name)).await?.click().await?;
         let group = el(
@@ -430,4 +520,147 @@ async fn console_in_a_browser_on_rabbitmq() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_in_a_browser_on_kafka() -> anyhow::Result<()> {
     console_in_a_browser("kafka").await
+}
+
+/// Every visible form control of the current page without a label (a `label for`, a
+/// wrapping `label`, or `aria-label`): their names.
+async fn unlabelled_controls(c: &Client) -> anyhow::Result<Vec<String>> {
+    let found = c
+        .execute(
+            r#"return Array.from(document.querySelectorAll('input, select, textarea'))
+                .filter(e => e.type !== 'hidden')
+                .filter(e => !(e.id && document.querySelector('label[for="' + e.id + '"]'))
+                    && !e.closest('label') && !e.getAttribute('aria-label'))
+                .map(e => e.name || e.outerHTML);"#,
+            vec![],
+        )
+        .await?;
+    Ok(serde_json::from_value(found)?)
+}
+
+/// How far the page scrolls sideways at the current window size (0: it fits; wide
+/// tables scroll inside their own box).
+async fn sideways_overflow(c: &Client) -> anyhow::Result<i64> {
+    let v = c
+        .execute(
+            "return document.documentElement.scrollWidth - document.documentElement.clientWidth;",
+            vec![],
+        )
+        .await?;
+    v.as_i64().context("a number")
+}
+
+/// The console used by keyboard alone, and at a phone's width: sign in with the token
+/// typed and Enter; the skip link is the first Tab stop and lands on the content; Tab
+/// reaches the consumer's link and Enter opens it; every form control of the overview,
+/// a group, a message and its edit form has a label; at 360 px no page scrolls sideways.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_by_keyboard_and_at_a_narrow_width() -> anyhow::Result<()> {
+    use fantoccini::key::Key;
+    let broker: Arc<dyn Broker> = Arc::new(reliq_memory::MemoryBroker::new());
+    let (name, source) = (unique("keys"), unique("keys-src"));
+    let (handle, _effects) = consumer_failing(broker.clone(), &name, &source, true).await?;
+    let ids = park(&broker, &handle, &source, 2, Duration::from_secs(60)).await?;
+    let served = serve(
+        broker.clone(),
+        vec![Subscription::new(name.clone(), source.clone())],
+    )
+    .await?;
+    let shots = Shots::new("memory")?;
+    let driver = driver().await?;
+    let c = browser(&driver, &served.dir.path().join("profile")).await?;
+    let base = served.base.clone();
+    let result = async {
+        // Sign in without a mouse: the token field has the focus, Enter submits.
+        c.goto(&format!("{base}/console/sign-in")).await?;
+        let focused = c.active_element().await?;
+        ensure!(
+            focused.attr("id").await?.as_deref() == Some("token"),
+            "the sign-in page does not focus the token field"
+        );
+        focused
+            .send_keys(&format!("{}{}", served.admin, char::from(Key::Enter)))
+            .await?;
+        el(&c, Locator::Css("nav")).await?;
+        // The first Tab stop skips the header and lands on the content.
+        let skip = c.active_element().await?;
+        skip.send_keys(&char::from(Key::Tab).to_string()).await?;
+        let first = c.active_element().await?;
+        ensure!(
+            first.text().await? == "Skip to content",
+            "the first Tab stop: {:?}",
+            first.text().await?
+        );
+        first.send_keys(&char::from(Key::Enter).to_string()).await?;
+        ensure!(
+            c.active_element().await?.attr("id").await?.as_deref() == Some("main"),
+            "the skip link does not move the focus to the content"
+        );
+        // Tab on to the consumer's link; Enter opens its groups.
+        let mut on_link = false;
+        for _ in 0..20 {
+            c.active_element()
+                .await?
+                .send_keys(&char::from(Key::Tab).to_string())
+                .await?;
+            if c.active_element().await?.text().await? == name {
+                on_link = true;
+                break;
+            }
+        }
+        ensure!(on_link, "Tab never reached the consumer's link");
+        c.active_element()
+            .await?
+            .send_keys(&char::from(Key::Enter).to_string())
+            .await?;
+        el(
+            &c,
+            Locator::XPath("//tr[contains(., 'undecodable field at byte <n>')]"),
+        )
+        .await?;
+        let group_page = c.current_url().await?;
+
+        // Labelled controls, and no sideways scrolling at 360 px, on every kind of page.
+        let pages = [
+            format!("{base}/console/"),
+            group_page.to_string(),
+            format!("{base}/console/consumers/{name}/entries"),
+            format!("{base}/console/consumers/{name}/entries/{}", ids[0]),
+            format!("{base}/console/jobs"),
+            format!("{base}/console/audit"),
+        ];
+        for wide in [true, false] {
+            if !wide {
+                c.set_window_size(360, 800).await?;
+            }
+            for page in &pages {
+                c.goto(page).await?;
+                el(&c, Locator::Css("main h1")).await?;
+                let unlabelled = unlabelled_controls(&c).await?;
+                ensure!(unlabelled.is_empty(), "{page}: unlabelled {unlabelled:?}");
+                if !wide {
+                    let overflow = sideways_overflow(&c).await?;
+                    ensure!(
+                        overflow <= 0,
+                        "{page} scrolls {overflow}px sideways at 360px"
+                    );
+                }
+            }
+        }
+        c.goto(&format!(
+            "{base}/console/consumers/{name}/entries/{}",
+            ids[0]
+        ))
+        .await?;
+        el(&c, Locator::Css("main h1")).await?;
+        shots.take(&c, "narrow-detail").await?;
+        Ok(())
+    }
+    .await;
+    if result.is_err() {
+        let _ = shots.take(&c, "keyboard-failure").await;
+    }
+    let _ = c.close().await;
+    handle.shutdown().await;
+    result
 }

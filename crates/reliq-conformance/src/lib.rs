@@ -97,7 +97,8 @@ macro_rules! conformance_suite {
             clean_run_logs_no_warning_or_error,
             operator_stats_ls_and_show_change_nothing,
             operator_replay_dry_run_then_at_a_rate,
-            operator_edit_and_purge
+            operator_edit_and_purge,
+            backlog_follows_waiting_in_flight_and_retries
             $(, $extra)*
         );
     };

@@ -545,3 +545,120 @@ pub async fn operator_edit_and_purge(b: &dyn Backend) -> anyhow::Result<()> {
     h.shutdown().await;
     Ok(())
 }
+
+/// The backlog the broker reports ([`reliq_core::Broker::backlog`]) follows what waits
+/// for a consumer: six published are six waiting or in flight; after two acks and one
+/// retry on a 60 s tier, three are left and one retry waits — counted apart where the
+/// broker keeps retries apart, on its tier where each tier is a route of its own; after
+/// the rest are acked nothing waits but the retry. A consumer that was never subscribed
+/// has no backlog to read: an error, not a zero.
+pub async fn backlog_follows_waiting_in_flight_and_retries(b: &dyn Backend) -> anyhow::Result<()> {
+    use reliq_core::{Backlog, RetryRequest, TierBacklog};
+    let ctx = Ctx::new(b, "backlog").await?;
+    let caps = ctx.broker.capabilities();
+    let tier = Duration::from_secs(60);
+    let mut sub = ctx.subscription("c");
+    sub.retry_tiers = vec![tier];
+    let missing = {
+        let mut s = ctx.subscription("never");
+        s.retry_tiers = vec![tier];
+        s
+    };
+    let receiver = ctx.broker.subscribe(&sub).await?;
+    ctx.publish_all((0..6).map(|i| Message::new(format!("b-{i}"))).collect())
+        .await?;
+    // Outside the retry: waiting + in flight (where the broker says it) + retries.
+    let total = |l: &Backlog| l.waiting + l.in_flight.unwrap_or(0);
+    let backlog_until = |what: &'static str, cond: fn(&Backlog) -> bool| {
+        let broker = ctx.broker.clone();
+        let sub = sub.clone();
+        async move {
+            let deadline = Instant::now() + soon(b);
+            loop {
+                let backlog = broker.backlog(&sub).await.context("backlog")?;
+                if cond(&backlog) {
+                    return anyhow::Ok(backlog);
+                }
+                ensure!(
+                    Instant::now() < deadline,
+                    "timed out waiting for a backlog with {what}; the last: {backlog:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    };
+    let first = backlog_until("6 waiting or in flight", |l| {
+        l.waiting + l.in_flight.unwrap_or(0) == 6
+    })
+    .await?;
+    ensure!(first.retries.unwrap_or(0) == 0, "no retry yet: {first:?}");
+
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(
+            tokio::time::timeout(soon(b), receiver.receive())
+                .await
+                .context("a delivery")??,
+        );
+    }
+    receiver.ack(&held[0]).await?;
+    receiver.ack(&held[1]).await?;
+    let retried = held[2].id().clone();
+    receiver
+        .retry(
+            &held[2],
+            RetryRequest {
+                message: held[2].message().clone(),
+                delay: tier,
+                tier: 0,
+            },
+        )
+        .await?;
+    let after = if caps.retries_counted_apart {
+        backlog_until("3 left and 1 retry apart", |l| {
+            l.waiting + l.in_flight.unwrap_or(0) == 3 && l.retries == Some(1)
+        })
+        .await?
+    } else {
+        // The retry waits invisible in the source queue: it is in flight.
+        backlog_until("3 left and the retry in flight", |l| {
+            l.waiting + l.in_flight.unwrap_or(0) == 4 && l.retries.is_none()
+        })
+        .await?
+    };
+    let tiers = if caps.exact_retry_delay {
+        vec![]
+    } else {
+        vec![TierBacklog {
+            delay: tier,
+            waiting: 1,
+        }]
+    };
+    ensure!(after.retry_tiers == tiers, "tiers: {after:?}");
+    ensure!(total(&after) <= 4, "{after:?}");
+
+    for _ in 0..3 {
+        let d = tokio::time::timeout(soon(b), receiver.receive())
+            .await
+            .context("a delivery")??;
+        ensure!(d.id() != &retried, "the 60 s retry came back early");
+        receiver.ack(&d).await?;
+    }
+    if caps.retries_counted_apart {
+        backlog_until("nothing left but the retry", |l| {
+            l.waiting + l.in_flight.unwrap_or(0) == 0 && l.retries == Some(1)
+        })
+        .await?;
+    } else {
+        backlog_until("nothing left but the retry in flight", |l| {
+            l.waiting + l.in_flight.unwrap_or(0) == 1
+        })
+        .await?;
+    }
+    receiver.close().await?;
+    ensure!(
+        ctx.broker.backlog(&missing).await.is_err(),
+        "a consumer never subscribed has no backlog to read"
+    );
+    Ok(())
+}

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::backlog::Backlog;
 use crate::classify::{BoxError, DecodeError};
 use crate::dead_letters::DeadLetters;
 use crate::envelope::Envelope;
@@ -277,6 +278,11 @@ pub struct Capabilities {
     /// subject filters, filter tags). False where the broker cannot filter (Kafka):
     /// subscribing with a filter then fails naming it ([`Subscription::refuse_filter`]).
     pub filters: bool,
+    /// Retries wait apart from the source, where [`Broker::backlog`] counts them
+    /// ([`Backlog::retries`]): retry topics, TTL queues, schedules. False where a retry
+    /// waits invisible in the source queue (SQS) or in the consumer process (Kafka's
+    /// blocking mode).
+    pub retries_counted_apart: bool,
 }
 
 /// Which receiver handed a delivery out: unique in the process. A backend's receiver
@@ -591,6 +597,13 @@ pub trait Broker: Send + Sync + 'static {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn DeadLetters>, BrokerError>;
+
+    /// What waits in the broker for this consumer: unreceived messages, deliveries not
+    /// settled, retries on each tier ([`Backlog`] says per broker what each number is).
+    /// Read from the broker's own counters, cheaply enough for a poller to call every
+    /// few seconds. The subscription's topology must exist: a missing queue or stream is
+    /// an error, never a zero.
+    async fn backlog(&self, subscription: &Subscription) -> Result<Backlog, BrokerError>;
 
     /// Deliver `message` to this consumer only (not to every consumer of its source),
     /// confirmed. Used by replay. Backends without a per-consumer input return

@@ -42,6 +42,7 @@
 //! # let _ = report; Ok(()) }
 //! ```
 
+pub mod backlog;
 pub mod batch;
 pub mod broker;
 pub mod classify;
@@ -62,6 +63,7 @@ pub mod retry;
 pub mod seam;
 pub mod telemetry;
 
+pub use backlog::{Backlog, TierBacklog};
 pub use batch::{Batch, BatchError};
 pub use broker::{
     Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, RawMessage, Receiver,

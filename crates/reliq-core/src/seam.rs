@@ -14,7 +14,9 @@
 //!   `subscribe` declares the topology idempotently (source, one retry route per
 //!   [`Subscription::retry_tiers`] entry or an in-place delay, the DLQ) and returns a
 //!   [`Receiver`]; `dead_letters` returns a [`DeadLetters`] reader; `send_to_consumer`
-//!   (replay to one consumer only) where the broker has a per-consumer input;
+//!   (replay to one consumer only) where the broker has a per-consumer input; `backlog`
+//!   (what waits for the consumer, in flight, on each retry tier) from the broker's own
+//!   counters ([`Backlog`]);
 //!   `capabilities` says honestly what the broker cannot do ([`Capabilities`]; the
 //!   conformance suite adapts its assertions to it, never the other way round). A
 //!   [`Subscription::filter`] the broker cannot apply is refused with
@@ -51,6 +53,7 @@
 //! - With the `test-util` feature, [`Faults`](crate::faults::Faults): the switches a
 //!   backend consults where a test cannot break a route for real.
 
+pub use crate::backlog::{Backlog, TierBacklog};
 pub use crate::broker::{
     Broker, BrokerError, Capabilities, Delivery, DeliveryToken, RawMessage, Receiver, ReceiverId,
     RetryRequest, Subscription,

@@ -160,6 +160,7 @@ impl Broker for KafkaBroker {
             attempts_count_every_delivery: false,
             deduplicates_publishes: false,
             filters: false,
+            retries_counted_apart: !blocking,
         }
     }
 
@@ -192,6 +193,14 @@ impl Broker for KafkaBroker {
     ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
         let reader = KafkaDeadLetters::open(self.inner.clone(), subscription).await?;
         Ok(Box::new(reader))
+    }
+
+    /// The group's lag on the source and each relay group's on its retry topic.
+    async fn backlog(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<reliq_core::Backlog, BrokerError> {
+        crate::backlog::backlog(&self.inner, subscription).await
     }
 
     async fn send_to_consumer(

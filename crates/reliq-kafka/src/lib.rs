@@ -20,6 +20,7 @@
 //! | `release` | the offset stays uncommitted; the same record is handed out again after the delay (in this process), or by the next owner of the partition. |
 //! | delivery limit | the framework's own counter, kept durably in the **commit metadata** of the partition's committed position (see below). |
 //! | `dead_letters` | a reader of the DLQ topic by offset. **browse**: a consumer of the reader's own is *assigned* the DLQ's partitions at the cursor's offsets (its group `<group>.dlq-browse` is never joined, nothing is committed) and reads up to the high watermarks taken when the page starts — up to `max` entries of each partition, merged oldest first (record timestamp, partition, offset), so a cursor always gives the same page; the cursor is each partition's next offset (`0:17,1:4,2:0`). **remove** (Kafka cannot delete one record): one record per entry, key `<partition>:<offset>`, value the message id, to the compacted **removal ledger** `<dlq>.removed` (one partition), confirmed (`acks=all`) before it returns; browse, get and count skip what the ledger names. Then each partition's prefix of removed entries is cut off with the admin **DeleteRecords** API, and only after the broker confirmed the new low watermark are the ledger's keys below it tombstoned, so neither topic grows with removals. **count**: the watermark spans minus the ledger's entries inside them (no read of the DLQ), the oldest `reliq-dead-lettered-at` from each partition's first live entry. **get** / **remove** find ids in an index the reader builds as it reads (each record read once per reader). The DLQ topic is created without a retention limit (`retention.ms=-1`): a dead letter leaves only through `remove`. |
+//! | `backlog` | `waiting`: the group's lag on the source (end offset − committed, summed over partitions; a partition never committed counts from its low watermark — records received and not yet committed are in it); each tier's retries: its relay group's lag on its retry topic; no in-flight count. Read without joining a group (a short-lived consumer reads the committed offsets and watermarks). Blocking mode: no retry count (a retry waits in the process). |
 //! | `send_to_consumer` | produces to this consumer's first retry topic, marked due at once (replay reaches this group only). |
 //!
 //! Retry and DLQ copies go through a second producer with `allow.auto.create.topics=false`
@@ -79,6 +80,7 @@
 //!
 //! Settings come from the URL, see [`KafkaConfig`].
 
+mod backlog;
 mod broker;
 mod codec;
 mod dead_letters;

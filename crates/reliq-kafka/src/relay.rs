@@ -6,11 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::Producer as _;
-use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use reliq_core::{BrokerError, Subscription};
 
+use crate::backlog::{LAG_WAIT, group_lag};
 use crate::broker::Inner;
 use crate::names::{relay_group, retry_tier};
 
@@ -19,7 +18,7 @@ pub(crate) struct StaleTier {
     pub(crate) delay: Duration,
     pub(crate) topic: String,
     /// Records its relay group has not consumed.
-    pub(crate) lag: i64,
+    pub(crate) lag: u64,
 }
 
 /// This consumer's retry topics on the broker (`<source>.<consumer>.retry.<ms>ms`, by
@@ -37,7 +36,7 @@ pub(crate) async fn stale_tiers(
         let metadata = inner
             .route_producer
             .client()
-            .fetch_metadata(None, STALE_WAIT)
+            .fetch_metadata(None, LAG_WAIT)
             .map_err(|e| {
                 BrokerError::connection(format!("listing topics for old retry tiers: {e}"))
                     .caused_by(e)
@@ -50,7 +49,7 @@ pub(crate) async fn stale_tiers(
             if current.iter().any(|c| c == t.name()) || t.partitions().is_empty() {
                 continue;
             }
-            let lag = relay_lag(&inner, &relay_group(&sub, delay), t)?;
+            let lag = group_lag(&inner, &relay_group(&sub, delay), t.name())?;
             if lag > 0 {
                 stale.push(StaleTier {
                     delay,
@@ -63,45 +62,4 @@ pub(crate) async fn stale_tiers(
     })
     .await
     .map_err(|e| BrokerError::Other(Box::new(e)))?
-}
-
-/// How long looking for old retry tiers may wait for one answer.
-const STALE_WAIT: Duration = Duration::from_secs(10);
-
-/// Records of `topic` that `group` has not committed past (its committed offsets read
-/// without joining the group).
-fn relay_lag(
-    inner: &Inner,
-    group: &str,
-    topic: &rdkafka::metadata::MetadataTopic,
-) -> Result<i64, BrokerError> {
-    let name = topic.name();
-    let failed = |what: &str, e: rdkafka::error::KafkaError| {
-        BrokerError::connection(format!("reading {what} of old retry tier {name}: {e}"))
-            .caused_by(e)
-    };
-    let consumer: BaseConsumer = inner
-        .config
-        .consumer(group, 1)
-        .create()
-        .map_err(|e| failed("a consumer", e))?;
-    let mut tpl = TopicPartitionList::new();
-    for p in topic.partitions() {
-        tpl.add_partition(name, p.id());
-    }
-    let committed = consumer
-        .committed_offsets(tpl, STALE_WAIT)
-        .map_err(|e| failed("the relay's committed offsets", e))?;
-    let mut lag = 0;
-    for p in topic.partitions() {
-        let (low, high) = consumer
-            .fetch_watermarks(name, p.id(), STALE_WAIT)
-            .map_err(|e| failed("the watermarks", e))?;
-        let done = match committed.find_partition(name, p.id()).map(|e| e.offset()) {
-            Some(Offset::Offset(o)) => o.max(low),
-            _ => low,
-        };
-        lag += (high - done).max(0);
-    }
-    Ok(lag)
 }

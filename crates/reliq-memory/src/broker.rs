@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use reliq_core::{
-    Broker, BrokerError, Capabilities, DeadLetters, Destination, Message, Receiver, Subscription,
+    Backlog, Broker, BrokerError, Capabilities, DeadLetters, Destination, Message, Receiver,
+    Subscription,
 };
 
 use crate::dead_letters::MemoryDeadLetters;
@@ -129,6 +130,7 @@ impl Broker for MemoryBroker {
             attempts_count_every_delivery: false,
             deduplicates_publishes: false,
             filters: true,
+            retries_counted_apart: true,
         }
     }
 
@@ -185,6 +187,21 @@ impl Broker for MemoryBroker {
             what: "dead letters of a dead-letter queue",
         })?;
         Ok(Box::new(MemoryDeadLetters { dlq }))
+    }
+
+    /// Ready messages, unsettled deliveries, and the delayed ones (retries, and the
+    /// runtime's delayed releases after a failed settle) as retries in place.
+    async fn backlog(&self, subscription: &Subscription) -> Result<Backlog, BrokerError> {
+        let queue = self
+            .existing_group(subscription)
+            .ok_or_else(|| BrokerError::Unroutable(subscription.source.clone()))?;
+        let now = tokio::time::Instant::now();
+        let state = queue.lock();
+        // Due entries move to ready only when a receiver looks: count them as waiting.
+        let due = state.delayed.iter().filter(|d| d.0.due <= now).count();
+        Ok(Backlog::waiting((state.ready.len() + due) as u64)
+            .with_in_flight(Some(state.unacked.len() as u64))
+            .with_retries((state.delayed.len() - due) as u64))
     }
 
     async fn send_to_consumer(

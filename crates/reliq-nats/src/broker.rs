@@ -220,6 +220,35 @@ impl NatsBroker {
         Ok(info.num_ack_pending)
     }
 
+    /// The consumer's pending and ack-pending counts and the retries waiting on their
+    /// schedules (the schedule subjects `retry.<stream>.<consumer>.at.*` of the source
+    /// stream, counted from the server's per-subject totals).
+    async fn read_backlog(&self, sub: &Subscription) -> Result<reliq_core::Backlog, BrokerError> {
+        use futures::TryStreamExt as _;
+        let stream = self.source_stream(sub).await?;
+        let consumer = consumer_name(&sub.consumer);
+        let info = stream
+            .consumer_info(&consumer)
+            .await
+            .map_err(api(format!("reading consumer `{consumer}`")))?;
+        let schedules = crate::names::retry_schedules(sub);
+        let retries: usize = stream
+            .info_with_subjects(&schedules)
+            .await
+            .map_err(api(format!(
+                "counting the retries waiting on `{schedules}`"
+            )))?
+            .map_ok(|(_, count)| count)
+            .try_fold(0, |sum, count| async move { Ok(sum + count) })
+            .await
+            .map_err(api(format!(
+                "counting the retries waiting on `{schedules}`"
+            )))?;
+        Ok(reliq_core::Backlog::waiting(info.num_pending)
+            .with_in_flight(Some(info.num_ack_pending as u64))
+            .with_retries(retries as u64))
+    }
+
     pub(crate) async fn publish_raw(
         &self,
         subject: String,
@@ -388,6 +417,7 @@ impl Broker for NatsBroker {
             attempts_count_every_delivery: true,
             deduplicates_publishes: true,
             filters: true,
+            retries_counted_apart: true,
         }
     }
 
@@ -411,6 +441,13 @@ impl Broker for NatsBroker {
         let consumer = self.consumer_config(subscription).await?;
         self.ensure_relay(subscription);
         Ok(Box::new(self.pull_receiver(consumer, subscription).await?))
+    }
+
+    async fn backlog(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<reliq_core::Backlog, BrokerError> {
+        self.read_backlog(subscription).await
     }
 
     async fn dead_letters(

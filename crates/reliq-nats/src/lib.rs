@@ -13,6 +13,7 @@
 //! | dead-letter | publish to the DLQ stream `DLQ_<stream>_<consumer>` (subject `dlq.<stream>.<consumer>`), wait for the `PubAck`, then `+TERM` |
 //! | attempt | the delivery count in the message metadata; on a retry copy, the attempt it was retried at plus its own redeliveries |
 //! | dead_letters | the DLQ stream read without a consumer: **browse** = direct gets of the next message on the DLQ subject from a stream sequence (nothing acked, delivered or moved; cursor = the next stream sequence, text); **get** = a browse for the id (the oldest copy); **remove** = `STREAM.MSG.DELETE` of the entry's sequence, confirmed by the server (oldest copy first; a sequence already gone is skipped); **count** = the stream's message count + the first entry's `reliq-dead-lettered-at` (one read) |
+//! | backlog | the consumer's `num_pending` (due retries included) and `num_ack_pending`; retries waiting: the schedules on `retry.<stream>.<consumer>.at.>`, counted from the stream's per-subject totals |
 //! | crash loop | `max_deliver` (per stream message: the original and each retry copy); an **advisory relay** turns `MAX_DELIVERIES` advisories into DLQ entries (reason `max-deliveries`), and `MSG_TERMINATED` advisories of terminations by other clients (reliq's own `+TERM reliq` are skipped) into entries with reason `permanent`, idempotently (`Nats-Msg-Id`) |
 //!
 //! Why retries are scheduled messages, not `NakWithDelay`: a message naked with a delay

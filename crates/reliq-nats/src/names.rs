@@ -74,6 +74,15 @@ pub(crate) fn retry_schedule_subject(sub: &Subscription, seq: u64) -> String {
     )
 }
 
+/// Every waiting retry schedule of `sub`: `retry.<stream>.<consumer>.at.>`.
+pub(crate) fn retry_schedules(sub: &Subscription) -> String {
+    format!(
+        "retry.{}.{}.at.>",
+        stream_name(&sub.source),
+        consumer_name(&sub.consumer)
+    )
+}
+
 /// The subjects a subscription's consumer reads: its filter (or the whole source) and its
 /// own due retries — never another consumer's retries, nor any waiting schedule.
 pub(crate) fn filter_subjects(sub: &Subscription) -> Vec<String> {

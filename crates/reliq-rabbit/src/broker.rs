@@ -434,6 +434,7 @@ impl Broker for RabbitBroker {
             attempts_count_every_delivery: false,
             deduplicates_publishes: false,
             filters: true,
+            retries_counted_apart: true,
         }
     }
 
@@ -469,6 +470,15 @@ impl Broker for RabbitBroker {
         Ok(Box::new(
             RabbitDeadLetters::open(self.inner.clone(), subscription).await?,
         ))
+    }
+
+    /// Ready messages of the consumer queue and each TTL queue; unacknowledged ones from
+    /// the management API when [`RabbitOptions::management_url`] is set.
+    async fn backlog(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<reliq_core::Backlog, BrokerError> {
+        crate::backlog::backlog(&self.inner, subscription).await
     }
 
     async fn send_to_consumer(

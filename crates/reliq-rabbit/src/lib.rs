@@ -19,6 +19,7 @@
 //! | attempt | the `reliq-attempt` header (never `x-death`) |
 //! | delivery limit | quorum `x-delivery-limit` = [`Subscription::delivery_limit`]; the broker dead-letters (at-least-once) to the landing queue; the running consumer (a relay beside its receiver) and every dead-letter reader call move each landed message into the stream with a reliq [`DeadLetter`](reliq_core::DeadLetter) record made from its `x-death` (reason `max-deliveries`, the move's time, queue, exchange and routing key) — confirmed, *then* acked on the landing queue |
 //! | `dead_letters` ([`RabbitDeadLetters`]) | **browse**: a stream consumer (`x-stream-offset` = the cursor, manual ack, prefetch 512) on its own channel; an ack on a stream removes nothing, so a browse changes no depth, order or delivery count; the cursor is the next stream offset; the end is the last chunk's first offset (probed with `x-stream-offset=last`) plus the rest of that chunk. **remove**: the `(offset, id)` pairs of the oldest entries with those ids are appended to the removal ledger, confirmed before it returns; browse, get and count skip what the ledger names. **count**: a read of the stream less the ledger, with the oldest `reliq-dead-lettered-at`. **get**: a read from the start. Each call first moves what sits in the landing queue into the stream. |
+//! | `backlog` | `waiting`: the consumer queue's ready count and each TTL queue's, by passive `queue.declare` (live); `in_flight`: the queue's `messages_unacknowledged` from the management API when [`RabbitOptions::management_url`] is set (it trails by the statistics interval). |
 //! | `send_to_consumer` (replay) | publish to the default exchange with routing key = the consumer's queue |
 //!
 //! ### The dead-letter stream
@@ -137,6 +138,7 @@
 #[cfg(doc)]
 use reliq_core::{Broker, BrokerError, Receiver, Subscription};
 
+mod backlog;
 mod broker;
 mod codec;
 mod dead_letters;

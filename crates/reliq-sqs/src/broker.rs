@@ -638,6 +638,7 @@ impl Broker for SqsBroker {
             // FIFO queues drop a second publish of an id within 5 minutes.
             deduplicates_publishes: self.inner.options.fifo,
             filters: true,
+            retries_counted_apart: false,
         }
     }
 
@@ -679,6 +680,43 @@ impl Broker for SqsBroker {
             subscription.clone(),
             url,
         )))
+    }
+
+    /// The consumer queue's approximate counts: visible and delayed are waiting, not
+    /// visible is in flight (a retry waits there too: its visibility timeout is its delay).
+    async fn backlog(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<reliq_core::Backlog, BrokerError> {
+        let name = names::queue_name(subscription, self.inner.options.fifo);
+        let url = self
+            .queue_url(&name)
+            .await?
+            .ok_or_else(|| BrokerError::Unroutable(format!("queue `{name}` does not exist")))?;
+        let out = self
+            .inner
+            .client
+            .get_queue_attributes()
+            .queue_url(&url)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesDelayed)
+            .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+            .send()
+            .await
+            .map_err(|e| sdk_error("GetQueueAttributes", e))?;
+        let count = |attribute: QueueAttributeName| -> u64 {
+            out.attributes()
+                .and_then(|a| a.get(&attribute))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        let waiting = count(QueueAttributeName::ApproximateNumberOfMessages)
+            + count(QueueAttributeName::ApproximateNumberOfMessagesDelayed);
+        Ok(
+            reliq_core::Backlog::waiting(waiting).with_in_flight(Some(count(
+                QueueAttributeName::ApproximateNumberOfMessagesNotVisible,
+            ))),
+        )
     }
 
     async fn send_to_consumer(

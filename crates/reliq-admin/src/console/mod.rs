@@ -241,20 +241,17 @@ fn note(action: &'static str, consumer: Option<&str>) -> AuditNote {
 
 /// The DLQ of a consumer the server was started with.
 fn known_dlq(state: &AdminState, consumer: &str) -> Result<Dlq, AdminError> {
-    let source = state
+    let sub = state
         .consumers
         .iter()
-        .find(|(c, _)| c == consumer)
-        .map(|(_, s)| s.clone())
+        .find(|s| s.consumer == consumer)
+        .cloned()
         .ok_or_else(|| AdminError::InvalidInput {
             field: "consumer",
             value: consumer.chars().take(80).collect(),
             expected: "a consumer this server was started with (--consumer name=source)".into(),
         })?;
-    Ok(Dlq::new(
-        state.broker.clone(),
-        reliq_core::Subscription::new(consumer, source),
-    ))
+    Ok(Dlq::new(state.broker.clone(), sub))
 }
 
 async fn stylesheet() -> Response {
@@ -340,33 +337,32 @@ async fn overview(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> P
         since: Some("1h".into()),
         ..FilterSpec::default()
     };
+    let everything = FilterSpec::default();
     let mut rows = Vec::new();
-    for (consumer, source) in &state.consumers {
-        let dlq = Dlq::new(
-            state.broker.clone(),
-            reliq_core::Subscription::new(consumer.clone(), source.clone()),
+    for sub in &state.consumers {
+        let dlq = Dlq::new(state.broker.clone(), sub.clone());
+        let (all, recent, backlog) = tokio::join!(
+            dlq.stats(&everything),
+            dlq.stats(&last_hour),
+            state.broker.backlog(sub)
         );
-        let row = match (
-            dlq.stats(&FilterSpec::default()).await,
-            dlq.stats(&last_hour).await,
-        ) {
-            (Ok(all), Ok(recent)) => pages::OverviewRow {
-                consumer: consumer.clone(),
-                source: source.clone(),
-                count: Some(all.count),
-                oldest_age_seconds: all.oldest_age_seconds,
-                last_hour: Some(recent.count),
-                error: None,
-            },
-            (Err(e), _) | (_, Err(e)) => pages::OverviewRow {
-                consumer: consumer.clone(),
-                source: source.clone(),
-                count: None,
-                oldest_age_seconds: None,
-                last_hour: None,
-                error: Some(e.to_string()),
-            },
+        let mut row = pages::OverviewRow {
+            consumer: sub.consumer.clone(),
+            source: sub.source.clone(),
+            count: None,
+            oldest_age_seconds: None,
+            last_hour: None,
+            error: None,
+            backlog: backlog.map_err(|e| e.to_string()),
         };
+        match (all, recent) {
+            (Ok(all), Ok(recent)) => {
+                row.count = Some(all.count);
+                row.oldest_age_seconds = all.oldest_age_seconds;
+                row.last_hour = Some(recent.count);
+            }
+            (Err(e), _) | (_, Err(e)) => row.error = Some(e.to_string()),
+        }
         rows.push(row);
     }
     page(

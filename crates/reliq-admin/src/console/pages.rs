@@ -43,6 +43,17 @@ td > a { margin-right: .5rem; }
 dl { display: grid; grid-template-columns: max-content 1fr; gap: .2rem 1rem; background: #fff; padding: .6rem; border: 1px solid #ddd; }
 dt { font-weight: 600; }
 dd { margin: 0; word-break: break-all; }
+th[scope=row] { background: transparent; }
+ul.tiers { list-style: none; margin: .2rem 0 0; padding: 0; font-size: .85rem; color: #555; }
+a.skip { position: absolute; left: -999px; top: .3rem; background: #fff; color: #20303f; padding: .3rem .6rem; z-index: 1; }
+a.skip:focus { left: .5rem; }
+@media (max-width: 40rem) {
+  main { padding: .5rem; }
+  header form { margin-left: 0; }
+  dl { grid-template-columns: 1fr; }
+  dt { margin-top: .4rem; }
+  th, td { padding: .3rem .4rem; }
+}
 "#;
 
 /// A page's `<head>`: its title, the viewport, the stylesheet.
@@ -64,6 +75,7 @@ pub fn layout(title: &str, who: &Principal, csrf: &str, body: Markup) -> Markup 
         html lang="en" {
             (head(title))
             body {
+                a.skip href="#main" { "Skip to content" }
                 header {
                     strong { "reliq" }
                     nav aria-label="Console" {
@@ -77,7 +89,7 @@ pub fn layout(title: &str, who: &Principal, csrf: &str, body: Markup) -> Markup 
                         button type="submit" { "Sign out" }
                     }
                 }
-                main { h1 { (title) } (body) }
+                main #main tabindex="-1" { h1 { (title) } (body) }
             }
         }
     }
@@ -116,32 +128,64 @@ pub struct OverviewRow {
     pub oldest_age_seconds: Option<u64>,
     pub last_hour: Option<u64>,
     pub error: Option<String>,
+    /// What waits at the broker, or why it could not be read.
+    pub backlog: Result<reliq_core::Backlog, String>,
 }
 
 fn age(seconds: u64) -> String {
     humantime::format_duration(std::time::Duration::from_secs(seconds)).to_string()
 }
 
-/// Every consumer the server knows, with its DLQ.
+fn known(n: Option<u64>) -> String {
+    n.map_or_else(|| "—".to_owned(), |n| n.to_string())
+}
+
+/// The retries column: the total, and each tier's where the broker keeps tiers apart.
+fn retries(backlog: &reliq_core::Backlog) -> Markup {
+    html! {
+        (known(backlog.retries))
+        @if !backlog.retry_tiers.is_empty() {
+            ul.tiers {
+                @for t in &backlog.retry_tiers {
+                    li { (humantime::format_duration(t.delay)) ": " (t.waiting) }
+                }
+            }
+        }
+    }
+}
+
+/// Every consumer the server knows, with its DLQ and what waits for it at the broker.
 pub fn overview(rows: &[OverviewRow]) -> Markup {
     html! {
         @if rows.is_empty() {
-            p.notice { "No consumers configured: start the server with " code { "--consumer name=source" } " (repeatable)." }
+            p.notice { "No consumers configured: start the server with " code { "--consumer name=source[@tier,tier…]" } " (repeatable)." }
         } @else {
-            div.scroll { table {
-                caption.muted { "Dead-letter queues" }
-                thead { tr { th { "Consumer" } th { "Source" } th.num { "Dead letters" } th { "Oldest" } th.num { "Last hour" } } }
+            div.scroll { table #overview {
+                caption.muted { "Consumers: their dead-letter queues, and what waits for them at the broker (— where the broker does not say)" }
+                thead { tr {
+                    th scope="col" { "Consumer" } th scope="col" { "Source" }
+                    th.num scope="col" { "Dead letters" } th scope="col" { "Oldest" } th.num scope="col" { "Last hour" }
+                    th.num scope="col" { "Waiting" } th.num scope="col" { "In flight" } th.num scope="col" { "Retries waiting" }
+                } }
                 tbody {
                     @for r in rows {
-                        tr {
-                            td { a href={ "/console/consumers/" (r.consumer) } { (r.consumer) } }
+                        tr data-consumer=(r.consumer) {
+                            th scope="row" { a href={ "/console/consumers/" (r.consumer) } { (r.consumer) } }
                             td { code { (r.source) } }
                             @if let Some(e) = &r.error {
                                 td colspan="3" { span.error { (e) } }
                             } @else {
-                                td.num { (r.count.unwrap_or(0)) }
+                                td.num.dead { (r.count.unwrap_or(0)) }
                                 td { (r.oldest_age_seconds.map(age).unwrap_or_else(|| "—".into())) }
                                 td.num { (r.last_hour.unwrap_or(0)) }
+                            }
+                            @match &r.backlog {
+                                Ok(b) => {
+                                    td.num.waiting { (b.waiting) }
+                                    td.num.in-flight { (known(b.in_flight)) }
+                                    td.num.retries { (retries(b)) }
+                                }
+                                Err(e) => { td colspan="3" { span.error { (e) } } }
                             }
                         }
                     }

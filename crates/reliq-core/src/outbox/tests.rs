@@ -132,6 +132,12 @@ impl Broker for TestBroker {
             what: "dead_letters",
         })
     }
+    async fn backlog(&self, _: &Subscription) -> Result<crate::Backlog, BrokerError> {
+        Err(BrokerError::Unsupported {
+            backend: "test",
+            what: "backlog",
+        })
+    }
 }
 
 fn ids(b: &TestBroker) -> Vec<String> {

@@ -96,6 +96,12 @@ impl reliq_core::Broker for Misbehaving {
     ) -> Result<Box<dyn reliq_core::DeadLetters>, reliq_core::BrokerError> {
         self.inner.dead_letters(s).await
     }
+    async fn backlog(
+        &self,
+        s: &Subscription,
+    ) -> Result<reliq_core::Backlog, reliq_core::BrokerError> {
+        self.inner.backlog(s).await
+    }
 }
 
 #[async_trait::async_trait]
