@@ -39,8 +39,9 @@ up:
 down:
     docker compose down
 
-# Start the brokers the tests need, run every test (doc, unit, property, conformance,
-# real-broker, then the broker-restart tests on their own), check the broker script's own promises (scripts/brokers-selftest), and
+# Start the brokers the tests need, check and unit-test the alert rules (promtool), run
+# every test (doc, unit, property, conformance, real-broker, browser, then the
+# broker-restart tests on their own), check the broker script's own promises (scripts/brokers-selftest), and
 # stop the brokers this recipe started — also on failure.
 test:
     #!/usr/bin/env bash
@@ -51,9 +52,13 @@ test:
     scripts/brokers status >/dev/null 2>&1 && already_up=1
     if [ "$already_up" = 0 ]; then trap 'scripts/brokers down >/dev/null 2>&1 || true' EXIT; fi
     scripts/brokers up || exit 1
-    # Headless Chromium and its driver for the web console's browser tests.
+    # Headless Chromium and its driver for the web console's browser tests; promtool.
     scripts/brokers browser || exit 1
+    scripts/brokers promtool || exit 1
     rc=0
+    # The alert rules: valid, and each alert fires on what should fire it and only that.
+    promtool check rules deploy/prometheus/reliq-rules.yml || rc=1
+    promtool test rules deploy/prometheus/reliq-rules.test.yml || rc=1
     cargo test --workspace --doc --quiet || rc=1
     cargo nextest run --workspace --no-fail-fast || rc=1
     # Broker restarts, alone: they would break the tests above if run beside them.

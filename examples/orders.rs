@@ -24,14 +24,16 @@
 //!
 //! Run: `cargo run --example orders` (embedded broker) or
 //! `cargo run --example orders -- --url amqp://…` with the backend's feature enabled.
+//! `--metrics-listen 127.0.0.1:9464` serves its metrics for Prometheus (how an
+//! application exposes its own: [`reliq_examples::metrics::serve`]).
 
-use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use reliq::{Delivery, MessageId};
-use reliq_examples::orders::{self, CONSUMER, Db, Expected};
+use reliq::MessageId;
+use reliq_examples::orders::{self, Db};
 
 #[derive(Parser, Debug)]
 #[command(about = "reliq orders example: reserve stock for order events on any broker")]
@@ -52,6 +54,13 @@ struct Args {
     /// Give up waiting after this many seconds.
     #[arg(long, default_value_t = 120)]
     timeout_secs: u64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (reliq's counters and the
+    /// consumer's broker-side gauges).
+    #[arg(long)]
+    metrics_listen: Option<std::net::SocketAddr>,
+    /// With --metrics-listen: keep serving this long after the summary line.
+    #[arg(long, default_value_t = 0)]
+    linger_secs: u64,
 }
 
 #[tokio::main]
@@ -93,91 +102,55 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn run_orders(args: &Args, db: &Db, topic: &str) -> anyhow::Result<()> {
-    db.setup().await?;
     let broker = reliq::connect(&args.url)
         .await
         .with_context(|| format!("connecting to {}", args.url))?;
-
-    let handler_db = db.clone();
-    let consumer = orders::consumer(broker.clone(), topic, db)
-        .start(move |d: Delivery| {
-            let db = handler_db.clone();
-            async move { db.reserve(CONSUMER, &d).await }
-        })
-        .await?;
-    let relay = db.relay(broker.clone())?;
-
-    // The orders service: every order and its event in one transaction; the relay
-    // publishes. An order published twice stands for a relay that died between the
-    // broker's confirm and marking the row sent: its second copy goes out directly.
-    let stream = orders::orders(args.orders)?;
-    let expected = Expected::of(&stream);
-    let published: HashSet<MessageId> = stream.iter().map(|o| o.message.id().clone()).collect();
-    let messages: Vec<_> = stream.iter().map(|o| o.message.clone()).collect();
-    let destination = orders::destination(topic);
-    db.place(&destination, &messages).await?;
-    for order in stream.iter().filter(|o| o.copies > 1) {
-        for _ in 1..order.copies {
-            broker.publish(&destination, order.message.clone()).await?;
+    // The broker-side gauges (lag, retries waiting per tier, DLQ depth and age) of the
+    // inventory consumer, read every second while the service runs and once at the end.
+    let gauges = match args.metrics_listen {
+        Some(addr) => {
+            reliq_examples::metrics::serve(addr)?;
+            eprintln!("metrics: http://{addr}/metrics");
+            let subscription = orders::consumer(broker.clone(), topic, db).subscription()?;
+            Some(Arc::new(
+                reliq::BacklogGauges::new(broker.clone(), [subscription])
+                    .every(Duration::from_secs(1)),
+            ))
         }
+        None => None,
+    };
+    let stop = tokio_util::sync::CancellationToken::new();
+    if let Some(g) = &gauges {
+        let (g, stop) = (g.clone(), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => { g.poll().await; }
+                }
+            }
+        });
     }
-
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.timeout_secs);
-    loop {
-        let s = consumer.stats();
-        let reserved = db.reserved_orders().await?;
-        if reserved >= expected.valid.len() as u64
-            && s.dead_lettered >= expected.dead.len() as u64
-            && s.in_flight == 0
-            && db.unsent().await? == 0
-        {
-            break;
-        }
-        if tokio::time::Instant::now() > deadline {
-            eprintln!("timed out waiting: reserved {reserved}, {s:?}");
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let summary = orders::run(
+        broker,
+        db,
+        topic,
+        args.orders,
+        Duration::from_secs(args.timeout_secs),
+    )
+    .await;
+    stop.cancel();
+    let summary = summary?;
+    if let Some(g) = &gauges {
+        g.poll().await;
     }
-    // Let the duplicate copies drain too.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    relay.shutdown().await;
-    let report = consumer.shutdown().await;
-
-    let dead: HashSet<MessageId> = orders::dead_letters(&broker, &orders::subscription(topic))
-        .await?
-        .into_keys()
-        .collect();
-    let rows = db.reservations().await?;
-    let reserved: HashSet<MessageId> = published
-        .iter()
-        .filter(|id| rows.contains_key(id.as_str()))
-        .cloned()
-        .collect();
-    let twice = rows.values().filter(|n| **n > 1).count();
-    if twice > 0 {
-        bail!("{twice} orders were reserved more than once");
+    println!("{summary}");
+    if summary.lost > 0 {
+        bail!("{} orders were lost", summary.lost);
     }
-    let both = reserved.intersection(&dead).count();
-    if both > 0 {
-        bail!("{both} orders were both reserved and dead-lettered");
-    }
-    let lost = published
-        .iter()
-        .filter(|id| !reserved.contains(*id) && !dead.contains(*id))
-        .count();
-    let s = report.stats;
-    println!(
-        "summary published={} processed={} retried={} dead_lettered={} duplicates={} lost={}",
-        published.len(),
-        reserved.len(),
-        s.retried,
-        dead.len(),
-        s.duplicates,
-        lost
-    );
-    if lost > 0 {
-        bail!("{lost} orders were lost");
+    if args.linger_secs > 0 {
+        // Keep /metrics up for a last scrape.
+        tokio::time::sleep(Duration::from_secs(args.linger_secs)).await;
     }
     Ok(())
 }

@@ -3,3 +3,5 @@
 //! `integration/` runs too (in a child process it kills).
 
 pub mod orders;
+
+pub mod metrics;

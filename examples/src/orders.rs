@@ -458,6 +458,127 @@ impl Db {
     }
 }
 
+/// What a run of the orders service did: the example's summary line, and the consumer's
+/// own counters (what its metrics say).
+#[derive(Clone, Debug)]
+pub struct Summary {
+    /// Distinct orders published.
+    pub published: usize,
+    /// Orders reserved (each once), read back from the database.
+    pub processed: usize,
+    /// Distinct orders in the DLQ.
+    pub dead_lettered: usize,
+    /// Orders neither reserved nor dead-lettered (must be 0).
+    pub lost: usize,
+    /// The consumer's counters at its shutdown.
+    pub stats: reliq::StatsSnapshot,
+    /// The outbox relay's counters at its shutdown.
+    pub relay: reliq::RelayStats,
+}
+
+impl std::fmt::Display for Summary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "summary published={} processed={} retried={} dead_lettered={} duplicates={} lost={}",
+            self.published,
+            self.processed,
+            self.stats.retried,
+            self.dead_lettered,
+            self.stats.duplicates,
+            self.lost
+        )
+    }
+}
+
+/// Run the orders service once on `broker`: `orders` orders through the outbox, the
+/// inventory consumer until every order is reserved or dead-lettered (or `timeout`), and
+/// the checks (no order reserved twice, none both reserved and dead-lettered).
+pub async fn run(
+    broker: Arc<dyn Broker>,
+    db: &Db,
+    topic: &str,
+    orders: u32,
+    timeout: Duration,
+) -> anyhow::Result<Summary> {
+    db.setup().await?;
+    let handler_db = db.clone();
+    let consumer = consumer(broker.clone(), topic, db)
+        .start(move |d: Delivery| {
+            let db = handler_db.clone();
+            async move { db.reserve(CONSUMER, &d).await }
+        })
+        .await?;
+    let relay = db.relay(broker.clone())?;
+
+    // The orders service: every order and its event in one transaction; the relay
+    // publishes. An order published twice stands for a relay that died between the
+    // broker's confirm and marking the row sent: its second copy goes out directly.
+    let stream = self::orders(orders)?;
+    let expected = Expected::of(&stream);
+    let published: HashSet<MessageId> = stream.iter().map(|o| o.message.id().clone()).collect();
+    let messages: Vec<_> = stream.iter().map(|o| o.message.clone()).collect();
+    let destination = destination(topic);
+    db.place(&destination, &messages).await?;
+    for order in stream.iter().filter(|o| o.copies > 1) {
+        for _ in 1..order.copies {
+            broker.publish(&destination, order.message.clone()).await?;
+        }
+    }
+
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let s = consumer.stats();
+        let reserved = db.reserved_orders().await?;
+        if reserved >= expected.valid.len() as u64
+            && s.dead_lettered >= expected.dead.len() as u64
+            && s.in_flight == 0
+            && db.unsent().await? == 0
+        {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            tracing::warn!(reserved, stats = ?s, "timed out waiting for the orders");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Let the duplicate copies drain too.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let relay = relay.shutdown().await;
+    let report = consumer.shutdown().await;
+
+    let dead: HashSet<MessageId> = dead_letters(&broker, &subscription(topic))
+        .await?
+        .into_keys()
+        .collect();
+    let rows = db.reservations().await?;
+    let reserved: HashSet<MessageId> = published
+        .iter()
+        .filter(|id| rows.contains_key(id.as_str()))
+        .cloned()
+        .collect();
+    let twice = rows.values().filter(|n| **n > 1).count();
+    anyhow::ensure!(twice == 0, "{twice} orders were reserved more than once");
+    let both = reserved.intersection(&dead).count();
+    anyhow::ensure!(
+        both == 0,
+        "{both} orders were both reserved and dead-lettered"
+    );
+    let lost = published
+        .iter()
+        .filter(|id| !reserved.contains(*id) && !dead.contains(*id))
+        .count();
+    Ok(Summary {
+        published: published.len(),
+        processed: reserved.len(),
+        dead_lettered: dead.len(),
+        lost,
+        stats: report.stats,
+        relay,
+    })
+}
+
 /// The DLQ of `sub`, read with the operator tooling's dry run (nothing is removed):
 /// copies per message id.
 pub async fn dead_letters(

@@ -4,6 +4,7 @@
 //! | Method and path | Role | What |
 //! |---|---|---|
 //! | `GET /v1/openapi.json` | — | this API as an OpenAPI 3.1 document |
+//! | `GET /metrics` | reader | Prometheus text: reliq's metrics and the broker-side gauges of the server's consumers (a scrape is audited only when refused) |
 //! | `GET /v1/consumers/{consumer}/dlq/stats?source=…&<filter>` | reader | [`crate::DlqStats`] |
 //! | `GET /v1/consumers/{consumer}/dlq/entries?source=…&<filter>&cursor=…&max=…` | reader | [`crate::EntryList`] |
 //! | `GET /v1/consumers/{consumer}/dlq/entries/{id}?source=…` | reader | [`crate::EntryDetail`] |
@@ -47,6 +48,7 @@ pub const OPENAPI: &str = include_str!("openapi.json");
 /// Every route: method, path, the least role it needs (`None`: no token needed).
 pub const ROUTES: &[(&str, &str, Option<Role>)] = &[
     ("GET", "/v1/openapi.json", None),
+    ("GET", "/metrics", Some(Role::Reader)),
     (
         "GET",
         "/v1/consumers/{consumer}/dlq/stats",
@@ -93,6 +95,8 @@ pub struct AdminState {
     pub(crate) consumers: Vec<Subscription>,
     pub(crate) sessions: crate::console::Sessions,
     pub(crate) secure_cookies: bool,
+    /// The Prometheus recorder's handle, rendered at `GET /metrics`.
+    pub(crate) metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -115,6 +119,7 @@ impl AdminState {
             consumers: Vec::new(),
             sessions: crate::console::Sessions::default(),
             secure_cookies: false,
+            metrics: None,
         }
     }
 
@@ -123,6 +128,13 @@ impl AdminState {
     /// [`parse_consumer`].
     pub fn with_consumers(mut self, consumers: impl IntoIterator<Item = Subscription>) -> Self {
         self.consumers = consumers.into_iter().collect();
+        self
+    }
+
+    /// Serve `handle`'s metrics at `GET /metrics` (Prometheus text; a reader token, as a
+    /// bearer: Prometheus' `authorization` scrape setting).
+    pub fn with_metrics(mut self, handle: metrics_exporter_prometheus::PrometheusHandle) -> Self {
+        self.metrics = Some(handle);
         self
     }
 
@@ -155,6 +167,7 @@ impl Default for Limits {
 pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
     Router::new()
         .route("/v1/openapi.json", get(openapi))
+        .route("/metrics", get(metrics_text))
         .route("/v1/consumers/{consumer}/dlq/stats", get(stats))
         .route("/v1/consumers/{consumer}/dlq/entries", get(list))
         .route("/v1/consumers/{consumer}/dlq/entries/{id}", get(show))
@@ -183,6 +196,9 @@ pub(crate) struct AuditNote {
     pub(crate) reason: Option<String>,
     pub(crate) counts: Option<serde_json::Value>,
     pub(crate) job: Option<String>,
+    /// Not audited when allowed: a scrape every few seconds would drown the log (a
+    /// refused one is still written).
+    pub(crate) quiet: bool,
 }
 
 /// Writes one audit record per request, whatever answered it (a handler, a refused
@@ -203,6 +219,9 @@ async fn audit_every_request(
         .remove::<AuditNote>()
         .unwrap_or_default();
     let status = response.status().as_u16();
+    if note.quiet && status < 400 {
+        return response;
+    }
     let outcome = match status {
         s if s < 400 => "allowed",
         401 | 403 | 413 => "refused",
@@ -426,6 +445,38 @@ async fn openapi() -> Response {
         action: "openapi",
         ..AuditNote::default()
     });
+    response
+}
+
+/// `GET /metrics`: the process's metrics (reliq's, the backlog poller's, the
+/// application's) in Prometheus' text format.
+async fn metrics_text(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    let note = AuditNote {
+        action: "metrics",
+        quiet: true,
+        ..AuditNote::default()
+    };
+    let note = match authorize(&state, &headers, Role::Reader, note) {
+        Ok(note) => note,
+        Err(reply) => return reply.into_response(),
+    };
+    let Some(handle) = &state.metrics else {
+        return Reply::error(
+            note,
+            StatusCode::NOT_FOUND,
+            "this server has no metrics recorder (AdminState::with_metrics)".into(),
+        )
+        .into_response();
+    };
+    let mut response = (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        handle.render(),
+    )
+        .into_response();
+    response.extensions_mut().insert(note);
     response
 }
 

@@ -274,6 +274,10 @@ pub enum AdminCommand {
         /// through a terminating proxy).
         #[arg(long)]
         secure_cookies: bool,
+        /// How often the broker-side gauges of the consumers (backlog, retries waiting,
+        /// DLQ depth and oldest age) are read for `GET /metrics`.
+        #[arg(long, default_value = "15s")]
+        metrics_interval: humantime::Duration,
     },
     /// Make a token: prints it once, and the entry for the tokens file (its hash).
     Token {

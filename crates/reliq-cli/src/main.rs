@@ -117,6 +117,35 @@ async fn connect(target: &Target) -> Result<Dlq, Failure> {
     ))
 }
 
+/// The process-wide Prometheus recorder, with reliq's histogram buckets; its upkeep
+/// (draining histograms) runs every 5 s.
+fn metrics_recorder() -> Result<metrics_exporter_prometheus::PrometheusHandle, Failure> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Suffix("_seconds".into()),
+            reliq::metrics::DURATION_BUCKETS,
+        )
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full(reliq::metrics::BATCH_SIZE.into()),
+                reliq::metrics::BATCH_SIZE_BUCKETS,
+            )
+        })
+        .map_err(|e| failed(format!("metrics buckets: {e}")))?
+        .install_recorder()
+        .map_err(|e| failed(format!("installing the metrics recorder: {e}")))?;
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(handle)
+}
+
 /// The URL without its password, for messages.
 fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
@@ -334,6 +363,7 @@ async fn admin(command: AdminCommand) -> Result<u8, Failure> {
             max_body_bytes,
             consumers,
             secure_cookies,
+            metrics_interval,
         } => {
             let consumers = consumers
                 .iter()
@@ -360,9 +390,18 @@ async fn admin(command: AdminCommand) -> Result<u8, Failure> {
             println!("reliq admin API listening on http://{bound}");
             eprintln!("web console: http://{bound}/console/");
             let _ = std::io::stdout().flush();
+            let metrics = metrics_recorder()?;
+            let stop = CancellationToken::new();
+            let _stop_on_exit = stop.clone().drop_guard();
+            tokio::spawn(
+                reliq::BacklogGauges::new(connected.clone(), consumers.clone())
+                    .every(*metrics_interval)
+                    .run(stop.clone()),
+            );
             let state = Arc::new(
                 reliq_admin::http::AdminState::new(connected, tokens, audit)
                     .with_consumers(consumers)
+                    .with_metrics(metrics)
                     .secure_cookies(secure_cookies),
             );
             let limits = reliq_admin::http::Limits { max_body_bytes };

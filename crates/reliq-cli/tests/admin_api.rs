@@ -41,7 +41,12 @@ struct Server {
 }
 
 impl Server {
-    fn start(url: &str, tokens: &std::path::Path, audit: &std::path::Path) -> anyhow::Result<Self> {
+    fn start(
+        url: &str,
+        consumer: &str,
+        tokens: &std::path::Path,
+        audit: &std::path::Path,
+    ) -> anyhow::Result<Self> {
         let mut child = reliq()
             .env("RUST_LOG", "info")
             .args([
@@ -53,6 +58,10 @@ impl Server {
                 "127.0.0.1:0",
                 "--max-body-bytes",
                 "2048",
+                "--metrics-interval",
+                "500ms",
+                "--consumer",
+                consumer,
             ])
             .arg("--tokens")
             .arg(tokens)
@@ -148,7 +157,7 @@ async fn admin_api_enforces_roles_runs_jobs_and_audits_every_request() -> anyhow
         .map(|t| t.entry.as_str())
         .join("\n");
     std::fs::write(&tokens, &all)?;
-    let server = Server::start(&url, &tokens, &audit)?;
+    let server = Server::start(&url, &format!("{name}={source}"), &tokens, &audit)?;
     // reqwest is built without a TLS provider of its own (plain HTTP here).
     let _ = rustls::crypto::ring::default_provider().install_default();
     let http = reqwest::Client::new();
@@ -364,6 +373,44 @@ async fn admin_api_enforces_roles_runs_jobs_and_audits_every_request() -> anyhow
     let left = expect("GET", &stats, Some(&reader.secret), None, 200).await?;
     ensure!(left["count"] == 1, "{left}");
 
+    // GET /metrics: a reader's token; the server's consumer's DLQ depth as the broker
+    // counts it (the poller reads it every 500 ms). An allowed scrape is not audited, a
+    // refused one is.
+    let metrics = format!("{}/metrics", server.base);
+    let refused = http.get(&metrics).send().await?;
+    requests.set(requests.get() + 1);
+    ensure!(
+        refused.status() == 401,
+        "a scrape without a token: {}",
+        refused.status()
+    );
+    let dlq_series = format!("reliq_dlq_messages{{consumer=\"{name}\",source=\"{source}\"}} 1");
+    let mut scraped = String::new();
+    for _ in 0..40 {
+        let answer = http
+            .get(&metrics)
+            .bearer_auth(&reader.secret)
+            .send()
+            .await?;
+        ensure!(
+            answer.status() == 200,
+            "a reader's scrape: {}",
+            answer.status()
+        );
+        scraped = answer.text().await?;
+        if scraped.contains(&dlq_series) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    ensure!(
+        scraped.contains(&dlq_series)
+            && scraped.contains(&format!(
+                "reliq_consumer_backlog_messages{{consumer=\"{name}\""
+            )),
+        "no {dlq_series} in the scrape:\n{scraped}"
+    );
+
     // The audit log: one record per request (and one per finished job), refusals with
     // their status and, for 403s, who; no token anywhere in it or in the server's output.
     let server_log = server.stop()?;
@@ -397,7 +444,7 @@ async fn admin_api_enforces_roles_runs_jobs_and_audits_every_request() -> anyhow
         .filter(|r| r["outcome"] == "refused")
         .collect();
     ensure!(
-        refused.iter().filter(|r| r["status"] == 401).count() == 4,
+        refused.iter().filter(|r| r["status"] == 401).count() == 5,
         "{refused:?}"
     );
     ensure!(
@@ -411,6 +458,18 @@ async fn admin_api_enforces_roles_runs_jobs_and_audits_every_request() -> anyhow
         "{refused:?}"
     );
     ensure!(refused.iter().any(|r| r["status"] == 413), "{refused:?}");
+    ensure!(
+        refused
+            .iter()
+            .any(|r| r["status"] == 401 && r["action"] == "metrics"),
+        "the refused scrape is not audited: {refused:?}"
+    );
+    ensure!(
+        !records
+            .iter()
+            .any(|r| r["action"] == "metrics" && r["status"] == 200),
+        "an allowed scrape was audited"
+    );
     ensure!(
         records
             .iter()

@@ -116,6 +116,24 @@ impl BrokerError {
         self
     }
 
+    /// A short, stable name of the variant — the `kind` label of
+    /// `reliq_publish_failures_total` and the spans' `error.type`: `unroutable`,
+    /// `rejected`, `timeout`, `connection`, `closed`, `foreign_delivery`, `unsupported`,
+    /// `config`, `other`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Unroutable(_) => "unroutable",
+            Self::Rejected { .. } => "rejected",
+            Self::Timeout(_) => "timeout",
+            Self::Connection { .. } => "connection",
+            Self::Closed => "closed",
+            Self::ForeignDelivery => "foreign_delivery",
+            Self::Unsupported { .. } => "unsupported",
+            Self::Config { .. } => "config",
+            Self::Other(_) => "other",
+        }
+    }
+
     /// The class the built-in classifier gives this error (`None`: ask its source).
     pub(crate) fn class(&self) -> Option<crate::ErrorClass> {
         use crate::ErrorClass::{Permanent, Transient};

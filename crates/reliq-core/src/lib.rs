@@ -53,10 +53,12 @@ pub mod envelope;
 pub mod faults;
 mod filter;
 pub mod fingerprint;
+pub mod gauges;
 pub mod headers;
 pub mod inbox;
 pub mod lease;
 pub mod message;
+pub mod metered;
 pub mod outbox;
 pub mod replay;
 pub mod retry;
@@ -80,9 +82,11 @@ pub use dead_letters::{Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage,
 pub use envelope::{Aggregate, Envelope};
 pub use filter::DeadLetterFilter;
 pub use fingerprint::Fingerprint;
+pub use gauges::BacklogGauges;
 pub use headers::{DeadLetter, DeadLetterReason, HeaderError, Origin};
 pub use inbox::{Claim, Duplicate, Inbox, InboxError, MemoryInbox};
 pub use message::{Headers, Message, MessageId};
+pub use metered::MeteredBroker;
 pub use outbox::{OutboxError, OutboxRecord, OutboxStore, Relay, RelayHandle, RelayStats};
 pub use replay::{
     Corrected, Correction, Progress, PurgeReport, Replay, ReplayEntry, ReplayReport, ReplayTarget,

@@ -28,6 +28,31 @@
 //! | `reliq_outbox_published_total` | counter |
 //! | `reliq_outbox_publish_failures_total` | counter |
 //! | `reliq_outbox_store_failures_total` | counter |
+//!
+//! Publishes through a [`MeteredBroker`](crate::MeteredBroker) (what `reliq::connect`
+//! returns) carry `backend` and `destination` (the topic):
+//!
+//! | name | type | extra labels |
+//! |---|---|---|
+//! | `reliq_messages_published_total` | counter | |
+//! | `reliq_publish_failures_total` | counter | `kind` ([`BrokerError::kind`](crate::BrokerError::kind)) |
+//! | `reliq_publish_duration_seconds` | histogram | (until the broker's confirm, failures included) |
+//!
+//! What waits at the broker, read by a [`BacklogGauges`](crate::BacklogGauges) poller
+//! (`reliq admin serve` runs one for its consumers), with `consumer` and `source`:
+//!
+//! | name | type | extra labels |
+//! |---|---|---|
+//! | `reliq_consumer_backlog_messages` | gauge | ([`Backlog::waiting`](crate::Backlog::waiting): Kafka's lag) |
+//! | `reliq_consumer_unsettled_messages` | gauge | (delivered, not settled; only where the broker says) |
+//! | `reliq_retry_waiting_messages` | gauge | `tier` (the delay, e.g. `30s`; `in_place` where retries wait without tiers) |
+//! | `reliq_dlq_messages` | gauge | |
+//! | `reliq_dlq_oldest_age_seconds` | gauge | (from the record's `reliq-dead-lettered-at`; 0 when empty) |
+//! | `reliq_backlog_last_poll_timestamp_seconds` | gauge | (the last poll that read everything: a stale one means the gauges are old) |
+//! | `reliq_backlog_poll_failures_total` | counter | |
+//!
+//! And the Kafka producer's buffer, `reliq_producer_buffer_ratio` (gauge, `backend`): the
+//! share of `queue.buffering.max.messages` in use after each publish.
 
 use std::time::{Duration, SystemTime};
 
@@ -65,6 +90,70 @@ pub const OUTBOX_PUBLISHED: &str = "reliq_outbox_published_total";
 pub const OUTBOX_PUBLISH_FAILURES: &str = "reliq_outbox_publish_failures_total";
 /// `reliq_outbox_store_failures_total`
 pub const OUTBOX_STORE_FAILURES: &str = "reliq_outbox_store_failures_total";
+
+/// `reliq_messages_published_total`
+pub const PUBLISHED: &str = "reliq_messages_published_total";
+/// `reliq_publish_failures_total`
+pub const PUBLISH_FAILURES: &str = "reliq_publish_failures_total";
+/// `reliq_publish_duration_seconds`
+pub const PUBLISH_DURATION: &str = "reliq_publish_duration_seconds";
+/// `reliq_producer_buffer_ratio`
+pub const PRODUCER_BUFFER_RATIO: &str = "reliq_producer_buffer_ratio";
+
+/// `reliq_consumer_backlog_messages`
+pub const BACKLOG: &str = "reliq_consumer_backlog_messages";
+/// `reliq_consumer_unsettled_messages`
+pub const UNSETTLED: &str = "reliq_consumer_unsettled_messages";
+/// `reliq_retry_waiting_messages`
+pub const RETRY_WAITING: &str = "reliq_retry_waiting_messages";
+/// `reliq_dlq_messages`
+pub const DLQ_MESSAGES: &str = "reliq_dlq_messages";
+/// `reliq_dlq_oldest_age_seconds`
+pub const DLQ_OLDEST_AGE: &str = "reliq_dlq_oldest_age_seconds";
+/// `reliq_backlog_last_poll_timestamp_seconds`
+pub const BACKLOG_LAST_POLL: &str = "reliq_backlog_last_poll_timestamp_seconds";
+/// `reliq_backlog_poll_failures_total`
+pub const BACKLOG_POLL_FAILURES: &str = "reliq_backlog_poll_failures_total";
+
+/// Histogram buckets for reliq's `*_seconds` histograms (handler and publish durations):
+/// 1 ms to 60 s, so `histogram_quantile(0.99, …)` is meaningful in alert rules. Give them
+/// to the exporter (`PrometheusBuilder::set_buckets_for_metric(Matcher::Suffix("_seconds".into()), DURATION_BUCKETS)`).
+pub const DURATION_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Histogram buckets for `reliq_batch_size`.
+pub const BATCH_SIZE_BUCKETS: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0];
+
+/// Every metric name reliq records (the alert rules and the dashboard may use only
+/// these; a test checks them against a scrape).
+pub const ALL_METRICS: &[&str] = &[
+    RECEIVED,
+    PROCESSED,
+    RETRIED,
+    DEAD_LETTERED,
+    DISCARDED,
+    DUPLICATES,
+    HANDLER_DURATION,
+    BATCH_SIZE,
+    IN_FLIGHT,
+    SETTLE_FAILURES,
+    REPLAYED,
+    OUTBOX_PUBLISHED,
+    OUTBOX_PUBLISH_FAILURES,
+    OUTBOX_STORE_FAILURES,
+    PUBLISHED,
+    PUBLISH_FAILURES,
+    PUBLISH_DURATION,
+    PRODUCER_BUFFER_RATIO,
+    BACKLOG,
+    UNSETTLED,
+    RETRY_WAITING,
+    DLQ_MESSAGES,
+    DLQ_OLDEST_AGE,
+    BACKLOG_LAST_POLL,
+    BACKLOG_POLL_FAILURES,
+];
 
 /// A settlement operation, for `reliq_settle_failures_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

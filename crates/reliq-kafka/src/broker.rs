@@ -24,6 +24,9 @@ pub(crate) struct Inner {
     /// Retry / DLQ copies (auto-create off; topics are declared at subscribe).
     pub(crate) route_producer: FutureProducer,
     pub(crate) admin: AdminClient<DefaultClientContext>,
+    /// `reliq_producer_buffer_ratio`: the share of the publishing producer's bounded
+    /// buffer in use, set after each publish.
+    pub(crate) buffer_ratio: metrics::Gauge,
 }
 
 /// A Kafka connection: two idempotent producers (publish; retry/DLQ copies) and an admin
@@ -57,6 +60,10 @@ impl KafkaBroker {
                 producer,
                 route_producer,
                 admin,
+                buffer_ratio: metrics::gauge!(
+                    reliq_core::telemetry::PRODUCER_BUFFER_RATIO,
+                    "backend" => "kafka"
+                ),
             }),
         })
     }
@@ -107,7 +114,14 @@ impl Inner {
             BufferPolicy::Block(d) => Timeout::After(d),
             BufferPolicy::FailFast => Timeout::After(Duration::ZERO),
         };
-        match producer.send(record, queue_timeout).await {
+        let sent = producer.send(record, queue_timeout).await;
+        if !route {
+            // What is still queued when this one is done: the pressure on the buffer.
+            let queued = f64::from(rdkafka::producer::Producer::in_flight_count(producer).max(0));
+            self.buffer_ratio
+                .set(queued / f64::from(self.config.buffer_messages.max(1)));
+        }
+        match sent {
             Ok(delivery) => Ok((delivery.partition, delivery.offset)),
             Err((e, _)) => Err(match client_error(e, "producing to", topic) {
                 BrokerError::Timeout(_) => BrokerError::Timeout(self.config.send_timeout),

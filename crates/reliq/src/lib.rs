@@ -53,15 +53,16 @@ use std::sync::Arc;
 // What an application uses, each item by one path. What a backend implements (the
 // `Receiver` seam, delivery tokens, raw messages) stays in `reliq-core`.
 pub use reliq_core::{
-    Aggregate, Batch, BatchError, BoxError, Broker, BrokerError, Capabilities, Claim, Classifier,
-    Clock, Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, Corrected, Correction, Cursor,
-    DeadLetter, DeadLetterCount, DeadLetterEntry, DeadLetterFilter, DeadLetterPage,
-    DeadLetterReason, DeadLetters, DecodeError, Delivery, DeliveryOrder, Destination, Duplicate,
-    Envelope, ErrorChain, ErrorClass, FinalRoute, Fingerprint, HeaderError, Headers, Inbox,
-    InboxError, MemoryInbox, Message, MessageId, Origin, OutboxError, OutboxRecord, OutboxStore,
-    PanicAction, Permanent, Poison, PolicyError, Progress, PurgeReport, Relay, RelayHandle,
-    RelayStats, Replay, ReplayEntry, ReplayReport, ReplayTarget, RetryPolicy, Schedule,
-    ShutdownReport, Stats, StatsSnapshot, Subscription, Transient,
+    Aggregate, Backlog, BacklogGauges, Batch, BatchError, BoxError, Broker, BrokerError,
+    Capabilities, Claim, Classifier, Clock, Consumer, ConsumerBuilder, ConsumerError,
+    ConsumerHandle, Corrected, Correction, Cursor, DeadLetter, DeadLetterCount, DeadLetterEntry,
+    DeadLetterFilter, DeadLetterPage, DeadLetterReason, DeadLetters, DecodeError, Delivery,
+    DeliveryOrder, Destination, Duplicate, Envelope, ErrorChain, ErrorClass, FinalRoute,
+    Fingerprint, HeaderError, Headers, Inbox, InboxError, MemoryInbox, Message, MessageId,
+    MeteredBroker, Origin, OutboxError, OutboxRecord, OutboxStore, PanicAction, Permanent, Poison,
+    PolicyError, Progress, PurgeReport, Relay, RelayHandle, RelayStats, Replay, ReplayEntry,
+    ReplayReport, ReplayTarget, RetryPolicy, Schedule, ShutdownReport, Stats, StatsSnapshot,
+    Subscription, TierBacklog, Transient,
 };
 
 /// The header names reliq reads and writes on every message.
@@ -74,12 +75,17 @@ pub mod headers {
     };
 }
 
-/// The metric names the runtime, the replay engine and the outbox relay record.
+/// The metric names the runtime, the replay engine, the outbox relay, publishes and the
+/// backlog poller record (the table is in [`reliq_core::telemetry`]).
 pub mod metrics {
+    pub use reliq_core::gauges::tier_label;
     pub use reliq_core::telemetry::{
-        BATCH_SIZE, DEAD_LETTERED, DISCARDED, DUPLICATES, HANDLER_DURATION, IN_FLIGHT,
-        OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED, OUTBOX_STORE_FAILURES, PROCESSED, RECEIVED,
-        REPLAYED, RETRIED, SETTLE_FAILURES,
+        ALL_METRICS, BACKLOG, BACKLOG_LAST_POLL, BACKLOG_POLL_FAILURES, BATCH_SIZE,
+        BATCH_SIZE_BUCKETS, DEAD_LETTERED, DISCARDED, DLQ_MESSAGES, DLQ_OLDEST_AGE, DUPLICATES,
+        DURATION_BUCKETS, HANDLER_DURATION, IN_FLIGHT, OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED,
+        OUTBOX_STORE_FAILURES, PROCESSED, PRODUCER_BUFFER_RATIO, PUBLISH_DURATION,
+        PUBLISH_FAILURES, PUBLISHED, RECEIVED, REPLAYED, RETRIED, RETRY_WAITING, SETTLE_FAILURES,
+        UNSETTLED,
     };
 }
 
@@ -211,7 +217,10 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Broker>, ConnectError> {
         .into_iter()
         .find(|(_, schemes, _)| schemes.contains(&scheme.as_str()))
     {
-        return Ok(connect(url).await?);
+        // Every publish counted and timed (`reliq_messages_published_total`, …).
+        return Ok(Arc::new(reliq_core::MeteredBroker::new(
+            connect(url).await?,
+        )));
     }
     match EVERY_BACKEND
         .iter()

@@ -1,0 +1,227 @@
+//! [`MeteredBroker`]: any [`Broker`] with reliq's publish metrics
+//! (`reliq_messages_published_total`, `reliq_publish_failures_total`,
+//! `reliq_publish_duration_seconds`; see [`telemetry`](crate::telemetry)).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use async_trait::async_trait;
+use metrics::{Counter, Histogram, counter, histogram};
+
+use crate::backlog::Backlog;
+use crate::broker::{Broker, BrokerError, Capabilities, Destination, Receiver, Subscription};
+use crate::dead_letters::DeadLetters;
+use crate::message::Message;
+use crate::telemetry::{PUBLISH_DURATION, PUBLISH_FAILURES, PUBLISHED};
+
+/// A broker whose publishes are counted and timed, per destination topic; everything
+/// else is passed through untouched. `reliq::connect` returns its brokers wrapped in one.
+pub struct MeteredBroker {
+    inner: Arc<dyn Broker>,
+    /// One set of handles per topic, so a publish does one map lookup, not a registry
+    /// lookup per metric.
+    topics: Mutex<HashMap<String, Arc<TopicMetrics>>>,
+}
+
+struct TopicMetrics {
+    published: Counter,
+    duration: Histogram,
+    backend: &'static str,
+    topic: String,
+}
+
+impl TopicMetrics {
+    fn failed(&self, e: &BrokerError) {
+        counter!(PUBLISH_FAILURES, "backend" => self.backend, "destination" => self.topic.clone(), "kind" => e.kind())
+            .increment(1);
+    }
+}
+
+impl std::fmt::Debug for MeteredBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MeteredBroker")
+            .field("backend", &self.inner.kind())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MeteredBroker {
+    /// Meter `inner`'s publishes.
+    pub fn new(inner: Arc<dyn Broker>) -> Self {
+        Self {
+            inner,
+            topics: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The broker behind the metrics.
+    pub fn inner(&self) -> &Arc<dyn Broker> {
+        &self.inner
+    }
+
+    fn topic(&self, topic: &str) -> Arc<TopicMetrics> {
+        let mut topics = self.topics.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = topics.get(topic) {
+            return m.clone();
+        }
+        let backend = self.inner.kind();
+        let labels = [
+            ("backend", backend.to_owned()),
+            ("destination", topic.to_owned()),
+        ];
+        let m = Arc::new(TopicMetrics {
+            published: counter!(PUBLISHED, &labels),
+            duration: histogram!(PUBLISH_DURATION, &labels),
+            backend,
+            topic: topic.to_owned(),
+        });
+        topics.insert(topic.to_owned(), m.clone());
+        m
+    }
+}
+
+#[async_trait]
+impl Broker for MeteredBroker {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    async fn publish(
+        &self,
+        destination: &Destination,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        let metrics = self.topic(&destination.topic);
+        let started = Instant::now();
+        let result = self.inner.publish(destination, message).await;
+        metrics.duration.record(started.elapsed().as_secs_f64());
+        match &result {
+            Ok(()) => metrics.published.increment(1),
+            Err(e) => metrics.failed(e),
+        }
+        result
+    }
+
+    async fn subscribe(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn Receiver>, BrokerError> {
+        self.inner.subscribe(subscription).await
+    }
+
+    async fn dead_letters(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<Box<dyn DeadLetters>, BrokerError> {
+        self.inner.dead_letters(subscription).await
+    }
+
+    async fn backlog(&self, subscription: &Subscription) -> Result<Backlog, BrokerError> {
+        self.inner.backlog(subscription).await
+    }
+
+    async fn send_to_consumer(
+        &self,
+        subscription: &Subscription,
+        message: Message,
+    ) -> Result<(), BrokerError> {
+        self.inner.send_to_consumer(subscription, message).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    use super::*;
+
+    /// A broker that confirms `ok` topics and refuses the rest as unroutable.
+    struct Topics;
+
+    #[async_trait]
+    impl Broker for Topics {
+        fn kind(&self) -> &'static str {
+            "test"
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities::default()
+        }
+        async fn publish(&self, d: &Destination, _: Message) -> Result<(), BrokerError> {
+            if d.topic == "ok" {
+                Ok(())
+            } else {
+                Err(BrokerError::Unroutable(d.topic.clone()))
+            }
+        }
+        async fn subscribe(&self, _: &Subscription) -> Result<Box<dyn Receiver>, BrokerError> {
+            Err(BrokerError::Closed)
+        }
+        async fn dead_letters(
+            &self,
+            _: &Subscription,
+        ) -> Result<Box<dyn DeadLetters>, BrokerError> {
+            Err(BrokerError::Closed)
+        }
+        async fn backlog(&self, _: &Subscription) -> Result<Backlog, BrokerError> {
+            Err(BrokerError::Closed)
+        }
+    }
+
+    #[test]
+    fn publishes_are_counted_timed_and_failures_labelled_by_kind() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                let broker = MeteredBroker::new(Arc::new(Topics));
+                for _ in 0..3 {
+                    broker
+                        .publish(&Destination::new("ok"), Message::new("x"))
+                        .await
+                        .expect("ok");
+                }
+                assert!(
+                    broker
+                        .publish(&Destination::new("gone"), Message::new("x"))
+                        .await
+                        .is_err()
+                );
+            });
+        });
+        let mut published = HashMap::new();
+        let mut failures = HashMap::new();
+        let mut timed = 0;
+        for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+            let labels: HashMap<String, String> = key
+                .key()
+                .labels()
+                .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                .collect();
+            match (key.key().name(), value) {
+                (PUBLISHED, DebugValue::Counter(n)) => {
+                    published.insert(labels["destination"].clone(), n);
+                }
+                (PUBLISH_FAILURES, DebugValue::Counter(n)) => {
+                    failures.insert((labels["destination"].clone(), labels["kind"].clone()), n);
+                }
+                (PUBLISH_DURATION, DebugValue::Histogram(v)) => timed += v.len(),
+                _ => {}
+            }
+        }
+        assert_eq!(published.get("ok"), Some(&3));
+        assert_eq!(published.get("gone").copied().unwrap_or(0), 0);
+        assert_eq!(
+            failures.get(&("gone".to_owned(), "unroutable".to_owned())),
+            Some(&1)
+        );
+        assert_eq!(timed, 4, "every publish is timed, failures too");
+    }
+}
