@@ -72,6 +72,8 @@ test:
 lint:
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
+    # The OTLP example builds only with its feature (opentelemetry-otlp stays out of the test build).
+    cargo clippy -p reliq-examples --features otel --example otlp -- -D warnings
     RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 
 # Run the orders example on a backend: memory | rabbit | kafka | nats | sqs.

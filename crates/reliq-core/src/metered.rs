@@ -1,6 +1,7 @@
 //! [`MeteredBroker`]: any [`Broker`] with reliq's publish metrics
 //! (`reliq_messages_published_total`, `reliq_publish_failures_total`,
-//! `reliq_publish_duration_seconds`; see [`telemetry`](crate::telemetry)).
+//! `reliq_publish_duration_seconds`) and a `send <destination>` span per publish (see
+//! [`telemetry`](crate::telemetry)).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -8,10 +9,12 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use metrics::{Counter, Histogram, counter, histogram};
+use tracing::Instrument as _;
 
 use crate::backlog::Backlog;
 use crate::broker::{Broker, BrokerError, Capabilities, Destination, Receiver, Subscription};
 use crate::dead_letters::DeadLetters;
+use crate::headers;
 use crate::message::Message;
 use crate::telemetry::{PUBLISH_DURATION, PUBLISH_FAILURES, PUBLISHED};
 
@@ -25,6 +28,9 @@ pub struct MeteredBroker {
 }
 
 struct TopicMetrics {
+    /// The span name, `send <topic>`.
+    send: Box<str>,
+    system: &'static str,
     published: Counter,
     duration: Histogram,
     backend: &'static str,
@@ -71,6 +77,8 @@ impl MeteredBroker {
             ("destination", topic.to_owned()),
         ];
         let m = Arc::new(TopicMetrics {
+            send: format!("send {topic}").into(),
+            system: crate::telemetry::messaging_system(backend),
             published: counter!(PUBLISHED, &labels),
             duration: histogram!(PUBLISH_DURATION, &labels),
             backend,
@@ -94,15 +102,41 @@ impl Broker for MeteredBroker {
     async fn publish(
         &self,
         destination: &Destination,
-        message: Message,
+        mut message: Message,
     ) -> Result<(), BrokerError> {
         let metrics = self.topic(&destination.topic);
+        let span = tracing::info_span!(
+            "send",
+            otel.name = %metrics.send,
+            otel.kind = "producer",
+            messaging.system = metrics.system,
+            messaging.destination.name = %destination.topic,
+            messaging.operation.type = "send",
+            messaging.operation.name = "send",
+            messaging.message.id = %message.id(),
+            error.type = tracing::field::Empty,
+        );
+        // The consumer's process span continues this trace (feature `otel`); a message
+        // that already carries a context (a replay, a relayed outbox row) keeps it.
+        if !span.is_disabled()
+            && message.headers().get(headers::TRACEPARENT).is_none()
+            && let Some(tp) = crate::telemetry::traceparent_of(&span)
+        {
+            message.headers_mut().insert(headers::TRACEPARENT, tp);
+        }
         let started = Instant::now();
-        let result = self.inner.publish(destination, message).await;
+        let result = self
+            .inner
+            .publish(destination, message)
+            .instrument(span.clone())
+            .await;
         metrics.duration.record(started.elapsed().as_secs_f64());
         match &result {
             Ok(()) => metrics.published.increment(1),
-            Err(e) => metrics.failed(e),
+            Err(e) => {
+                span.record("error.type", e.kind());
+                metrics.failed(e)
+            }
         }
         result
     }

@@ -1,5 +1,30 @@
-//! Metric names (what the alert rules use), per-consumer metric handles, the W3C
-//! `traceparent` parser, and the clock the runtime reads.
+//! Metric names (what the alert rules use), per-consumer metric handles, the spans'
+//! names and attributes, the W3C `traceparent` parser, and the clock the runtime reads.
+//!
+//! # Spans
+//!
+//! After OpenTelemetry's messaging semantic conventions, [`SEMCONV_VERSION`] (messaging is
+//! still "development" there: the names may change, and reliq pins the version it
+//! follows). `tracing` spans whose fields `tracing-opentelemetry` turns into the span's
+//! name (`otel.name`), kind (`otel.kind`) and attributes:
+//!
+//! | span | kind | when |
+//! |---|---|---|
+//! | `send <destination>` | producer | each publish through a [`MeteredBroker`](crate::MeteredBroker) |
+//! | `process <source>` | consumer | each delivery handled (child of the message's `traceparent` with the `otel` feature) |
+//! | `settle <source>` | client | a retry, a dead-lettering, a release (inside `process`), a group of acks |
+//! | `process <source>` (batch) | consumer | each batch-handler call, `messaging.batch.message_count` |
+//!
+//! Attributes: `messaging.system` ([`messaging_system`]: `kafka`, `rabbitmq`, `aws_sqs`,
+//! and reliq's own values `nats` and `reliq_memory`), `messaging.destination.name`,
+//! `messaging.consumer.group.name`, `messaging.message.id`, `messaging.operation.type`
+//! (`send`, `process`, `settle`), `messaging.operation.name` (`send`, `process`, `ack`,
+//! `retry`, `dead_letter`, `release`), `error.type` (the error class, or the
+//! [`BrokerError::kind`](crate::BrokerError::kind) of a failed publish); reliq's own under
+//! `reliq.*`: `reliq.attempt`, `reliq.decision` (`ack`, `retry`, `dead_letter`,
+//! `discard`, `duplicate`, `release`), `reliq.error.class`, `reliq.dead_letter.reason`.
+//! The process span also records the `traceparent`'s ids as `trace_id` and
+//! `parent_span_id`, for logs read without OpenTelemetry.
 //!
 //! All metrics carry a `consumer` label. Names:
 //!
@@ -90,6 +115,107 @@ pub const OUTBOX_PUBLISHED: &str = "reliq_outbox_published_total";
 pub const OUTBOX_PUBLISH_FAILURES: &str = "reliq_outbox_publish_failures_total";
 /// `reliq_outbox_store_failures_total`
 pub const OUTBOX_STORE_FAILURES: &str = "reliq_outbox_store_failures_total";
+
+/// The version of OpenTelemetry's semantic conventions the spans follow (messaging:
+/// status "development").
+pub const SEMCONV_VERSION: &str = "1.37.0";
+
+/// `messaging.system` for a backend ([`Broker::kind`](crate::Broker::kind)): the
+/// conventions' values where they have one (`kafka`, `rabbitmq`, `aws_sqs`), reliq's own
+/// otherwise (`nats`, `reliq_memory`, and the kind itself for other backends).
+pub fn messaging_system(kind: &'static str) -> &'static str {
+    match kind {
+        "rabbit" => "rabbitmq",
+        "sqs" => "aws_sqs",
+        "memory" => "reliq_memory",
+        other => other,
+    }
+}
+
+/// The span names and constant attributes of one consumer, made once (no formatting per
+/// message).
+#[derive(Debug)]
+pub(crate) struct SpanNames {
+    pub process: Box<str>,
+    pub settle: Box<str>,
+    pub source: Box<str>,
+    pub system: &'static str,
+}
+
+impl SpanNames {
+    pub fn new(kind: &'static str, source: &str) -> Self {
+        Self {
+            process: format!("process {source}").into(),
+            settle: format!("settle {source}").into(),
+            source: source.into(),
+            system: messaging_system(kind),
+        }
+    }
+}
+
+/// The remote span context a `traceparent` names (feature `otel`).
+#[cfg(feature = "otel")]
+fn remote_context(tp: &TraceParent<'_>) -> Option<opentelemetry::trace::SpanContext> {
+    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+    let flags = u8::from_str_radix(tp.flags, 16).ok()?;
+    Some(SpanContext::new(
+        TraceId::from_hex(tp.trace_id).ok()?,
+        SpanId::from_hex(tp.parent_id).ok()?,
+        TraceFlags::new(flags),
+        true,
+        TraceState::default(),
+    ))
+}
+
+/// Make `span` a child of the context in `traceparent` (feature `otel`; without it,
+/// nothing: the ids are still recorded as fields by the caller).
+pub(crate) fn continue_trace(span: &tracing::Span, traceparent: &TraceParent<'_>) {
+    #[cfg(feature = "otel")]
+    if let Some(remote) = remote_context(traceparent) {
+        use opentelemetry::trace::TraceContextExt as _;
+        use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+        let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(remote));
+    }
+    #[cfg(not(feature = "otel"))]
+    let _ = (span, traceparent);
+}
+
+/// Link `span` to the creation context of each delivery that has a `traceparent` (a
+/// batch's process span: many messages, many parents).
+#[cfg(feature = "otel")]
+pub(crate) fn link_traces(span: &tracing::Span, deliveries: &[crate::Delivery]) {
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+    for remote in deliveries
+        .iter()
+        .filter_map(|d| d.traceparent().and_then(TraceParent::parse))
+        .filter_map(|tp| remote_context(&tp))
+    {
+        span.add_link(remote);
+    }
+}
+
+/// The W3C `traceparent` of `span`'s OpenTelemetry context, if it has one (feature
+/// `otel`): what a publish inside it writes on the message.
+pub(crate) fn traceparent_of(span: &tracing::Span) -> Option<String> {
+    #[cfg(feature = "otel")]
+    {
+        use opentelemetry::trace::TraceContextExt as _;
+        use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+        let cx = span.context();
+        let sc = cx.span().span_context().clone();
+        if sc.is_valid() {
+            return Some(format!(
+                "00-{}-{}-{:02x}",
+                sc.trace_id(),
+                sc.span_id(),
+                sc.trace_flags().to_u8()
+            ));
+        }
+    }
+    #[cfg(not(feature = "otel"))]
+    let _ = span;
+    None
+}
 
 /// `reliq_messages_published_total`
 pub const PUBLISHED: &str = "reliq_messages_published_total";

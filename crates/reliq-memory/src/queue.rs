@@ -82,7 +82,12 @@ pub(crate) struct QueueState {
 pub(crate) type Switches = Arc<reliq_core::faults::Faults>;
 /// The fault switches a broker's receivers consult: nothing without `test-util`.
 #[cfg(not(feature = "test-util"))]
-pub(crate) type Switches = ();
+pub(crate) type Switches = NoSwitches;
+
+/// No fault switches (a build without `test-util`).
+#[cfg(not(feature = "test-util"))]
+#[derive(Clone, Default)]
+pub(crate) struct NoSwitches;
 
 /// A consumer group's queue, or a dead-letter queue (which has no `dlq` of its own).
 pub(crate) struct Queue {

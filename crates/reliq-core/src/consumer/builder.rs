@@ -294,6 +294,7 @@ impl ConsumerBuilder {
             .min(Semaphore::MAX_PERMITS);
         let shared = Arc::new(Shared {
             metrics: ConsumerMetrics::new(&self.name),
+            spans: crate::telemetry::SpanNames::new(self.broker.kind(), &subscription.source),
             name: self.name.into(),
             receiver: receiver.clone(),
             handler,

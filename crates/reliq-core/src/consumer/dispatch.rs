@@ -259,18 +259,6 @@ where
     }
 }
 
-/// A delivery's id as a span field, read only when the field is formatted: a span is
-/// built for every delivery, and reading the id may decode the message
-/// ([`crate::RawMessage`]); with `tracing`'s `log` feature and no subscriber, a disabled
-/// span still evaluates its fields.
-pub(super) struct IdField<'a>(&'a Delivery);
-
-impl std::fmt::Display for IdField<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(self.0.id(), f)
-    }
-}
-
 /// Handle one delivery and settle it — except a success, which is returned for the caller
 /// to acknowledge ([`ack_handled`]), so that a group acknowledges its successes together.
 pub(super) async fn handle_one<F, Fut>(
@@ -281,20 +269,15 @@ where
     F: Fn(Delivery) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
 {
-    let span = tracing::info_span!(
-        "reliq.message",
-        consumer = %shared.name,
-        message_id = %IdField(&delivery),
-        attempt = tracing::field::Empty,
-        trace_id = tracing::field::Empty,
-        parent_span_id = tracing::field::Empty,
-    );
+    let span = shared.process_span();
     // Only for a span that records them: reading the headers may decode the message.
     if !span.is_disabled() {
-        span.record("attempt", delivery.attempt());
+        span.record("messaging.message.id", delivery.id().as_str());
+        span.record("reliq.attempt", i64::from(delivery.attempt()));
         if let Some(tp) = delivery.traceparent().and_then(TraceParent::parse) {
             span.record("trace_id", tp.trace_id);
             span.record("parent_span_id", tp.parent_id);
+            crate::telemetry::continue_trace(&span, &tp);
         }
     }
     let s = shared;
@@ -309,7 +292,10 @@ where
                     s.release(&d, Duration::ZERO).await;
                     None
                 }
-                Some(Some(Outcome::Done)) => Some(d.clone()),
+                Some(Some(Outcome::Done)) => {
+                    tracing::Span::current().record("reliq.decision", "ack");
+                    Some(d.clone())
+                }
                 Some(Some(outcome)) => {
                     s.settle(&d, outcome).await;
                     None
@@ -385,12 +371,13 @@ pub(super) async fn process_batch<F, Fut>(
     F: Fn(Batch) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
 {
-    let span = tracing::info_span!(
-        "reliq.batch",
-        consumer = %shared.name,
-        size = deliveries.len(),
-        first_id = %IdField(&deliveries[0]),
-    );
+    let span = shared.process_span();
+    span.record("messaging.batch.message_count", deliveries.len());
+    // Each message's creation context, as a link (a batch has many parents).
+    #[cfg(feature = "otel")]
+    if !span.is_disabled() {
+        crate::telemetry::link_traces(&span, &deliveries);
+    }
     async {
         // As for one message: a crash stops everything at once and settles nothing.
         match shared

@@ -86,6 +86,8 @@ struct Shared<F> {
     concurrency: Option<Semaphore>,
     stats: Arc<Stats>,
     metrics: ConsumerMetrics,
+    /// The spans' names and constant attributes.
+    spans: crate::telemetry::SpanNames,
     keyed: Mutex<HashMap<String, VecDeque<Held>>>,
     /// Most deliveries one task handles together ([`dispatch_each`]): about two groups
     /// per runtime worker when `max_in_flight` deliveries are held.

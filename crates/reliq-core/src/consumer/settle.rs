@@ -15,6 +15,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
 use std::time::{Duration, Instant};
 use tokio::sync::SemaphorePermit;
+use tracing::Instrument as _;
 
 pub(super) struct SettleBackoff {
     pub(super) failures: AtomicU32,
@@ -125,7 +126,17 @@ impl<H> Shared<H> {
         for d in done {
             self.complete_claim(d).await;
         }
-        let failed = self.receiver.ack_batch(done).await;
+        let span = self.settle_span("ack");
+        if !span.is_disabled() {
+            match done {
+                [one] => span.record("messaging.message.id", one.id().as_str()),
+                many => span.record("messaging.batch.message_count", many.len()),
+            };
+        }
+        let failed = self.receiver.ack_batch(done).instrument(span.clone()).await;
+        if let Some((_, e)) = failed.first() {
+            span.record("error.type", e.kind());
+        }
         let acked = (done.len() - failed.len().min(done.len())) as u64;
         if acked > 0 {
             // Claimed, handled and acknowledged: whatever failed before works again.
@@ -182,6 +193,7 @@ impl<H> Shared<H> {
             // The one success path: the same as a group's or a batch's successes.
             Outcome::Done => return self.ack_done(std::slice::from_ref(d)).await,
             Outcome::Duplicate => {
+                tracing::Span::current().record("reliq.decision", "duplicate");
                 // A duplicate's effect exists too (an earlier delivery made it).
                 self.complete_claim(d).await;
                 self.skip_duplicate(d).await;
@@ -215,6 +227,9 @@ impl<H> Shared<H> {
             attempt: d.attempt(),
             age: now.duration_since(origin_time).unwrap_or_default(),
         };
+        let process = tracing::Span::current();
+        process.record("reliq.error.class", class.as_str());
+        process.record("error.type", class.as_str());
         match self.policy.decide(&failure, fastrand::f64()) {
             Decision::Retry {
                 delay,
@@ -237,13 +252,24 @@ impl<H> Shared<H> {
                     delay,
                     tier,
                 };
-                match self.receiver.retry(d, request).await {
+                process.record("reliq.decision", "retry");
+                let span = self.settle_span("retry");
+                span.record("messaging.message.id", d.id().as_str());
+                match self
+                    .receiver
+                    .retry(d, request)
+                    .instrument(span.clone())
+                    .await
+                {
                     Ok(()) => {
                         self.backoff.succeeded();
                         Stats::bump(&self.stats.retried);
                         self.metrics.retried(class).increment(1);
                     }
-                    Err(e) => self.settle_failed(d, SettleOp::Retry, &e).await,
+                    Err(e) => {
+                        span.record("error.type", e.kind());
+                        self.settle_failed(d, SettleOp::Retry, &e).await
+                    }
                 }
             }
             Decision::DeadLetter(reason) => {
@@ -260,16 +286,30 @@ impl<H> Shared<H> {
                 let mut copy = d.message().clone();
                 record.write(copy.headers_mut());
                 tracing::warn!(%reason, class = %class, error = %text, "dead-lettering");
-                match self.receiver.dead_letter(d, copy).await {
+                process.record("reliq.decision", "dead_letter");
+                process.record("reliq.dead_letter.reason", reason.as_str());
+                let span = self.settle_span("dead_letter");
+                span.record("messaging.message.id", d.id().as_str());
+                match self
+                    .receiver
+                    .dead_letter(d, copy)
+                    .instrument(span.clone())
+                    .await
+                {
                     Ok(()) => {
                         self.backoff.succeeded();
                         Stats::bump(&self.stats.dead_lettered);
                         self.metrics.dead_lettered(reason).increment(1);
                     }
-                    Err(e) => self.settle_failed(d, SettleOp::DeadLetter, &e).await,
+                    Err(e) => {
+                        span.record("error.type", e.kind());
+                        self.settle_failed(d, SettleOp::DeadLetter, &e).await
+                    }
                 }
             }
             Decision::Discard(reason) => {
+                process.record("reliq.decision", "discard");
+                process.record("reliq.dead_letter.reason", reason.as_str());
                 tracing::warn!(%reason, class = %class, error = %text, "discarding (final route = discard)");
                 if self.ack(d).await {
                     Stats::bump(&self.stats.discarded);
@@ -312,14 +352,71 @@ impl<H> Shared<H> {
     }
 
     pub(super) async fn release(&self, d: &Delivery, delay: Duration) {
-        match self.receiver.release(d, delay).await {
+        let span = self.settle_span("release");
+        if !span.is_disabled() {
+            // Reading the id may decode the message: only for a span that records it.
+            span.record("messaging.message.id", d.id().as_str());
+        }
+        match self
+            .receiver
+            .release(d, delay)
+            .instrument(span.clone())
+            .await
+        {
             Ok(()) => Stats::bump(&self.stats.released),
             Err(e) => {
+                span.record("error.type", e.kind());
                 Stats::bump(&self.stats.settle_failures);
                 self.metrics.settle_failures[SettleOp::Release as usize].increment(1);
                 tracing::warn!(error = %crate::ErrorChain(&e), "release failed; the broker redelivers after the lease");
             }
         }
+    }
+}
+
+impl<F> Shared<F> {
+    /// A `process <source>` span: one delivery (its id, attempt and decision recorded on
+    /// it) or one batch (its size).
+    pub(super) fn process_span(&self) -> tracing::Span {
+        let spans = &self.spans;
+        tracing::info_span!(
+            "process",
+            otel.name = %spans.process,
+            otel.kind = "consumer",
+            messaging.system = spans.system,
+            messaging.destination.name = %spans.source,
+            messaging.consumer.group.name = %self.name,
+            messaging.operation.type = "process",
+            messaging.operation.name = "process",
+            messaging.message.id = tracing::field::Empty,
+            messaging.batch.message_count = tracing::field::Empty,
+            reliq.attempt = tracing::field::Empty,
+            reliq.decision = tracing::field::Empty,
+            reliq.error.class = tracing::field::Empty,
+            reliq.dead_letter.reason = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+            trace_id = tracing::field::Empty,
+            parent_span_id = tracing::field::Empty,
+        )
+    }
+
+    /// A `settle <source>` span for `operation` (`ack`, `retry`, `dead_letter`,
+    /// `release`), a child of the current (process) span.
+    pub(super) fn settle_span(&self, operation: &'static str) -> tracing::Span {
+        let spans = &self.spans;
+        tracing::info_span!(
+            "settle",
+            otel.name = %spans.settle,
+            otel.kind = "client",
+            messaging.system = spans.system,
+            messaging.destination.name = %spans.source,
+            messaging.consumer.group.name = %self.name,
+            messaging.operation.type = "settle",
+            messaging.operation.name = operation,
+            messaging.message.id = tracing::field::Empty,
+            messaging.batch.message_count = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        )
     }
 }
 

@@ -80,8 +80,8 @@ async fn metrics_follow_the_documented_names() {
     );
 }
 
-/// Every delivery's span carries its message id, attempt and the W3C trace context of its
-/// `traceparent` header, for a subscriber that records spans (the id and the headers are
+/// Every delivery's `process <source>` span carries the messaging attributes, its message
+/// id, attempt and decision, and the W3C trace context of its `traceparent` header, for a subscriber that records spans (the id and the headers are
 /// read only then: reading them may decode the message).
 #[tokio::test]
 async fn a_delivery_span_records_id_attempt_and_trace_context() {
@@ -106,7 +106,7 @@ async fn a_delivery_span_records_id_attempt_and_trace_context() {
             _: &tracing::span::Id,
             _: Context<'_, S>,
         ) {
-            if attrs.metadata().name() == "reliq.message" {
+            if attrs.metadata().name() == "process" {
                 attrs.record(&mut Recording(self.0.clone()));
             }
         }
@@ -145,12 +145,27 @@ async fn a_delivery_span_records_id_attempt_and_trace_context() {
     wait_for("handled", || done.load(Ordering::SeqCst) == 1).await;
     h.shutdown().await;
     let fields = fields.lock().unwrap().clone();
-    assert_eq!(fields.get("message_id"), Some(&id), "{fields:?}");
+    assert_eq!(fields.get("messaging.message.id"), Some(&id), "{fields:?}");
     assert_eq!(
-        fields.get("attempt").map(String::as_str),
+        fields.get("reliq.attempt").map(String::as_str),
         Some("1"),
         "{fields:?}"
     );
+    for (key, want) in [
+        ("otel.name", "process t"),
+        ("otel.kind", "consumer"),
+        ("messaging.system", "reliq_memory"),
+        ("messaging.destination.name", "t"),
+        ("messaging.consumer.group.name", "c"),
+        ("messaging.operation.type", "process"),
+        ("reliq.decision", "ack"),
+    ] {
+        assert_eq!(
+            fields.get(key).map(String::as_str),
+            Some(want),
+            "{key}: {fields:?}"
+        );
+    }
     assert_eq!(
         fields.get("trace_id").map(String::as_str),
         Some("4bf92f3577b34da6a3ce929d0e0e4736"),
