@@ -401,6 +401,7 @@ macro_rules! store_tests {
             two_relays_publish_each_row_once,
             idle_relay_wakes_up_fast,
             publish_failure_keeps_the_row,
+            outbox_backlog_counts_unsent_rows_and_the_oldest_age,
         );
     };
     ($harness:ty; $($scenario:ident),* $(,)?) => {$(
@@ -1004,5 +1005,45 @@ pub async fn publish_failure_keeps_the_row<H: Harness>(h: Arc<H>) -> anyhow::Res
     let stats = relay.shutdown().await;
     ensure!(stats.published == 1, "{stats:?}");
     ensure!(h.unsent().await? == 0);
+    Ok(())
+}
+
+/// The store's backlog (the relay's gauges): nothing at first; three rows enqueued, then
+/// their count and the oldest one's age (at least the time waited since, well under a
+/// minute); once claimed and marked sent, nothing again.
+pub async fn outbox_backlog_counts_unsent_rows_and_the_oldest_age<H: Harness>(
+    h: Arc<H>,
+) -> anyhow::Result<()> {
+    let outbox = h.outbox();
+    let empty = outbox
+        .backlog()
+        .await?
+        .context("the store counts its backlog")?;
+    ensure!(
+        empty.rows == 0 && empty.oldest_age == Duration::ZERO,
+        "{empty:?}"
+    );
+    let ids: Vec<MessageId> = (0..3).map(|_| MessageId::generate()).collect();
+    enqueue_each(&*h, &Destination::new("backlog"), &ids).await?;
+    let waited = Duration::from_millis(300);
+    tokio::time::sleep(waited).await;
+    let three = outbox.backlog().await?.context("backlog")?;
+    ensure!(
+        three.rows == 3
+            && three.oldest_age >= waited - Duration::from_millis(50)
+            && three.oldest_age < Duration::from_secs(60),
+        "{three:?}"
+    );
+    let claimed = outbox
+        .claim_batch("backlog-test", 10, Duration::from_secs(30))
+        .await?;
+    ensure!(claimed.len() == 3, "claimed {}", claimed.len());
+    let seqs: Vec<i64> = claimed.iter().map(|r| r.seq).collect();
+    outbox.mark_sent("backlog-test", &seqs).await?;
+    let none = outbox.backlog().await?.context("backlog")?;
+    ensure!(
+        none.rows == 0 && none.oldest_age == Duration::ZERO,
+        "{none:?}"
+    );
     Ok(())
 }

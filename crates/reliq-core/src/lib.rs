@@ -87,7 +87,9 @@ pub use headers::{DeadLetter, DeadLetterReason, HeaderError, Origin};
 pub use inbox::{Claim, Duplicate, Inbox, InboxError, MemoryInbox};
 pub use message::{Headers, Message, MessageId};
 pub use metered::MeteredBroker;
-pub use outbox::{OutboxError, OutboxRecord, OutboxStore, Relay, RelayHandle, RelayStats};
+pub use outbox::{
+    OutboxBacklog, OutboxError, OutboxRecord, OutboxStore, Relay, RelayHandle, RelayStats,
+};
 pub use replay::{
     Corrected, Correction, Progress, PurgeReport, Replay, ReplayEntry, ReplayReport, ReplayTarget,
 };

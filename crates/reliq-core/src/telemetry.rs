@@ -53,6 +53,8 @@
 //! | `reliq_outbox_published_total` | counter |
 //! | `reliq_outbox_publish_failures_total` | counter |
 //! | `reliq_outbox_store_failures_total` | counter |
+//! | `reliq_outbox_backlog_rows` | gauge (unsent rows, read from the store every 5 s) |
+//! | `reliq_outbox_oldest_age_seconds` | gauge (the oldest unsent row's age) |
 //!
 //! Publishes through a [`MeteredBroker`](crate::MeteredBroker) (what `reliq::connect`
 //! returns) carry `backend` and `destination` (the topic):
@@ -115,6 +117,10 @@ pub const OUTBOX_PUBLISHED: &str = "reliq_outbox_published_total";
 pub const OUTBOX_PUBLISH_FAILURES: &str = "reliq_outbox_publish_failures_total";
 /// `reliq_outbox_store_failures_total`
 pub const OUTBOX_STORE_FAILURES: &str = "reliq_outbox_store_failures_total";
+/// `reliq_outbox_backlog_rows`
+pub const OUTBOX_BACKLOG: &str = "reliq_outbox_backlog_rows";
+/// `reliq_outbox_oldest_age_seconds`
+pub const OUTBOX_OLDEST_AGE: &str = "reliq_outbox_oldest_age_seconds";
 
 /// The version of OpenTelemetry's semantic conventions the spans follow (messaging:
 /// status "development").
@@ -268,6 +274,8 @@ pub const ALL_METRICS: &[&str] = &[
     OUTBOX_PUBLISHED,
     OUTBOX_PUBLISH_FAILURES,
     OUTBOX_STORE_FAILURES,
+    OUTBOX_BACKLOG,
+    OUTBOX_OLDEST_AGE,
     PUBLISHED,
     PUBLISH_FAILURES,
     PUBLISH_DURATION,
@@ -360,6 +368,8 @@ pub(crate) struct RelayMetrics {
     pub published: Counter,
     pub publish_failures: Counter,
     pub store_failures: Counter,
+    pub backlog_rows: Gauge,
+    pub oldest_age: Gauge,
 }
 
 impl RelayMetrics {
@@ -368,7 +378,9 @@ impl RelayMetrics {
         Self {
             published: counter!(OUTBOX_PUBLISHED, "relay" => r.clone()),
             publish_failures: counter!(OUTBOX_PUBLISH_FAILURES, "relay" => r.clone()),
-            store_failures: counter!(OUTBOX_STORE_FAILURES, "relay" => r),
+            store_failures: counter!(OUTBOX_STORE_FAILURES, "relay" => r.clone()),
+            backlog_rows: gauge!(OUTBOX_BACKLOG, "relay" => r.clone()),
+            oldest_age: gauge!(OUTBOX_OLDEST_AGE, "relay" => r),
         }
     }
 }

@@ -81,6 +81,9 @@ impl StoreSql for PgStore {
          VALUES ($1, $2, $3, $4, $5, $6) \
          ON CONFLICT (message_id) DO NOTHING RETURNING seq";
     const OUTBOX_UNSENT: &'static str = "SELECT count(*) FROM reliq_outbox WHERE sent_at IS NULL";
+    const OUTBOX_BACKLOG: &'static str = "SELECT count(*), \
+         coalesce((extract(epoch FROM now() - min(created_at)) * 1000)::bigint, 0) \
+         FROM reliq_outbox WHERE sent_at IS NULL";
     const OUTBOX_PURGE_SENT: &'static str = "DELETE FROM reliq_outbox \
          WHERE sent_at IS NOT NULL AND sent_at < now() - make_interval(secs => $1)";
     /// `FOR UPDATE SKIP LOCKED`: concurrent relays skip each other's rows instead of

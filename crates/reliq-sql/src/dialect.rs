@@ -79,6 +79,9 @@ pub trait StoreSql: Debug + Send + Sync + Sized + 'static {
     const OUTBOX_ENQUEUE: &'static str;
     /// The number of unsent rows, one integer column. No parameters.
     const OUTBOX_UNSENT: &'static str;
+    /// The unsent rows' count and the oldest one's age in milliseconds (0 when none), two
+    /// integer columns. Parameters: **now**.
+    const OUTBOX_BACKLOG: &'static str;
     /// Delete the rows sent before a time. Parameters: time.
     const OUTBOX_PURGE_SENT: &'static str;
     /// Lease unsent rows whose lease is free, oldest first, to an owner until a time,

@@ -41,6 +41,8 @@ pub trait Driver: Database<Arguments: IntoArguments<Self>, Connection: Migrate> 
     fn outbox_columns(row: &Self::Row) -> Result<OutboxColumns, sqlx::Error>;
     /// The first column as an integer (a count).
     fn first_int(row: &Self::Row) -> Result<i64, sqlx::Error>;
+    /// The first two columns as integers.
+    fn two_ints(row: &Self::Row) -> Result<(i64, i64), sqlx::Error>;
 }
 
 impl<DB> Driver for DB
@@ -53,6 +55,7 @@ where
     i64: for<'a> Encode<'a, DB> + Type<DB>,
     OutboxColumns: for<'r> FromRow<'r, DB::Row>,
     (i64,): for<'r> FromRow<'r, DB::Row>,
+    (i64, i64): for<'r> FromRow<'r, DB::Row>,
 {
     type OnPool<'p> = &'p Pool<DB>;
     type OnConn<'c> = &'c mut DB::Connection;
@@ -87,6 +90,10 @@ where
 
     fn first_int(row: &DB::Row) -> Result<i64, sqlx::Error> {
         <(i64,)>::from_row(row).map(|(n,)| n)
+    }
+
+    fn two_ints(row: &DB::Row) -> Result<(i64, i64), sqlx::Error> {
+        <(i64, i64)>::from_row(row)
     }
 }
 

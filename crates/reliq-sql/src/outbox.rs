@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use reliq_core::outbox::{
-    OutboxError, OutboxRecord, OutboxStore, OutboxWakeup, RelayBuilder, encode_headers,
+    OutboxBacklog, OutboxError, OutboxRecord, OutboxStore, OutboxWakeup, RelayBuilder,
+    encode_headers,
 };
 use reliq_core::{Broker, Destination, Message, Relay};
 use sqlx::{Database, Pool};
@@ -82,6 +83,18 @@ impl<S: StoreSql> Outbox<S> {
         Ok(u64::try_from(n).unwrap_or_default())
     }
 
+    /// The unsent rows: how many, and how long the oldest has waited.
+    pub async fn backlog(&self) -> Result<OutboxBacklog, Error<S>> {
+        let row = S::bind_now(sqlx::query(S::OUTBOX_BACKLOG), S::now())
+            .fetch_one(S::Db::on_pool(&self.pool))
+            .await?;
+        let (rows, oldest_ms) = S::Db::two_ints(&row)?;
+        Ok(OutboxBacklog {
+            rows: u64::try_from(rows).unwrap_or_default(),
+            oldest_age: Duration::from_millis(u64::try_from(oldest_ms).unwrap_or_default()),
+        })
+    }
+
     /// Delete rows sent more than `older_than` ago; returns how many. Unsent rows are
     /// never deleted.
     pub async fn purge_sent(&self, older_than: Duration) -> Result<u64, Error<S>> {
@@ -136,6 +149,10 @@ impl<S: StoreSql> OutboxStore for Outbox<S> {
             .await
             .map_err(Error::<S>::from)?;
         Ok(())
+    }
+
+    async fn backlog(&self) -> Result<Option<OutboxBacklog>, OutboxError> {
+        Ok(Some(Outbox::backlog(self).await?))
     }
 
     async fn listen(&self) -> Result<Box<dyn OutboxWakeup>, OutboxError> {

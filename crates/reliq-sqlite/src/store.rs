@@ -90,6 +90,8 @@ impl StoreSql for SqliteStore {
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) \
          ON CONFLICT (message_id) DO NOTHING RETURNING seq";
     const OUTBOX_UNSENT: &'static str = "SELECT count(*) FROM reliq_outbox WHERE sent_at IS NULL";
+    const OUTBOX_BACKLOG: &'static str = "SELECT count(*), coalesce(?1 - min(created_at), 0) \
+         FROM reliq_outbox WHERE sent_at IS NULL";
     const OUTBOX_PURGE_SENT: &'static str =
         "DELETE FROM reliq_outbox WHERE sent_at IS NOT NULL AND sent_at < ?1";
     /// SQLite runs one writer at a time, so two relays never claim the same row while its

@@ -98,6 +98,15 @@ impl OutboxRecord {
     }
 }
 
+/// An outbox's unsent rows ([`OutboxStore::backlog`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OutboxBacklog {
+    /// Rows not sent yet.
+    pub rows: u64,
+    /// How long the oldest of them has waited (zero when there is none).
+    pub oldest_age: Duration,
+}
+
 /// The outbox store failed (the database is unreachable, a row cannot be decoded, …).
 #[derive(Debug, thiserror::Error)]
 #[error("outbox store error: {0}")]
@@ -130,6 +139,13 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// notification is missed. The default only waits for the poll interval.
     async fn listen(&self) -> Result<Box<dyn OutboxWakeup>, OutboxError> {
         Ok(Box::new(PollOnly))
+    }
+
+    /// The unsent rows: how many and the oldest one's age, for the relay's gauges
+    /// (`reliq_outbox_backlog_rows`, `reliq_outbox_oldest_age_seconds`). `None` where the
+    /// store cannot tell cheaply (the default).
+    async fn backlog(&self) -> Result<Option<OutboxBacklog>, OutboxError> {
+        Ok(None)
     }
 
     /// The poll interval a relay uses unless told otherwise: short for stores that cannot

@@ -42,6 +42,9 @@ pub enum RelayError {
     },
 }
 
+/// How often a running relay reads its store's backlog for the gauges.
+const BACKLOG_EVERY: Duration = Duration::from_secs(5);
+
 /// Counters of one relay (the same events as the metrics).
 #[derive(Debug, Default)]
 struct RelayCounters {
@@ -306,6 +309,18 @@ impl RelayInner {
         tracing::warn!(relay = %self.owner, error = %crate::ErrorChain(e), "outbox store: {what} failed");
     }
 
+    /// Set the backlog gauges from the store's count of unsent rows.
+    async fn read_backlog(&self) {
+        match self.store.backlog().await {
+            Ok(Some(b)) => {
+                self.metrics.backlog_rows.set(b.rows as f64);
+                self.metrics.oldest_age.set(b.oldest_age.as_secs_f64());
+            }
+            Ok(None) => {}
+            Err(e) => self.store_failed("counting the backlog", &e),
+        }
+    }
+
     async fn run(self: Arc<Self>, stop: CancellationToken) {
         let mut backoff = self.new_backoff();
         let mut wakeup = loop {
@@ -322,7 +337,12 @@ impl RelayInner {
             }
         };
         tracing::info!(relay = %self.owner, "outbox relay started");
+        let mut gauges_due = Instant::now();
         while !stop.is_cancelled() {
+            if Instant::now() >= gauges_due {
+                self.read_backlog().await;
+                gauges_due = Instant::now() + BACKLOG_EVERY;
+            }
             match self.round().await {
                 Ok(0) => {
                     backoff = self.new_backoff();
