@@ -82,7 +82,10 @@ impl RabbitBackend {
                 if let Some(api) = broker.management()
                     && let Err(e) = sweep_orphan_streams(api).await
                 {
-                    tracing::warn!(error = %e, "sweeping old test streams failed");
+                    // Best-effort cleanup of earlier runs' leftovers (the next run sweeps
+                    // again); not a warning: a busy management API answers 500 now and
+                    // then, and the clean-log scenario must see only reliq's own.
+                    tracing::info!(error = %e, "sweeping old test streams failed");
                 }
                 let raw = Connection::connect(
                     &settings::get("RELIQ_RABBIT_URL"),
