@@ -371,3 +371,43 @@ pub async fn batch_handler_gets_a_backlog_in_batches(b: &dyn Backend) -> anyhow:
     ensure!(s.processed == N as u64 && s.in_flight == 0, "{s:?}");
     Ok(())
 }
+
+/// A rate limit of 10 deliveries a second with a burst of 5, over a backlog of 30: every
+/// message handled once; in no stretch of time more handler calls than the limit allows
+/// (burst + rate × stretch, one call and 50 ms of scheduling slack); so the backlog takes
+/// at least (30 − 5 − 1) / 10 s. Virtual time on the embedded broker.
+pub async fn rate_limit_holds_over_a_backlog(b: &dyn Backend) -> anyhow::Result<()> {
+    let (rate, burst, n) = (10.0_f64, 5.0_f64, 30usize);
+    let ctx = Ctx::new(b, "rate-limit").await?;
+    let rec = Recorder::new();
+    let h = ctx
+        .consumer("c")
+        .rate_limit(10, 5)
+        .start(rec.succeeding())
+        .await?;
+    ctx.publish_all((0..n as u32).map(order).collect()).await?;
+    wait_until("30 processed", soon(b) * 2, || rec.effect_count() == n).await?;
+    let stats = h.shutdown().await.stats;
+    ensure!(stats.processed == n as u64, "{stats:?}");
+    let mut at: Vec<Instant> = rec.calls().iter().map(|c| c.at).collect();
+    at.sort();
+    ensure!(at.len() == n, "{} handler calls for {n} messages", at.len());
+    let slack = Duration::from_millis(50);
+    for i in 0..at.len() {
+        for j in i + 1..at.len() {
+            let stretch = (at[j] - at[i] + slack).as_secs_f64();
+            let calls = (j - i + 1) as f64;
+            ensure!(
+                calls <= burst + rate * stretch + 1.0,
+                "{calls} calls within {:?}: over the limit",
+                at[j] - at[i]
+            );
+        }
+    }
+    let took = at[n - 1] - at[0];
+    ensure!(
+        took + slack >= Duration::from_secs_f64((n as f64 - burst - 1.0) / rate),
+        "{n} calls in {took:?}: the limit did not hold them back"
+    );
+    Ok(())
+}

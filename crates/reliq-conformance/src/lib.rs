@@ -98,7 +98,8 @@ macro_rules! conformance_suite {
             operator_stats_ls_and_show_change_nothing,
             operator_replay_dry_run_then_at_a_rate,
             operator_edit_and_purge,
-            backlog_follows_waiting_in_flight_and_retries
+            backlog_follows_waiting_in_flight_and_retries,
+            rate_limit_holds_over_a_backlog
             $(, $extra)*
         );
     };

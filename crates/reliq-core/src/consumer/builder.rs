@@ -39,6 +39,7 @@ pub struct ConsumerBuilder {
     pub(super) delivery_limit: Option<u32>,
     pub(super) settle_backoff: (Duration, Duration),
     pub(super) batch_size: usize,
+    pub(super) rate_limit: Option<(u32, u32)>,
 }
 
 impl std::fmt::Debug for ConsumerBuilder {
@@ -78,6 +79,7 @@ impl Consumer {
             delivery_limit: None,
             settle_backoff: (Duration::from_millis(100), Duration::from_secs(10)),
             batch_size: DEFAULT_BATCH_SIZE,
+            rate_limit: None,
         }
     }
 }
@@ -109,6 +111,17 @@ impl ConsumerBuilder {
     /// prefetch asked of the broker.
     pub fn max_in_flight(mut self, n: u32) -> Self {
         self.max_in_flight = n;
+        self
+    }
+
+    /// At most `per_second` deliveries a second are taken from the broker and handed to
+    /// the handler, `burst` of them at once after a quiet spell (a batch handler's calls
+    /// count their deliveries). The wait is before a delivery is received, so none sits
+    /// leased while it waits; the rest stay in the broker. Protects a downstream that
+    /// takes only so much (a database, a rate-limited API); in-flight and concurrency
+    /// bound how much runs *at once*, this bounds how much runs *per second*.
+    pub fn rate_limit(mut self, per_second: u32, burst: u32) -> Self {
+        self.rate_limit = Some((per_second, burst));
         self
     }
 
@@ -213,6 +226,14 @@ impl ConsumerBuilder {
         if self.lease.is_zero() {
             return Err(config("lease", "must be longer than zero"));
         }
+        if let Some((per_second, burst)) = self.rate_limit
+            && (per_second == 0 || burst == 0)
+        {
+            return Err(config(
+                "rate_limit",
+                "per_second and burst must each be at least 1",
+            ));
+        }
         self.policy.validate()?;
         let subscription = self.subscription()?;
         if subscription.delivery_limit <= self.policy.get_max_attempts() {
@@ -295,6 +316,12 @@ impl ConsumerBuilder {
         let shared = Arc::new(Shared {
             metrics: ConsumerMetrics::new(&self.name),
             spans: crate::telemetry::SpanNames::new(self.broker.kind(), &subscription.source),
+            rate: self.rate_limit.and_then(|(per_second, burst)| {
+                Some(super::rate::HandlerRate::new(
+                    std::num::NonZeroU32::new(per_second)?,
+                    std::num::NonZeroU32::new(burst)?,
+                ))
+            }),
             name: self.name.into(),
             receiver: receiver.clone(),
             handler,

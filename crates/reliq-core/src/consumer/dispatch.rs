@@ -67,12 +67,36 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
         {
             permits.merge(extra);
         }
+        // The rate limit: as many deliveries as it allows now (waiting for the first);
+        // the in-flight room left over goes back at once.
+        let cells_taken = shared.rate.as_ref().map(|_| tokio::time::Instant::now());
+        if let Some(rate) = &shared.rate {
+            let want = permits.num_permits();
+            let allowed = tokio::select! {
+                n = rate.take(want) => n,
+                _ = &mut stopped => break,
+            };
+            if allowed < want {
+                Stats::bump(&shared.stats.throttled);
+                drop(permits.split(want - allowed));
+            }
+        }
         // Cancelled by the stop signal, a receive keeps in `batch` whatever it took from
         // the broker (the `receive_batch` cancel-safety contract); it is released below.
         let received = tokio::select! {
             r = shared.receiver.receive_batch(permits.num_permits(), &mut batch) => r,
             _ = &mut stopped => break,
         };
+        // A receive the broker made wait: its cells are stale (see `rate`).
+        if let (Some(rate), Some(taken)) = (&shared.rate, cells_taken)
+            && taken.elapsed() > rate.interval()
+            && !batch.is_empty()
+        {
+            tokio::select! {
+                () = rate.take_exactly(batch.len()) => {}
+                _ = &mut stopped => break,
+            }
+        }
         dispatch(&shared, &in_flight, &mut batch, permits);
         match received {
             Ok(()) => receive_errors = 0,

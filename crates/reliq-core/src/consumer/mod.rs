@@ -17,6 +17,7 @@
 mod builder;
 mod dispatch;
 mod handle;
+mod rate;
 mod settle;
 mod signal;
 mod stats;
@@ -88,6 +89,8 @@ struct Shared<F> {
     metrics: ConsumerMetrics,
     /// The spans' names and constant attributes.
     spans: crate::telemetry::SpanNames,
+    /// The rate limit on deliveries taken, if any.
+    rate: Option<rate::HandlerRate>,
     keyed: Mutex<HashMap<String, VecDeque<Held>>>,
     /// Most deliveries one task handles together ([`dispatch_each`]): about two groups
     /// per runtime worker when `max_in_flight` deliveries are held.

@@ -32,6 +32,18 @@ async fn bad_config_fails_at_startup_naming_the_field() {
         (
             Consumer::builder(broker.clone(), "c")
                 .subscribe("t")
+                .rate_limit(0, 5),
+            "rate_limit",
+        ),
+        (
+            Consumer::builder(broker.clone(), "c")
+                .subscribe("t")
+                .rate_limit(10, 0),
+            "rate_limit",
+        ),
+        (
+            Consumer::builder(broker.clone(), "c")
+                .subscribe("t")
                 .retry(RetryPolicy::tiers([secs(1)]).max_attempts(5))
                 .delivery_limit(5),
             "delivery_limit",
