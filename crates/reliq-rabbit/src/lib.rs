@@ -162,9 +162,13 @@ pub use topology::{knows_quorum_apply_to, plan, rabbit_delivery_limit};
 pub const SCHEMES: &[&str] = &["amqp", "amqps"];
 
 /// Connect to the broker an `amqp://` or `amqps://` URL names, as a
-/// [`reliq_core::Broker`].
+/// [`reliq_core::Broker`], with the options its `reliq.*` parameters give
+/// ([`RabbitOptions::from_url`]: `?reliq.management=15672` for the management API).
 pub async fn connect(
     url: &str,
 ) -> Result<std::sync::Arc<dyn reliq_core::Broker>, reliq_core::BrokerError> {
-    Ok(std::sync::Arc::new(RabbitBroker::connect(url).await?))
+    let (url, options) = RabbitOptions::from_url(url)?;
+    Ok(std::sync::Arc::new(
+        RabbitBroker::connect_with(&url, options).await?,
+    ))
 }

@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
+use reliq_core::BrokerError;
+
 #[cfg(doc)]
 use crate::{Management, RabbitBroker};
-#[cfg(doc)]
-use reliq_core::BrokerError;
 
 /// The queue type reliq declares.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -107,6 +107,67 @@ pub struct RabbitOptions {
     pub connection_name: String,
 }
 
+impl RabbitOptions {
+    /// The options a URL carries in `reliq.*` query parameters, and the URL without them
+    /// (what lapin connects to):
+    ///
+    /// | parameter | what |
+    /// |---|---|
+    /// | `reliq.management=15672` | the management API on this port of the URL's host, with its credentials (`https` for `amqps://`) |
+    /// | `reliq.management=<URL>` | the management API at that (percent-encoded) URL |
+    ///
+    /// Any other `reliq.*` parameter is an error naming it; the rest (lapin's own,
+    /// `heartbeat`, `frame_max`, …) is left in the URL.
+    pub fn from_url(url: &str) -> Result<(String, Self), BrokerError> {
+        let bad = |field: &str, reason: String| BrokerError::Config {
+            field: field.to_owned(),
+            reason,
+        };
+        let mut parsed = reqwest::Url::parse(url).map_err(|e| bad("url", e.to_string()))?;
+        let mut options = Self::default();
+        let mut kept = Vec::new();
+        for (k, v) in parsed.query_pairs() {
+            match k.as_ref() {
+                "reliq.management" => {
+                    options.management_url = Some(if let Ok(port) = v.parse::<u16>() {
+                        let scheme = if parsed.scheme() == "amqps" {
+                            "https"
+                        } else {
+                            "http"
+                        };
+                        let host = parsed
+                            .host_str()
+                            .ok_or_else(|| bad("url", "no host".into()))?;
+                        let userinfo = match parsed.password() {
+                            Some(password) => format!("{}:{password}@", parsed.username()),
+                            None if !parsed.username().is_empty() => {
+                                format!("{}@", parsed.username())
+                            }
+                            None => String::new(),
+                        };
+                        format!("{scheme}://{userinfo}{host}:{port}")
+                    } else {
+                        v.into_owned()
+                    });
+                }
+                other if other.starts_with("reliq.") => {
+                    return Err(bad(
+                        other,
+                        "unknown reliq option in the URL (known: reliq.management)".into(),
+                    ));
+                }
+                _ => kept.push((k.into_owned(), v.into_owned())),
+            }
+        }
+        if kept.is_empty() {
+            parsed.set_query(None);
+        } else {
+            parsed.query_pairs_mut().clear().extend_pairs(kept);
+        }
+        Ok((parsed.to_string(), options))
+    }
+}
+
 impl Default for RabbitOptions {
     fn default() -> Self {
         Self {
@@ -119,5 +180,50 @@ impl Default for RabbitOptions {
             queue_expiry: None,
             connection_name: "reliq".to_owned(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn url_options_are_taken_out_and_named_when_unknown() {
+        let (url, o) = RabbitOptions::from_url(
+            "amqp://gu%40est:p%3Ass@rabbit:5672/%2f?reliq.management=15672&heartbeat=10",
+        )
+        .expect("port form");
+        assert_eq!(url, "amqp://gu%40est:p%3Ass@rabbit:5672/%2f?heartbeat=10");
+        assert_eq!(
+            o.management_url.as_deref(),
+            Some("http://gu%40est:p%3Ass@rabbit:15672")
+        );
+        let (url, o) = RabbitOptions::from_url(
+            "amqps://u:p@rabbit/%2f?reliq.management=https%3A%2F%2Fadmin%3Asecret%40mgmt%3A443",
+        )
+        .expect("URL form");
+        assert_eq!(url, "amqps://u:p@rabbit/%2f");
+        assert_eq!(
+            o.management_url.as_deref(),
+            Some("https://admin:secret@mgmt:443")
+        );
+        let (_, o) = RabbitOptions::from_url("amqps://u:p@rabbit/%2f?reliq.management=15671")
+            .expect("amqps");
+        assert_eq!(
+            o.management_url.as_deref(),
+            Some("https://u:p@rabbit:15671")
+        );
+        let (url, o) = RabbitOptions::from_url("amqp://127.0.0.1:5672/%2f").expect("plain");
+        assert_eq!(
+            (url.as_str(), o.management_url),
+            ("amqp://127.0.0.1:5672/%2f", None)
+        );
+        let err = RabbitOptions::from_url("amqp://u:secret@h/%2f?reliq.queue_tyep=classic")
+            .expect_err("unknown option");
+        assert!(
+            matches!(&err, BrokerError::Config { field, .. } if field == "reliq.queue_tyep"),
+            "{err}"
+        );
+        assert!(!err.to_string().contains("secret"));
     }
 }
