@@ -79,6 +79,17 @@ impl Console {
     }
 }
 
+/// Wait up to 10 s for `done`, polling every 20 ms.
+async fn within_10s(done: impl Fn() -> bool) -> anyhow::Result<()> {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(20)).await
+        }
+    })
+    .await?;
+    Ok(())
+}
+
 /// The CSRF token a page's forms carry.
 fn csrf_of(page: &str) -> anyhow::Result<String> {
     let at = page
@@ -122,12 +133,7 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
     };
     publish(3).await?;
     let parked = |n: u64| handle.stats().dead_lettered >= n;
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while !parked(3) {
-            tokio::time::sleep(Duration::from_millis(20)).await
-        }
-    })
-    .await?;
+    within_10s(|| parked(3)).await?;
 
     let dir = tempfile::tempdir()?;
     let tokens_path = dir.path().join("tokens.toml");
@@ -321,21 +327,11 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
         state.contains(r#"data-testid="job-state">succeeded"#),
         "{state}"
     );
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while replayed.load(Ordering::SeqCst) < 3 {
-            tokio::time::sleep(Duration::from_millis(20)).await
-        }
-    })
-    .await?;
+    within_10s(|| replayed.load(Ordering::SeqCst) >= 3).await?;
 
     // A message's page, and edit-and-replay.
     publish(1).await?;
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while !parked(4) {
-            tokio::time::sleep(Duration::from_millis(20)).await
-        }
-    })
-    .await?;
+    within_10s(|| parked(4)).await?;
     let list = console
         .send(
             "GET",
@@ -374,21 +370,11 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
         edited.status,
         edited.body
     );
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while replayed.load(Ordering::SeqCst) < 4 {
-            tokio::time::sleep(Duration::from_millis(20)).await
-        }
-    })
-    .await?;
+    within_10s(|| replayed.load(Ordering::SeqCst) >= 4).await?;
 
     // An admin purges a group and reads the audit log.
     publish(2).await?;
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while !parked(6) {
-            tokio::time::sleep(Duration::from_millis(20)).await
-        }
-    })
-    .await?;
+    within_10s(|| parked(6)).await?;
     let (ada, _) = console.sign_in(&admin).await?;
     let groups = console
         .send("GET", "/console/consumers/billing", Some(&ada), None)

@@ -374,27 +374,41 @@ impl<H> Shared<H> {
     }
 }
 
+/// A consumer span (`process` or `settle`) with the messaging attributes every one
+/// carries, the ones recorded later left empty, and `$extra` fields of its own.
+macro_rules! consumer_span {
+    ($shared:expr, $span:literal, $name:expr, $kind:literal, $operation:expr, $($extra:tt)*) => {
+        tracing::info_span!(
+            $span,
+            otel.name = %$name,
+            otel.kind = $kind,
+            messaging.system = $shared.spans.system,
+            messaging.destination.name = %$shared.spans.source,
+            messaging.consumer.group.name = %$shared.name,
+            messaging.operation.type = $span,
+            messaging.operation.name = $operation,
+            messaging.message.id = tracing::field::Empty,
+            messaging.batch.message_count = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+            $($extra)*
+        )
+    };
+}
+
 impl<F> Shared<F> {
     /// A `process <source>` span: one delivery (its id, attempt and decision recorded on
     /// it) or one batch (its size).
     pub(super) fn process_span(&self) -> tracing::Span {
-        let spans = &self.spans;
-        tracing::info_span!(
+        consumer_span!(
+            self,
             "process",
-            otel.name = %spans.process,
-            otel.kind = "consumer",
-            messaging.system = spans.system,
-            messaging.destination.name = %spans.source,
-            messaging.consumer.group.name = %self.name,
-            messaging.operation.type = "process",
-            messaging.operation.name = "process",
-            messaging.message.id = tracing::field::Empty,
-            messaging.batch.message_count = tracing::field::Empty,
+            self.spans.process,
+            "consumer",
+            "process",
             reliq.attempt = tracing::field::Empty,
             reliq.decision = tracing::field::Empty,
             reliq.error.class = tracing::field::Empty,
             reliq.dead_letter.reason = tracing::field::Empty,
-            error.type = tracing::field::Empty,
             trace_id = tracing::field::Empty,
             parent_span_id = tracing::field::Empty,
         )
@@ -403,20 +417,7 @@ impl<F> Shared<F> {
     /// A `settle <source>` span for `operation` (`ack`, `retry`, `dead_letter`,
     /// `release`), a child of the current (process) span.
     pub(super) fn settle_span(&self, operation: &'static str) -> tracing::Span {
-        let spans = &self.spans;
-        tracing::info_span!(
-            "settle",
-            otel.name = %spans.settle,
-            otel.kind = "client",
-            messaging.system = spans.system,
-            messaging.destination.name = %spans.source,
-            messaging.consumer.group.name = %self.name,
-            messaging.operation.type = "settle",
-            messaging.operation.name = operation,
-            messaging.message.id = tracing::field::Empty,
-            messaging.batch.message_count = tracing::field::Empty,
-            error.type = tracing::field::Empty,
-        )
+        consumer_span!(self, "settle", self.spans.settle, "client", operation,)
     }
 }
 
