@@ -725,6 +725,18 @@ impl Broker for Slow {
     ) -> Result<reliq_core::Backlog, reliq_core::BrokerError> {
         self.inner.backlog(s).await
     }
+
+    async fn plan(&self, s: &Subscription) -> Result<reliq_core::Plan, reliq_core::BrokerError> {
+        self.inner.plan(s).await
+    }
+
+    async fn inspect(
+        &self,
+        s: &Subscription,
+        plan: &reliq_core::Plan,
+    ) -> Result<reliq_core::LiveTopology, reliq_core::BrokerError> {
+        self.inner.inspect(s, plan).await
+    }
 }
 
 /// Enqueue `ids` (each in its own committed transaction) for `topic`.

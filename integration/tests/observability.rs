@@ -191,7 +191,8 @@ async fn orders_metrics_agree_with_the_run_and_with_kafka() -> anyhow::Result<()
     )
     .await?;
     let sub = orders::consumer(broker.clone(), &topic, &db).subscription()?;
-    let gauges = BacklogGauges::new(broker.clone(), [sub.clone()]);
+    let gauges = BacklogGauges::new(broker.clone(), [sub.clone()])
+        .check_topology_every(Duration::from_secs(300));
 
     let n = 200;
     let summary = orders::run(broker.clone(), &db, &topic, n, Duration::from_secs(180)).await?;
@@ -202,6 +203,15 @@ async fn orders_metrics_agree_with_the_run_and_with_kafka() -> anyhow::Result<()
         "the gauges could not be read: {failed:?}"
     );
     let scrape = Scrape::of(addr).await?;
+    // The poller checked the topology the consumer declared: as planned.
+    for severity in ["breaking", "cosmetic"] {
+        let labels = [("consumer", sub.consumer.as_str()), ("severity", severity)];
+        let drift = scrape.one(reliq::metrics::TOPOLOGY_DRIFT, &labels)?;
+        ensure!(
+            drift == 0.0,
+            "{severity} topology drift of the orders consumer: {drift}"
+        );
+    }
 
     // The consumer's counters are its statistics, and the summary line's.
     let c = [("consumer", orders::CONSUMER)];

@@ -249,6 +249,18 @@ impl Broker for StallAfterRetryCopy {
     async fn backlog(&self, s: &Subscription) -> Result<reliq_core::Backlog, BrokerError> {
         self.inner.backlog(s).await
     }
+
+    async fn plan(&self, s: &Subscription) -> Result<reliq_core::Plan, reliq_core::BrokerError> {
+        self.inner.plan(s).await
+    }
+
+    async fn inspect(
+        &self,
+        s: &Subscription,
+        plan: &reliq_core::Plan,
+    ) -> Result<reliq_core::LiveTopology, reliq_core::BrokerError> {
+        self.inner.inspect(s, plan).await
+    }
 }
 
 #[async_trait]
@@ -404,7 +416,7 @@ async fn broker_dead_letter_is_read_as_max_deliveries_and_plan_matches_version()
     rx.close().await?;
 
     let version = broker.server_version().await.context("management API")?;
-    let plan = broker.plan(&s).await;
+    let plan = broker.plan_text(&s).await;
     let apply_to = if reliq_rabbit::knows_quorum_apply_to(&version) {
         "--apply-to quorum_queues"
     } else {

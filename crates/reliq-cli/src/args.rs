@@ -11,7 +11,8 @@ use crate::Failure;
 /// embedded broker — look, replay, correct, purge — and the admin API.
 ///
 /// Exit codes: 0 done; 1 failed (broker, file); 2 bad usage or input; 3 incomplete (a
-/// replay or purge left matching entries, or was interrupted); 4 no such entry.
+/// replay or purge left matching entries, or was interrupted); 4 no such entry; 5 the
+/// broker's topology differs from the plan (`topology check`).
 #[derive(Debug, Parser)]
 #[command(name = "reliq", version)]
 pub struct Cli {
@@ -25,6 +26,11 @@ pub enum Command {
     Dlq {
         #[command(subcommand)]
         command: Box<DlqCommand>,
+    },
+    /// The broker objects a consumer needs, and whether the broker has them as planned.
+    Topology {
+        #[command(subcommand)]
+        command: TopologyCommand,
     },
     /// The admin HTTP API.
     Admin {
@@ -247,6 +253,69 @@ pub enum DlqCommand {
     },
 }
 
+/// A consumer's subscription, as its `ConsumerBuilder` makes it (see
+/// `ConsumerBuilder::subscription`): the plan depends on every setting here.
+#[derive(Debug, Args)]
+pub struct SubscriptionArgs {
+    #[command(flatten)]
+    pub target: Target,
+    /// The consumer's filter (routing-key pattern or subject), if any.
+    #[arg(long)]
+    pub filter: Option<String>,
+    /// The retry policy's delay tiers (1s,30s,5m): Kafka retry topics, RabbitMQ TTL queues.
+    #[arg(long, value_delimiter = ',', value_parser = humantime::parse_duration)]
+    pub retry_tiers: Vec<std::time::Duration>,
+    /// The broker-side delivery limit (a consumer's default: its policy's attempts + 5).
+    #[arg(long, default_value_t = 20)]
+    pub delivery_limit: u32,
+    /// The lease (ack wait, visibility timeout).
+    #[arg(long, default_value = "30s")]
+    pub lease: humantime::Duration,
+    /// The consumer's in-flight bound (its prefetch).
+    #[arg(long, default_value_t = 64)]
+    pub prefetch: u32,
+}
+
+impl SubscriptionArgs {
+    pub fn subscription(&self) -> reliq::Subscription {
+        let mut sub =
+            reliq::Subscription::new(self.target.consumer.clone(), self.target.source.clone());
+        sub.filter = self.filter.clone();
+        sub.retry_tiers = self.retry_tiers.clone();
+        sub.delivery_limit = self.delivery_limit;
+        sub.lease = *self.lease;
+        sub.prefetch = self.prefetch;
+        sub
+    }
+}
+
+/// Which differences fail `topology check`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum FailOn {
+    /// Only what breaks delivery guarantees.
+    Breaking,
+    /// Any difference.
+    Any,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TopologyCommand {
+    /// What the consumer needs: objects and settings (changes nothing).
+    Plan {
+        #[command(flatten)]
+        subscription: SubscriptionArgs,
+    },
+    /// The plan against the live broker: each difference named, with its severity;
+    /// exit 5 when one fails the check (changes nothing).
+    Check {
+        #[command(flatten)]
+        subscription: SubscriptionArgs,
+        /// Exit 5 on a breaking difference (default) or on any.
+        #[arg(long, value_enum, default_value = "breaking")]
+        fail_on: FailOn,
+    },
+}
+
 #[derive(Debug, Subcommand)]
 pub enum AdminCommand {
     /// Serve the admin HTTP API (stops on Ctrl-C / SIGINT).
@@ -278,6 +347,10 @@ pub enum AdminCommand {
         /// DLQ depth and oldest age) are read for `GET /metrics`.
         #[arg(long, default_value = "15s")]
         metrics_interval: humantime::Duration,
+        /// How often the consumers' topology is checked against their plans for
+        /// `reliq_topology_drift` (first at start).
+        #[arg(long, default_value = "5m")]
+        topology_interval: humantime::Duration,
     },
     /// Make a token: prints it once, and the entry for the tokens file (its hash).
     Token {

@@ -7,6 +7,8 @@
 //! reliq dlq replay  … [filters] [--dry-run] [--rate N] [--limit N] [--target consumer|original]
 //! reliq dlq edit    … <id> --payload-file F [--header k=v]…
 //! reliq dlq purge   … [filters] [--dry-run] [--yes]
+//! reliq topology plan  --url … --consumer inventory --source orders [--retry-tiers 1s,30s] [--delivery-limit N] …
+//! reliq topology check … [--fail-on breaking|any]
 //! reliq admin serve --url … --listen 127.0.0.1:8080 --tokens tokens.toml [--audit-log audit.jsonl]
 //! reliq admin token --name alice --role operator [--expires-in 90d]
 //! ```
@@ -14,7 +16,8 @@
 //! Every command takes `--json` (one JSON document on stdout; progress and logs go to
 //! stderr). Exit codes: 0 done; 1 failed (broker, file); 2 bad usage or input (the error
 //! names the flag); 3 incomplete (a replay or purge left matching entries in the DLQ, or
-//! was interrupted); 4 no such entry.
+//! was interrupted); 4 no such entry; 5 the broker's topology differs from the consumer's
+//! plan (`topology check`: a breaking difference, or any with `--fail-on any`).
 
 mod args;
 mod progress;
@@ -28,13 +31,14 @@ use clap::Parser;
 use reliq_admin::{AdminError, Dlq, EditRequest, PurgeRequest, ReplayRequest, Run};
 use tokio_util::sync::CancellationToken;
 
-use crate::args::{AdminCommand, Cli, Command, DlqCommand, Target};
+use crate::args::{AdminCommand, Cli, Command, DlqCommand, FailOn, Target, TopologyCommand};
 
 /// Exit codes (documented in the module docs and `--help`).
 const FAILED: u8 = 1;
 const BAD_INPUT: u8 = 2;
 const INCOMPLETE: u8 = 3;
 const NOT_FOUND: u8 = 4;
+const DRIFT: u8 = 5;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -98,8 +102,15 @@ fn failed(message: impl Into<String>) -> Failure {
 }
 
 async fn connect(target: &Target) -> Result<Dlq, Failure> {
+    Ok(Dlq::new(
+        connect_broker(target).await?,
+        reliq::Subscription::new(target.consumer.clone(), target.source.clone()),
+    ))
+}
+
+async fn connect_broker(target: &Target) -> Result<Arc<dyn reliq::Broker>, Failure> {
     let url = target.url()?;
-    let broker = reliq::connect(&url).await.map_err(|e| {
+    reliq::connect(&url).await.map_err(|e| {
         let code = match e {
             reliq::ConnectError::NoScheme { .. }
             | reliq::ConnectError::UnknownScheme { .. }
@@ -110,11 +121,7 @@ async fn connect(target: &Target) -> Result<Dlq, Failure> {
             message: format!("connecting to {}: {}", redact(&url), reliq::ErrorChain(&e)),
             code,
         }
-    })?;
-    Ok(Dlq::new(
-        broker,
-        reliq::Subscription::new(target.consumer.clone(), target.source.clone()),
-    ))
+    })
 }
 
 /// The process-wide Prometheus recorder, with reliq's histogram buckets; its upkeep
@@ -177,7 +184,47 @@ fn cancel_on_ctrl_c(token: CancellationToken) {
 async fn run(cli: Cli) -> Result<u8, Failure> {
     match cli.command {
         Command::Dlq { command } => dlq(*command).await,
+        Command::Topology { command } => topology(command).await,
         Command::Admin { command } => admin(command).await,
+    }
+}
+
+async fn topology(command: TopologyCommand) -> Result<u8, Failure> {
+    match command {
+        TopologyCommand::Plan { subscription } => {
+            let broker = connect_broker(&subscription.target).await?;
+            let plan = broker
+                .plan(&subscription.subscription())
+                .await
+                .map_err(|e| failed(format!("planning: {}", reliq::ErrorChain(&e))))?;
+            answer(subscription.target.json, &plan, |p| print!("{p}"))?;
+            Ok(0)
+        }
+        TopologyCommand::Check {
+            subscription,
+            fail_on,
+        } => {
+            let broker = connect_broker(&subscription.target).await?;
+            let report = broker
+                .check_topology(&subscription.subscription())
+                .await
+                .map_err(|e| {
+                    let code = match e {
+                        reliq::BrokerError::Config { .. } => BAD_INPUT,
+                        _ => FAILED,
+                    };
+                    Failure {
+                        message: format!("checking the topology: {}", reliq::ErrorChain(&e)),
+                        code,
+                    }
+                })?;
+            answer(subscription.target.json, &report, |r| print!("{r}"))?;
+            let fails = match fail_on {
+                FailOn::Breaking => report.is_breaking(),
+                FailOn::Any => !report.drift.is_empty(),
+            };
+            Ok(if fails { DRIFT } else { 0 })
+        }
     }
 }
 
@@ -364,6 +411,7 @@ async fn admin(command: AdminCommand) -> Result<u8, Failure> {
             consumers,
             secure_cookies,
             metrics_interval,
+            topology_interval,
         } => {
             let consumers = consumers
                 .iter()
@@ -396,6 +444,7 @@ async fn admin(command: AdminCommand) -> Result<u8, Failure> {
             tokio::spawn(
                 reliq::BacklogGauges::new(connected.clone(), consumers.clone())
                     .every(*metrics_interval)
+                    .check_topology_every(*topology_interval)
                     .run(stop.clone()),
             );
             let state = Arc::new(

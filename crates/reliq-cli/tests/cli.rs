@@ -237,6 +237,72 @@ async fn sqs_every_command() -> anyhow::Result<()> {
     every_command("sqs").await
 }
 
+/// `reliq topology plan|check` on Kafka: the plan of a running consumer, a check that
+/// finds it as planned (exit 0), and one for a policy with a tier the broker does not
+/// have (exit 5, the missing retry topic named as breaking).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_topology_plan_and_check() -> anyhow::Result<()> {
+    let url = url("kafka");
+    let (name, source) = (unique("topo"), unique("topo-src"));
+    let broker: Arc<dyn Broker> = reliq::connect(&url).await?;
+    let (handle, _) = consumer(broker.clone(), &name, &source).await?;
+    let topology = |args: &[&str]| {
+        let mut cmd = reliq();
+        cmd.arg("topology").args(args).args([
+            "--url",
+            &url,
+            "--consumer",
+            &name,
+            "--source",
+            &source,
+        ]);
+        cmd
+    };
+    let plan = json(&mut topology(&["plan", "--retry-tiers", "1s", "--json"]), 0)?;
+    let retry = format!("{source}.{name}.retry.1000ms");
+    ensure!(
+        plan["objects"].as_array().is_some_and(|o| o
+            .iter()
+            .any(|o| o["name"] == retry.as_str() && o["kind"] == "topic")),
+        "{plan}"
+    );
+    // Groups join shortly after start: wait until the check is clean.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, text, err) = run(&mut topology(&[
+            "check",
+            "--retry-tiers",
+            "1s",
+            "--fail-on",
+            "any",
+        ]))?;
+        if code == 0 {
+            ensure!(text.contains("as planned"), "{text}");
+            break;
+        }
+        ensure!(
+            code == 5 && std::time::Instant::now() < deadline,
+            "exit {code}: {text}{err}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let report = json(
+        &mut topology(&["check", "--retry-tiers", "1s,2s", "--json"]),
+        5,
+    )?;
+    let missing = format!("{source}.{name}.retry.2000ms");
+    ensure!(
+        report["drift"].as_array().is_some_and(|d| d
+            .iter()
+            .any(|d| d["object"] == missing.as_str()
+                && d["difference"] == "missing"
+                && d["severity"] == "breaking")),
+        "{report}"
+    );
+    handle.shutdown().await;
+    Ok(())
+}
+
 /// Exit codes and shapes that need no broker (the embedded one, empty in the command's
 /// own process).
 #[test]
@@ -251,6 +317,33 @@ fn exit_codes_without_a_broker() -> anyhow::Result<()> {
     ensure!(code == 4, "show of a missing id: exit {code}");
     let plan = json(&mut memory(&["replay", "--dry-run", "--json"]), 0)?;
     ensure!(plan["matched"] == 0 && plan["dry_run"] == true, "{plan}");
+    // An empty embedded broker: the plan, and every planned object missing (exit 5).
+    let topology = |verb: &str| {
+        let mut cmd = reliq();
+        cmd.args([
+            "topology",
+            verb,
+            "--url",
+            "memory://cli",
+            "--consumer",
+            "c",
+            "--source",
+            "orders",
+            "--json",
+        ]);
+        cmd
+    };
+    let plan = json(&mut topology("plan"), 0)?;
+    ensure!(
+        plan["objects"][0]["name"] == "orders.c" && plan["backend"] == "memory",
+        "{plan}"
+    );
+    let report = json(&mut topology("check"), 5)?;
+    ensure!(
+        report["drift"].as_array().map(Vec::len) == Some(2)
+            && report["drift"][0]["difference"] == "missing",
+        "{report}"
+    );
     let (code, _, err) = run(&mut dlq("foo://x", "c", "orders", &["stats"]))?;
     ensure!(
         code == 2 && err.contains("foo"),

@@ -99,7 +99,8 @@ macro_rules! conformance_suite {
             operator_replay_dry_run_then_at_a_rate,
             operator_edit_and_purge,
             backlog_follows_waiting_in_flight_and_retries,
-            rate_limit_holds_over_a_backlog
+            rate_limit_holds_over_a_backlog,
+            topology_check_names_each_difference_from_the_plan
             $(, $extra)*
         );
     };

@@ -662,3 +662,129 @@ pub async fn backlog_follows_waiting_in_flight_and_retries(b: &dyn Backend) -> a
     );
     Ok(())
 }
+
+/// The topology check ([`reliq_core::Broker::check_topology`]): right after a consumer
+/// subscribed, the broker has its plan exactly (nothing missing, nothing different,
+/// nothing extra). Checked then for a redeployed policy — one retry tier fewer, another
+/// delivery limit — without subscribing it: every setting whose planned value the new
+/// policy changes is named as different, with the old value found and the new one
+/// wanted, at the plan's severity; the dropped tier's queue or topic is named as extra,
+/// empty and cosmetic; nothing else is reported.
+pub async fn topology_check_names_each_difference_from_the_plan(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
+    use reliq_core::topology::{Difference, ObjectKind, Severity};
+    let ctx = Ctx::new(b, "topology").await?;
+    let [short, long] = b.tiers();
+    let mut sub = ctx.subscription("c");
+    sub.retry_tiers = vec![short, long];
+    sub.delivery_limit = 7;
+    let receiver = ctx.broker.subscribe(&sub).await?;
+
+    let plan = ctx.broker.plan(&sub).await.context("plan")?;
+    ensure!(
+        plan.consumer == sub.consumer && plan.source == sub.source && !plan.objects.is_empty(),
+        "{plan:?}"
+    );
+    ensure!(
+        plan.objects
+            .iter()
+            .any(|o| o.name.contains(&sub.dead_letter_name()) || o.role.contains("DLQ")),
+        "the plan has the DLQ: {plan}"
+    );
+    // Groups and consumers join shortly after subscribe returns: wait for the plan.
+    let deadline = Instant::now() + soon(b);
+    let clean = loop {
+        let report = ctx.broker.check_topology(&sub).await.context("check")?;
+        if report.drift.is_empty() || Instant::now() >= deadline {
+            break report;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    ensure!(
+        clean.drift.is_empty(),
+        "just subscribed, yet differs from its plan:\n{clean}"
+    );
+
+    let mut redeployed = sub.clone();
+    redeployed.retry_tiers = vec![short];
+    redeployed.delivery_limit = 9;
+    let new_plan = ctx.broker.plan(&redeployed).await.context("plan")?;
+    // What must differ: each setting whose wanted value changed between the two plans.
+    let mut changed = Vec::new();
+    for o in &new_plan.objects {
+        let Some(old) = plan.object(o.kind, &o.name) else {
+            continue;
+        };
+        for s in &o.settings {
+            let before = old.settings.iter().find(|x| x.key == s.key);
+            if before.is_some_and(|x| x.wanted != s.wanted) {
+                changed.push((o.name.clone(), s.key.clone(), s.severity));
+            }
+        }
+    }
+    // What must be extra: the dropped tier's queue or topic.
+    let dropped: Vec<String> = plan
+        .objects
+        .iter()
+        .filter(|o| matches!(o.kind, ObjectKind::Queue | ObjectKind::Topic))
+        .filter(|o| new_plan.object(o.kind, &o.name).is_none())
+        .map(|o| o.name.clone())
+        .collect();
+    let report = ctx
+        .broker
+        .check_topology(&redeployed)
+        .await
+        .context("check")?;
+    let mut different = Vec::new();
+    let mut extra = Vec::new();
+    for d in &report.drift {
+        match &d.difference {
+            Difference::Different {
+                setting,
+                found,
+                wanted,
+                ..
+            } => {
+                ensure!(
+                    found.is_some() && !wanted.holds(found.as_ref()),
+                    "a difference whose value holds: {d}"
+                );
+                different.push((d.object.clone(), setting.clone(), d.severity));
+            }
+            Difference::Extra { messages, .. } => {
+                ensure!(
+                    d.severity == Severity::Cosmetic && *messages == Some(0),
+                    "an empty stale tier is cosmetic: {d}"
+                );
+                extra.push(d.object.clone());
+            }
+            Difference::Missing { .. } => anyhow::bail!("nothing is missing: {d}"),
+        }
+    }
+    different.sort();
+    changed.sort();
+    extra.sort();
+    let mut dropped = dropped;
+    dropped.sort();
+    ensure!(
+        different == changed,
+        "named {different:?}, the plans differ in {changed:?}:\n{report}"
+    );
+    ensure!(
+        extra == dropped,
+        "extra {extra:?}, dropped {dropped:?}:\n{report}"
+    );
+    if ctx.broker.kind() != "kafka" {
+        // Every broker but Kafka keeps the delivery limit (Kafka's is reliq's own count).
+        ensure!(
+            changed.iter().any(|(_, _, s)| *s == Severity::Breaking),
+            "another delivery limit breaks the contract: {report}"
+        );
+    }
+    if !ctx.broker.capabilities().exact_retry_delay {
+        ensure!(!dropped.is_empty(), "tiers are routes here: {plan}");
+    }
+    receiver.close().await?;
+    Ok(())
+}

@@ -26,6 +26,7 @@ use crate::dead_letters::DeadLetters;
 use crate::envelope::Envelope;
 use crate::headers::{self, Origin};
 use crate::message::{Headers, Message, MessageId};
+use crate::topology::{LiveTopology, Plan, TopologyReport};
 
 /// Errors a backend reports. Each keeps the client error that caused it, where there was
 /// one, as its [`source`](std::error::Error::source); the built-in [`Classifier`] reads
@@ -622,6 +623,31 @@ pub trait Broker: Send + Sync + 'static {
     /// few seconds. The subscription's topology must exist: a missing queue or stream is
     /// an error, never a zero.
     async fn backlog(&self, subscription: &Subscription) -> Result<Backlog, BrokerError>;
+
+    /// The objects and settings a consumer with this subscription needs at the broker —
+    /// what [`Broker::subscribe`] declares, and the settings that change what the broker
+    /// does to its messages (see [`topology`](crate::topology)). Reads nothing that
+    /// changes; may ask the broker for its version.
+    async fn plan(&self, subscription: &Subscription) -> Result<Plan, BrokerError>;
+
+    /// The planned objects as the broker has them now, and this consumer's objects the
+    /// plan does not have (an earlier policy's retry tiers, with what they hold).
+    /// Changes nothing.
+    async fn inspect(
+        &self,
+        subscription: &Subscription,
+        plan: &Plan,
+    ) -> Result<LiveTopology, BrokerError>;
+
+    /// The plan and every difference the broker has from it.
+    async fn check_topology(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<TopologyReport, BrokerError> {
+        let plan = self.plan(subscription).await?;
+        let live = self.inspect(subscription, &plan).await?;
+        Ok(TopologyReport::new(plan, &live))
+    }
 
     /// Deliver `message` to this consumer only (not to every consumer of its source),
     /// confirmed. Used by replay. Backends without a per-consumer input return

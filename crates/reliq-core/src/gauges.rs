@@ -28,6 +28,8 @@ pub struct BacklogGauges {
     broker: Arc<dyn Broker>,
     consumers: Vec<Watched>,
     interval: Duration,
+    /// How often the topology is checked (`reliq_topology_drift`); `None`: never.
+    topology_every: Option<Duration>,
 }
 
 struct Watched {
@@ -36,6 +38,8 @@ struct Watched {
     /// Registered up front, so a scrape shows 0 before the first failure (an alert on
     /// its rate needs the series to exist).
     poll_failures: metrics::Counter,
+    /// When the topology was last checked.
+    topology_checked: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
 impl std::fmt::Debug for BacklogGauges {
@@ -70,15 +74,25 @@ impl BacklogGauges {
                         "consumer" => sub.consumer.clone(), "source" => sub.source.clone()),
                     sub,
                     dlq: tokio::sync::Mutex::new(None),
+                    topology_checked: std::sync::Mutex::new(None),
                 })
                 .collect(),
             interval: Duration::from_secs(15),
+            topology_every: None,
         }
     }
 
     /// Poll every `interval` instead (also each read's time limit).
     pub fn every(mut self, interval: Duration) -> Self {
         self.interval = interval;
+        self
+    }
+
+    /// Also check each consumer's topology against its plan
+    /// ([`Broker::check_topology`]) at the first poll and then every `every`, and set
+    /// `reliq_topology_drift` (a check that fails is logged and tried at the next poll).
+    pub fn check_topology_every(mut self, every: Duration) -> Self {
+        self.topology_every = Some(every);
         self
     }
 
@@ -92,6 +106,7 @@ impl BacklogGauges {
                 ("consumer", w.sub.consumer.clone()),
                 ("source", w.sub.source.clone()),
             ];
+            self.check_topology_if_due(w).await;
             match read.unwrap_or(Err(BrokerError::Timeout(self.interval))) {
                 Ok((backlog, dlq)) => {
                     set(&labels, &backlog, dlq);
@@ -122,6 +137,27 @@ impl BacklogGauges {
                 _ = stop.cancelled() => return,
                 _ = self.poll() => {}
             }
+        }
+    }
+
+    async fn check_topology_if_due(&self, w: &Watched) {
+        let Some(every) = self.topology_every else {
+            return;
+        };
+        let now = tokio::time::Instant::now();
+        let due = crate::lock(&w.topology_checked).is_none_or(|t| now >= t + every);
+        if !due {
+            return;
+        }
+        match tokio::time::timeout(self.interval, self.broker.check_topology(&w.sub)).await {
+            Ok(Ok(report)) => {
+                report.record();
+                *crate::lock(&w.topology_checked) = Some(now);
+            }
+            Ok(Err(e)) => tracing::warn!(consumer = %w.sub.consumer, source = %w.sub.source,
+                error = %crate::ErrorChain(&e), "checking the topology failed"),
+            Err(_) => tracing::warn!(consumer = %w.sub.consumer, source = %w.sub.source,
+                "checking the topology took longer than the poll interval"),
         }
     }
 

@@ -64,6 +64,7 @@ pub mod replay;
 pub mod retry;
 pub mod seam;
 pub mod telemetry;
+pub mod topology;
 
 pub use backlog::{Backlog, TierBacklog};
 pub use batch::{Batch, BatchError};
@@ -95,3 +96,12 @@ pub use replay::{
 };
 pub use retry::{Decision, Failure, FinalRoute, PanicAction, PolicyError, RetryPolicy, Schedule};
 pub use telemetry::Clock;
+
+/// Lock `m`, taking the value of a poisoned lock (a panic elsewhere leaves plain data).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+pub use topology::{
+    Difference, Drift, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan,
+    PlannedObject, Setting, Severity, StartupCheck, TopologyReport, Wanted,
+};

@@ -159,6 +159,18 @@ impl Broker for MeteredBroker {
         self.inner.backlog(subscription).await
     }
 
+    async fn plan(&self, subscription: &Subscription) -> Result<crate::Plan, BrokerError> {
+        self.inner.plan(subscription).await
+    }
+
+    async fn inspect(
+        &self,
+        subscription: &Subscription,
+        plan: &crate::Plan,
+    ) -> Result<crate::LiveTopology, BrokerError> {
+        self.inner.inspect(subscription, plan).await
+    }
+
     async fn send_to_consumer(
         &self,
         subscription: &Subscription,
@@ -202,6 +214,18 @@ mod tests {
             Err(BrokerError::Closed)
         }
         async fn backlog(&self, _: &Subscription) -> Result<Backlog, BrokerError> {
+            Err(BrokerError::Closed)
+        }
+
+        async fn plan(&self, _: &Subscription) -> Result<crate::Plan, BrokerError> {
+            Err(BrokerError::Closed)
+        }
+
+        async fn inspect(
+            &self,
+            _: &Subscription,
+            _: &crate::Plan,
+        ) -> Result<crate::LiveTopology, BrokerError> {
             Err(BrokerError::Closed)
         }
     }

@@ -26,6 +26,7 @@
 //! # Ok(()) }
 //! ```
 
+use crate::lock;
 use std::collections::HashSet;
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -742,8 +743,4 @@ impl Tally {
         self.scanned.store(scanned, Relaxed);
         self.matched.store(matched, Relaxed);
     }
-}
-
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

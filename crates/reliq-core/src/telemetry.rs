@@ -78,6 +78,14 @@
 //! | `reliq_backlog_last_poll_timestamp_seconds` | gauge | (the last poll that read everything: a stale one means the gauges are old) |
 //! | `reliq_backlog_poll_failures_total` | counter | |
 //!
+//! The topology check ([`TopologyReport::record`](crate::topology::TopologyReport::record):
+//! a consumer's start-up check, the poller's check every few polls) sets, with `consumer`
+//! and `source`:
+//!
+//! | name | type | extra labels |
+//! |---|---|---|
+//! | `reliq_topology_drift` | gauge | `severity` = `breaking\|cosmetic` (differences from the plan) |
+//!
 //! And the Kafka producer's buffer, `reliq_producer_buffer_ratio` (gauge, `backend`): the
 //! share of `queue.buffering.max.messages` in use after each publish.
 
@@ -246,6 +254,8 @@ pub const DLQ_OLDEST_AGE: &str = "reliq_dlq_oldest_age_seconds";
 pub const BACKLOG_LAST_POLL: &str = "reliq_backlog_last_poll_timestamp_seconds";
 /// `reliq_backlog_poll_failures_total`
 pub const BACKLOG_POLL_FAILURES: &str = "reliq_backlog_poll_failures_total";
+/// `reliq_topology_drift`
+pub const TOPOLOGY_DRIFT: &str = "reliq_topology_drift";
 
 /// Histogram buckets for reliq's `*_seconds` histograms (handler and publish durations):
 /// 1 ms to 60 s, so `histogram_quantile(0.99, …)` is meaningful in alert rules. Give them
@@ -287,6 +297,7 @@ pub const ALL_METRICS: &[&str] = &[
     DLQ_OLDEST_AGE,
     BACKLOG_LAST_POLL,
     BACKLOG_POLL_FAILURES,
+    TOPOLOGY_DRIFT,
 ];
 
 /// A settlement operation, for `reliq_settle_failures_total`.

@@ -210,6 +210,18 @@ impl Broker for KafkaBroker {
     }
 
     /// The group's lag on the source and each relay group's on its retry topic.
+    async fn plan(&self, subscription: &Subscription) -> Result<reliq_core::Plan, BrokerError> {
+        Ok(crate::topology::plan(subscription, &self.inner.config))
+    }
+
+    async fn inspect(
+        &self,
+        subscription: &Subscription,
+        plan: &reliq_core::Plan,
+    ) -> Result<reliq_core::LiveTopology, BrokerError> {
+        self.inner.inspect(subscription, plan).await
+    }
+
     async fn backlog(
         &self,
         subscription: &Subscription,

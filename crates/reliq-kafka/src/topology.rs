@@ -129,3 +129,323 @@ impl Inner {
             .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
     }
 }
+
+/// Kafka's own `cleanup.policy`, `retention.ms`, … as `DescribeConfigs` names them; the
+/// partition count and the replication factor (`partitions`, `replication.factor`) come
+/// from the metadata.
+mod plan {
+    use std::time::Duration;
+
+    use reliq_core::{ObjectKind, Plan, PlannedObject, Severity, Subscription, Wanted};
+
+    use crate::names::{ledger_topic, relay_group};
+    use crate::options::{KafkaConfig, RetryMode};
+
+    pub(crate) const PARTITIONS: &str = "partitions";
+    pub(crate) const REPLICATION: &str = "replication.factor";
+    /// The topic configs a plan may name (what `DescribeConfigs` is asked for).
+    pub(crate) const CONFIGS: &[&str] = &["cleanup.policy", "retention.ms", "retention.bytes"];
+
+    fn millis(d: Duration) -> i64 {
+        i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    fn replicated(object: PlannedObject, config: &KafkaConfig) -> PlannedObject {
+        object.with(
+            REPLICATION,
+            Wanted::AtLeast(i64::from(config.replication)),
+            Severity::Breaking,
+            "a confirmed record lives on fewer brokers than `reliq.replication` asks for",
+        )
+    }
+
+    fn deleted_not_compacted(object: PlannedObject, what: &str) -> PlannedObject {
+        object.with(
+            "cleanup.policy",
+            Wanted::equals("delete"),
+            Severity::Breaking,
+            format!("compaction keeps only the last {what} of each key"),
+        )
+    }
+
+    /// What a consumer of `sub` needs: the source, a retry topic per tier (non-blocking
+    /// retries), the DLQ and its removal ledger; the group and the relay groups are made
+    /// when they first join.
+    pub(crate) fn plan(sub: &Subscription, config: &KafkaConfig) -> Plan {
+        let group = |g: &str| format!("{}{g}", config.group_prefix);
+        let mut plan = Plan::new("kafka", sub)
+            .with(replicated(
+                PlannedObject::new(ObjectKind::Topic, &sub.source, "source topic"),
+                config,
+            ))
+            .with(
+                PlannedObject::new(
+                    ObjectKind::ConsumerGroup,
+                    group(&sub.consumer),
+                    "the consumer's group",
+                )
+                .made_on_first_use(),
+            );
+        if config.retry_mode == RetryMode::Topics {
+            for delay in &sub.retry_tiers {
+                let tier = reliq_core::topology::duration_text(*delay);
+                let topic = PlannedObject::new(
+                    ObjectKind::Topic,
+                    sub.retry_name(*delay),
+                    format!("retry tier {tier}"),
+                )
+                .with(
+                    "retention.ms",
+                    Wanted::AtLeast(millis(*delay)),
+                    Severity::Breaking,
+                    format!("retries are deleted before their {tier} delay is over"),
+                )
+                .with(
+                    PARTITIONS,
+                    Wanted::equals(config.partitions),
+                    Severity::Cosmetic,
+                    "the tier's relay runs on another number of partitions than `reliq.partitions`",
+                );
+                plan = plan
+                    .with(replicated(deleted_not_compacted(topic, "retry"), config))
+                    .with(
+                        PlannedObject::new(
+                            ObjectKind::ConsumerGroup,
+                            group(&relay_group(sub, *delay)),
+                            format!("relay of retry tier {tier}"),
+                        )
+                        .made_on_first_use(),
+                    );
+            }
+        }
+        let dlq = sub.dead_letter_name();
+        let forever = "dead letters are deleted before anyone replays them";
+        let dead_letters = PlannedObject::new(ObjectKind::Topic, &dlq, "the DLQ")
+            .with(
+                "retention.ms",
+                Wanted::equals(-1),
+                Severity::Breaking,
+                forever,
+            )
+            .with(
+                "retention.bytes",
+                Wanted::equals(-1),
+                Severity::Breaking,
+                forever,
+            );
+        let ledger = PlannedObject::new(
+            ObjectKind::Topic,
+            ledger_topic(&dlq),
+            "removal ledger of the DLQ",
+        )
+        .with(
+            "cleanup.policy",
+            Wanted::equals("compact"),
+            Severity::Breaking,
+            "removal records are deleted by retention: removed dead letters are listed and replayed again",
+        );
+        plan.with(replicated(
+            deleted_not_compacted(dead_letters, "dead letter"),
+            config,
+        ))
+        .with(replicated(ledger, config))
+        .not_checking(
+            "the source topic's partitions and retention (its owner's choice), ACLs, and \
+             the brokers' min.insync.replicas",
+        )
+    }
+}
+
+pub(crate) use plan::plan;
+
+use reliq_core::{ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan, Severity};
+
+use crate::backlog::{LAG_WAIT, group_lag};
+use crate::names::{relay_group, retry_tier};
+use crate::options::RetryMode;
+
+fn config_source(source: &rdkafka::admin::ConfigSource) -> Option<String> {
+    use rdkafka::admin::ConfigSource as S;
+    match source {
+        S::DynamicTopic => None,
+        S::Default => Some("Kafka's default".into()),
+        S::StaticBroker => Some("broker config (server.properties)".into()),
+        S::DynamicBroker | S::DynamicDefaultBroker => Some("dynamic broker config".into()),
+        S::Unknown => Some("unknown source".into()),
+    }
+}
+
+/// A topic as the metadata has it.
+struct TopicShape {
+    name: String,
+    partitions: usize,
+    replication: usize,
+}
+
+impl Inner {
+    /// The planned topics and groups as the cluster has them, and this consumer's retry
+    /// topics the plan has no tier for (with the records their relay group has not
+    /// consumed).
+    pub(crate) async fn inspect(
+        self: &std::sync::Arc<Self>,
+        sub: &reliq_core::Subscription,
+        plan: &Plan,
+    ) -> Result<LiveTopology, BrokerError> {
+        let inner = self.clone();
+        let sub_ = sub.clone();
+        let planned_groups: Vec<String> = plan
+            .objects
+            .iter()
+            .filter(|o| o.kind == ObjectKind::ConsumerGroup)
+            .map(|o| o.name.clone())
+            .collect();
+        let (topics, groups) = tokio::task::spawn_blocking(move || {
+            let client = inner.route_producer.client();
+            let metadata = client.fetch_metadata(None, LAG_WAIT).map_err(|e| {
+                BrokerError::connection(format!("reading the cluster's topics: {e}")).caused_by(e)
+            })?;
+            let topics: Vec<TopicShape> = metadata
+                .topics()
+                .iter()
+                .filter(|t| t.error().is_none() && !t.partitions().is_empty())
+                .map(|t| TopicShape {
+                    name: t.name().to_owned(),
+                    partitions: t.partitions().len(),
+                    replication: t
+                        .partitions()
+                        .iter()
+                        .map(|p| p.replicas().len())
+                        .min()
+                        .unwrap_or(0),
+                })
+                .collect();
+            let mut groups = Vec::new();
+            for g in planned_groups {
+                let list = client.fetch_group_list(Some(&g), LAG_WAIT).map_err(|e| {
+                    BrokerError::connection(format!("describing group `{g}`: {e}")).caused_by(e)
+                })?;
+                // An unknown group is described as `Dead`.
+                if list
+                    .groups()
+                    .iter()
+                    .any(|i| i.name() == g && i.state() != "Dead")
+                {
+                    groups.push(g);
+                }
+            }
+            Ok::<_, BrokerError>((topics, groups))
+        })
+        .await
+        .map_err(|e| BrokerError::Other(Box::new(e)))??;
+
+        let mut live = LiveTopology::default();
+        for g in groups {
+            live.push(ObjectKind::ConsumerGroup, g, LiveObject::default());
+        }
+        let planned: Vec<&TopicShape> = topics
+            .iter()
+            .filter(|t| plan.object(ObjectKind::Topic, &t.name).is_some())
+            .collect();
+        let configs = self.topic_configs(&planned).await?;
+        for (t, object) in planned.iter().zip(configs) {
+            live.push(
+                ObjectKind::Topic,
+                &t.name,
+                object
+                    .with(plan::PARTITIONS, Found::own(t.partitions))
+                    .with(plan::REPLICATION, Found::own(t.replication)),
+            );
+        }
+        for t in &topics {
+            let Some(delay) = retry_tier(&sub_, &t.name) else {
+                continue;
+            };
+            if plan.object(ObjectKind::Topic, &t.name).is_some() {
+                continue;
+            }
+            let inner = self.clone();
+            let (group, topic) = (relay_group(&sub_, delay), t.name.clone());
+            let lag = tokio::task::spawn_blocking(move || group_lag(&inner, &group, &topic))
+                .await
+                .map_err(|e| BrokerError::Other(Box::new(e)))??;
+            let drained = self.config.retry_mode == RetryMode::Topics;
+            let (severity, note) = match (lag, drained) {
+                (0, _) => (
+                    Severity::Cosmetic,
+                    "a retry tier of an earlier policy, empty: delete it".to_owned(),
+                ),
+                (_, true) => (
+                    Severity::Cosmetic,
+                    "a retry tier of an earlier policy: the consumer relays what it holds \
+                     until it is empty, then it can be deleted"
+                        .to_owned(),
+                ),
+                (_, false) => (
+                    Severity::Breaking,
+                    "a retry tier of an earlier policy: blocking retries run no relay, so \
+                     what it holds is never delivered"
+                        .to_owned(),
+                ),
+            };
+            live.extra.push(ExtraObject {
+                kind: ObjectKind::Topic,
+                name: t.name.clone(),
+                messages: Some(lag),
+                severity,
+                note,
+            });
+        }
+        Ok(live)
+    }
+
+    /// The planned configs of `topics`, each with who set it.
+    async fn topic_configs(&self, topics: &[&TopicShape]) -> Result<Vec<LiveObject>, BrokerError> {
+        use rdkafka::admin::ResourceSpecifier;
+        if topics.is_empty() {
+            return Ok(Vec::new());
+        }
+        let specifiers: Vec<ResourceSpecifier<'_>> = topics
+            .iter()
+            .map(|t| ResourceSpecifier::Topic(&t.name))
+            .collect();
+        let results = self
+            .admin
+            .describe_configs(
+                &specifiers,
+                &AdminOptions::new().request_timeout(Some(ADMIN_TIMEOUT)),
+            )
+            .await
+            .map_err(|e| {
+                BrokerError::connection(format!("describing topic configs: {e}")).caused_by(e)
+            })?;
+        topics
+            .iter()
+            .zip(results)
+            .map(|(t, r)| {
+                let resource = r.map_err(|code| {
+                    BrokerError::connection(format!(
+                        "describing the configs of topic `{}`: {code}",
+                        t.name
+                    ))
+                })?;
+                let mut object = LiveObject::default();
+                for entry in resource
+                    .entries
+                    .iter()
+                    .filter(|e| plan::CONFIGS.contains(&e.name.as_str()))
+                {
+                    if let Some(value) = &entry.value {
+                        object = object.with(
+                            entry.name.clone(),
+                            Found {
+                                value: value.clone().into(),
+                                set_by: config_source(&entry.source),
+                            },
+                        );
+                    }
+                }
+                Ok(object)
+            })
+            .collect()
+    }
+}

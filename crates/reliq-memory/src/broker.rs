@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use reliq_core::{
-    Backlog, Broker, BrokerError, Capabilities, DeadLetters, Destination, Message, Receiver,
-    Subscription,
+    Backlog, Broker, BrokerError, Capabilities, DeadLetters, Destination, LiveObject, LiveTopology,
+    Message, ObjectKind, Plan, PlannedObject, Receiver, Severity, Subscription, Wanted,
 };
 
 use crate::dead_letters::MemoryDeadLetters;
@@ -115,6 +115,9 @@ impl MemoryBroker {
     }
 }
 
+const FILTER: &str = "filter";
+const DELIVERY_LIMIT: &str = "delivery limit";
+
 #[async_trait]
 impl Broker for MemoryBroker {
     fn kind(&self) -> &'static str {
@@ -187,6 +190,53 @@ impl Broker for MemoryBroker {
             what: "dead letters of a dead-letter queue",
         })?;
         Ok(Box::new(MemoryDeadLetters { dlq }))
+    }
+
+    /// The group's queue (its filter and delivery limit are fixed by the first
+    /// subscription that made it) and its DLQ.
+    async fn plan(&self, subscription: &Subscription) -> Result<Plan, BrokerError> {
+        let queue = format!("{}.{}", subscription.source, subscription.consumer);
+        Ok(Plan::new("memory", subscription)
+            .with(
+                PlannedObject::new(ObjectKind::Queue, queue, "consumer queue")
+                    .with(
+                        FILTER,
+                        Wanted::equals(subscription.filter.clone().unwrap_or_else(|| "#".into())),
+                        Severity::Breaking,
+                        "the group receives other messages than its subscription asks for",
+                    )
+                    .with(
+                        DELIVERY_LIMIT,
+                        Wanted::equals(subscription.delivery_limit),
+                        Severity::Breaking,
+                        "a crash loop is dead-lettered at another count",
+                    ),
+            )
+            .with(PlannedObject::new(
+                ObjectKind::Queue,
+                subscription.dead_letter_name(),
+                "the DLQ",
+            )))
+    }
+
+    async fn inspect(
+        &self,
+        subscription: &Subscription,
+        _plan: &Plan,
+    ) -> Result<LiveTopology, BrokerError> {
+        let mut live = LiveTopology::default();
+        if let Some(queue) = self.existing_group(subscription) {
+            let filter = queue.filter.clone().unwrap_or_else(|| "#".into());
+            let mut object = LiveObject::default().with(FILTER, reliq_core::Found::own(filter));
+            if let Some(limit) = queue.delivery_limit {
+                object = object.with(DELIVERY_LIMIT, reliq_core::Found::own(limit));
+            }
+            live.push(ObjectKind::Queue, queue.name.clone(), object);
+            if let Some(dlq) = &queue.dlq {
+                live.push(ObjectKind::Queue, dlq.name.clone(), LiveObject::default());
+            }
+        }
+        Ok(live)
     }
 
     /// Ready messages, unsettled deliveries, and the delayed ones (retries, and the

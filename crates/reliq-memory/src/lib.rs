@@ -19,6 +19,7 @@
 //! | delivery limit | a message handed out more than `delivery_limit` times without being settled (a crash loop) goes to the DLQ with a dead-letter record, reason `max-deliveries`; while the DLQ refuses, it stays at the head of the queue |
 //! | dead_letters | the DLQ read in place, in arrival order: **browse** from a cursor (the queue position of the last entry read, as text); **get** the oldest entry with an id; **remove** the oldest copy per id given; **count** with the oldest `reliq-dead-lettered-at` |
 //! | backlog | ready (and due) entries waiting, unsettled in flight, the rest of the timer's entries as retries |
+//! | plan / inspect | the group's queue (its filter and delivery limit, fixed by the subscription that made it) and its DLQ |
 //! | send_to_consumer (replay) | onto that group's queue only; a group that does not exist → `Unroutable` |
 //!
 //! Capabilities: rejects unroutable publishes, exact retry delays, a delivery limit and

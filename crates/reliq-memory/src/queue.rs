@@ -94,7 +94,7 @@ pub(crate) struct Queue {
     pub(crate) name: String,
     /// The source topic, shared with every delivery's origin (not copied per delivery).
     pub(crate) topic: Arc<str>,
-    filter: Option<String>,
+    pub(crate) filter: Option<String>,
     pub(crate) delivery_limit: Option<u32>,
     pub(crate) dlq: Option<Arc<Queue>>,
     state: Mutex<QueueState>,

@@ -17,8 +17,7 @@ use crate::codec::to_nats_headers;
 use crate::dead_letters::NatsDeadLetters;
 use crate::error::{api, connection};
 use crate::names::{
-    consumer_name, dead_letter_stream, dead_letter_subject, filter_subjects, retry_subjects,
-    stream_name, subject,
+    consumer_name, dead_letter_stream, dead_letter_subject, retry_subjects, stream_name, subject,
 };
 use crate::options::{ExistingConsumer, NatsOptions};
 use crate::receiver::{NatsReceiver, Pulls};
@@ -289,15 +288,7 @@ impl NatsBroker {
         sub: &Subscription,
     ) -> Result<jetstream::consumer::Consumer<pull::Config>, BrokerError> {
         let stream = self.source_stream(sub).await?;
-        let wanted = pull::Config {
-            durable_name: Some(consumer_name(&sub.consumer)),
-            ack_policy: jetstream::consumer::AckPolicy::Explicit,
-            ack_wait: sub.lease,
-            max_deliver: i64::from(sub.delivery_limit),
-            max_ack_pending: i64::from(sub.prefetch) + i64::from(self.inner.options.retry_headroom),
-            filter_subjects: filter_subjects(sub),
-            ..Default::default()
-        };
+        let wanted = crate::topology::wanted_consumer(sub, &self.inner.options);
         let name = consumer_name(&sub.consumer);
         match stream.consumer_info(&name).await {
             Ok(existing) => {
@@ -448,6 +439,18 @@ impl Broker for NatsBroker {
         subscription: &Subscription,
     ) -> Result<reliq_core::Backlog, BrokerError> {
         self.read_backlog(subscription).await
+    }
+
+    async fn plan(&self, subscription: &Subscription) -> Result<reliq_core::Plan, BrokerError> {
+        Ok(crate::topology::plan(subscription, &self.inner.options))
+    }
+
+    async fn inspect(
+        &self,
+        subscription: &Subscription,
+        _plan: &reliq_core::Plan,
+    ) -> Result<reliq_core::LiveTopology, BrokerError> {
+        crate::topology::inspect(&self.inner.js, subscription).await
     }
 
     async fn dead_letters(

@@ -14,6 +14,7 @@
 //! | attempt | the delivery count in the message metadata; on a retry copy, the attempt it was retried at plus its own redeliveries |
 //! | dead_letters | the DLQ stream read without a consumer: **browse** = direct gets of the next message on the DLQ subject from a stream sequence (nothing acked, delivered or moved; cursor = the next stream sequence, text); **get** = a browse for the id (the oldest copy); **remove** = `STREAM.MSG.DELETE` of the entry's sequence, confirmed by the server (oldest copy first; a sequence already gone is skipped); **count** = the stream's message count + the first entry's `reliq-dead-lettered-at` (one read) |
 //! | backlog | the consumer's `num_pending` (due retries included) and `num_ack_pending`; retries waiting: the schedules on `retry.<stream>.<consumer>.at.>`, counted from the stream's per-subject totals |
+//! | plan / inspect | the source stream (subjects, message schedules, no age/count/size limit, file storage), the DLQ stream (the same limits) and the durable consumer (`ack_policy`, `max_deliver`, filter subjects; `ack_wait`, `max_ack_pending` cosmetic), from `STREAM.INFO` and `CONSUMER.INFO` |
 //! | crash loop | `max_deliver` (per stream message: the original and each retry copy); an **advisory relay** turns `MAX_DELIVERIES` advisories into DLQ entries (reason `max-deliveries`), and `MSG_TERMINATED` advisories of terminations by other clients (reliq's own `+TERM reliq` are skipped) into entries with reason `permanent`, idempotently (`Nats-Msg-Id`) |
 //!
 //! Why retries are scheduled messages, not `NakWithDelay`: a message naked with a delay
@@ -51,6 +52,7 @@ mod names;
 mod options;
 mod receiver;
 mod relay;
+mod topology;
 
 pub use broker::NatsBroker;
 pub use codec::KEY_HEADER;

@@ -25,12 +25,7 @@ pub(crate) async fn backlog(inner: &Inner, sub: &Subscription) -> Result<Backlog
     }
     let in_flight = match &inner.management {
         Some(api) => {
-            let vhost = inner
-                .url
-                .parse::<lapin::uri::AMQPUri>()
-                .map(|u| u.vhost)
-                .unwrap_or_else(|_| "/".to_owned());
-            let stats = api.queue(&vhost, &names.queue).await?;
+            let stats = api.queue(&inner.vhost(), &names.queue).await?;
             // Absent until the statistics collector has seen the queue once.
             Some(stats["messages_unacknowledged"].as_u64().unwrap_or(0))
         }
@@ -44,6 +39,17 @@ pub(crate) async fn backlog(inner: &Inner, sub: &Subscription) -> Result<Backlog
 /// The ready messages of `queue` (passive declare: a missing queue is an error, and
 /// closes only the short-lived channel it was asked on).
 async fn ready(inner: &Inner, queue: &str) -> Result<u64, BrokerError> {
+    message_count(inner, queue).await?.ok_or_else(|| {
+        BrokerError::Unroutable(format!(
+            "queue `{queue}` does not exist (subscribe once to declare it)"
+        ))
+    })
+}
+
+/// The ready messages of `queue` now, `None` when it does not exist (a passive declare:
+/// exact, unlike the management API's counters; a 404 closes only the short-lived
+/// channel it was asked on).
+pub(crate) async fn message_count(inner: &Inner, queue: &str) -> Result<Option<u64>, BrokerError> {
     let ch = inner.channel().await?;
     let declared = ch
         .queue_declare(
@@ -54,16 +60,13 @@ async fn ready(inner: &Inner, queue: &str) -> Result<u64, BrokerError> {
             },
             FieldTable::default(),
         )
-        .await
-        .map_err(|e| {
-            if reply_code(&e) == Some(404) {
-                BrokerError::Unroutable(format!(
-                    "queue `{queue}` does not exist (subscribe once to declare it)"
-                ))
-            } else {
-                RabbitError::client("reading a queue's depth", e)
-            }
-        })?;
-    let _ = ch.close(200, "ok".into()).await;
-    Ok(u64::from(declared.message_count()))
+        .await;
+    match declared {
+        Ok(d) => {
+            let _ = ch.close(200, "ok".into()).await;
+            Ok(Some(u64::from(d.message_count())))
+        }
+        Err(e) if reply_code(&e) == Some(404) => Ok(None),
+        Err(e) => Err(RabbitError::client("reading a queue's depth", e)),
+    }
 }

@@ -52,6 +52,14 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// The virtual host of the URL (`/` when it names none, or cannot be parsed).
+    pub(crate) fn vhost(&self) -> String {
+        self.url
+            .parse::<lapin::uri::AMQPUri>()
+            .map(|u| u.vhost)
+            .unwrap_or_else(|_| "/".to_owned())
+    }
+
     async fn connect_once(&self) -> Result<Connection, lapin::Error> {
         Connection::connect(
             &self.url,
@@ -410,11 +418,12 @@ impl RabbitBroker {
         }
     }
 
-    /// What [`Broker::subscribe`] declares for `sub` and the equivalent policies (see
-    /// [`plan`](crate::plan)), for the probed server version.
-    pub async fn plan(&self, sub: &Subscription) -> String {
+    /// What [`Broker::subscribe`] declares for `sub` and the equivalent policies as
+    /// `rabbitmqctl` commands (see [`plan_text`](crate::plan_text)), for the probed server
+    /// version. [`Broker::plan`] is the same plan as data.
+    pub async fn plan_text(&self, sub: &Subscription) -> String {
         let version = self.server_version().await;
-        topology::plan(sub, &self.inner.opts, version.as_deref())
+        topology::plan_text(sub, &self.inner.opts, version.as_deref())
     }
 }
 
@@ -470,6 +479,20 @@ impl Broker for RabbitBroker {
         Ok(Box::new(
             RabbitDeadLetters::open(self.inner.clone(), subscription).await?,
         ))
+    }
+
+    async fn plan(&self, subscription: &Subscription) -> Result<reliq_core::Plan, BrokerError> {
+        Ok(topology::plan(subscription, &self.inner.opts))
+    }
+
+    /// Through the management API (a config error naming `reliq.management` without
+    /// one), and a passive declare for what a stale retry queue holds.
+    async fn inspect(
+        &self,
+        subscription: &Subscription,
+        plan: &reliq_core::Plan,
+    ) -> Result<reliq_core::LiveTopology, BrokerError> {
+        topology::inspect(&self.inner, subscription, plan).await
     }
 
     /// Ready messages of the consumer queue and each TTL queue; unacknowledged ones from

@@ -8,7 +8,7 @@
 //!
 //! | seam | RabbitMQ |
 //! |---|---|
-//! | topology | per consumer, from the [`Subscription`]: topic exchange `source` (durable); quorum queue `<source>.<consumer>` bound with the filter (or `#`); one TTL queue per retry tier ([`Subscription::retry_name`]) dead-lettering through the default exchange to *this consumer's queue only*; the dead-letter stream `<source>.<consumer>.dlq.stream` (the DLQ), its removal ledger `….dlq.removed` (a stream) and the landing queue [`Subscription::dead_letter_name`] (`….dlq`, the consumer queue's dead-letter target). See [`plan`] and [`Names`]. |
+//! | topology | per consumer, from the [`Subscription`]: topic exchange `source` (durable); quorum queue `<source>.<consumer>` bound with the filter (or `#`); one TTL queue per retry tier ([`Subscription::retry_name`]) dead-lettering through the default exchange to *this consumer's queue only*; the dead-letter stream `<source>.<consumer>.dlq.stream` (the DLQ), its removal ledger `….dlq.removed` (a stream) and the landing queue [`Subscription::dead_letter_name`] (`….dlq`, the consumer queue's dead-letter target). See [`plan_text`], [`Names`] and [`Broker::plan`]. |
 //! | `publish` | publisher confirms + `mandatory`, persistent; `basic.return` → [`BrokerError::Unroutable`], nack → [`BrokerError::Rejected`], no confirm in time → [`BrokerError::Timeout`]; a missing exchange (channel close 404) → `Unroutable`, and the channel is reopened |
 //! | `receive` | one channel per receiver, `basic.qos(prefetch)`, `basic.consume` with manual ack |
 //! | `ack` | `basic.ack` |
@@ -20,6 +20,7 @@
 //! | delivery limit | quorum `x-delivery-limit` = [`Subscription::delivery_limit`]; the broker dead-letters (at-least-once) to the landing queue; the running consumer (a relay beside its receiver) and every dead-letter reader call move each landed message into the stream with a reliq [`DeadLetter`](reliq_core::DeadLetter) record made from its `x-death` (reason `max-deliveries`, the move's time, queue, exchange and routing key) — confirmed, *then* acked on the landing queue |
 //! | `dead_letters` ([`RabbitDeadLetters`]) | **browse**: a stream consumer (`x-stream-offset` = the cursor, manual ack, prefetch 512) on its own channel; an ack on a stream removes nothing, so a browse changes no depth, order or delivery count; the cursor is the next stream offset; the end is the last chunk's first offset (probed with `x-stream-offset=last`) plus the rest of that chunk. **remove**: the `(offset, id)` pairs of the oldest entries with those ids are appended to the removal ledger, confirmed before it returns; browse, get and count skip what the ledger names. **count**: a read of the stream less the ledger, with the oldest `reliq-dead-lettered-at`. **get**: a read from the start. Each call first moves what sits in the landing queue into the stream. |
 //! | `backlog` | `waiting`: the consumer queue's ready count and each TTL queue's, by passive `queue.declare` (live); `in_flight`: the queue's `messages_unacknowledged` from the management API when [`RabbitOptions::management_url`] is set (it trails by the statistics interval). |
+//! | `plan` / `inspect` | the exchange, queues, streams and binding of the topology row, each planned argument resolved from the queue's arguments and the matching policy and operator policy (management API: `inspect` needs [`RabbitOptions::management_url`]); retry queues of earlier policies, with a passive declare's message count, as extra objects |
 //! | `send_to_consumer` (replay) | publish to the default exchange with routing key = the consumer's queue |
 //!
 //! ### The dead-letter stream
@@ -69,7 +70,7 @@
 //! equal or higher priority matches the queue (an operator's broader policy would
 //! otherwise silently replace reliq's and drop the delivery limit). Without a management URL they are queue arguments, which cannot be
 //! changed on an existing queue: redeclaring it with another delivery limit fails with
-//! [`BrokerError::Config`] (PRECONDITION_FAILED). [`plan`] prints both forms, for
+//! [`BrokerError::Config`] (PRECONDITION_FAILED). [`plan_text`] prints both forms, for
 //! operators who manage policies themselves.
 //!
 //! **Broker setting for operators**: a tier hands an expired message back to its source
@@ -156,7 +157,7 @@ pub use error::RabbitError;
 pub use management::{Management, Policy, encode_segment};
 pub use names::{Names, queue_name};
 pub use options::{QueueSettings, QueueType, RabbitOptions, Reconnect};
-pub use topology::{knows_quorum_apply_to, plan, rabbit_delivery_limit};
+pub use topology::{knows_quorum_apply_to, plan_text, rabbit_delivery_limit};
 
 /// The URL schemes this backend serves (`reliq::connect` dispatches on them).
 pub const SCHEMES: &[&str] = &["amqp", "amqps"];

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use backon::{BackoffBuilder as _, ExponentialBuilder};
 use reliq_core::BrokerError;
 use reqwest::{Method, StatusCode, Url};
 use rustls_platform_verifier::BuilderVerifierExt as _;
@@ -168,13 +169,51 @@ impl Management {
         ))
     }
 
+    /// `GET path`, tried again (up to three times, 100 ms backoff) on a server error or
+    /// a failed connection: a busy management API answers 500 now and then, and a GET
+    /// changes nothing.
+    async fn get_raw(&self, path: &str) -> Result<(StatusCode, String), BrokerError> {
+        let mut delays = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_times(3)
+            .build();
+        loop {
+            let answer = self.request(Method::GET, path, None).await;
+            let retry = match &answer {
+                Ok((status, _)) => status.is_server_error(),
+                Err(e) => matches!(e, BrokerError::Connection { .. } | BrokerError::Timeout(_)),
+            };
+            match delays.next() {
+                Some(delay) if retry => {
+                    tracing::debug!(path, "management API GET failed; trying again");
+                    tokio::time::sleep(delay).await;
+                }
+                _ => return answer,
+            }
+        }
+    }
+
     /// `GET path` → JSON.
     pub async fn get(&self, path: &str) -> Result<Value, BrokerError> {
-        let (status, body) = self.request(Method::GET, path, None).await?;
+        let (status, body) = self.get_raw(path).await?;
         if status != StatusCode::OK {
             return Err(Self::refused("GET", path, status, &body));
         }
         serde_json::from_str(&body).map_err(|e| BrokerError::Other(Box::new(e)))
+    }
+
+    /// `GET path` → JSON, or `None` on HTTP 404 (no such object).
+    pub async fn get_if_exists(&self, path: &str) -> Result<Option<Value>, BrokerError> {
+        let (status, body) = self.get_raw(path).await?;
+        if status == StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        if status != StatusCode::OK {
+            return Err(Self::refused("GET", path, status, &body));
+        }
+        serde_json::from_str(&body)
+            .map(Some)
+            .map_err(|e| BrokerError::Other(Box::new(e)))
     }
 
     /// `PUT path` with a JSON body.

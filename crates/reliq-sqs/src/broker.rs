@@ -227,7 +227,7 @@ impl SqsBroker {
         &self.inner.client
     }
 
-    async fn queue_url(&self, name: &str) -> Result<Option<String>, BrokerError> {
+    pub(crate) async fn queue_url(&self, name: &str) -> Result<Option<String>, BrokerError> {
         match self
             .inner
             .client
@@ -291,7 +291,7 @@ impl SqsBroker {
         })
     }
 
-    async fn queue_arn(&self, url: &str) -> Result<String, BrokerError> {
+    pub(crate) async fn queue_arn(&self, url: &str) -> Result<String, BrokerError> {
         let out = self
             .inner
             .client
@@ -319,7 +319,7 @@ impl SqsBroker {
             &names::dead_letter_queue_name(sub, self.inner.options.fifo),
             &[(
                 QueueAttributeName::MessageRetentionPeriod,
-                (14 * 24 * 60 * 60).to_string(),
+                crate::topology::DEAD_LETTER_RETENTION_SECS.to_string(),
             )],
             &[
                 (ROLE_TAG, "dead-letter".into()),
@@ -357,7 +357,7 @@ impl SqsBroker {
         let dead_letter_arn = self.queue_arn(&dead_letter_url).await?;
         let redrive = serde_json::json!({
             "deadLetterTargetArn": dead_letter_arn,
-            "maxReceiveCount": sub.delivery_limit.clamp(1, 1000),
+            "maxReceiveCount": crate::topology::max_receive_count(sub),
         });
         let mut tags = vec![
             (ROLE_TAG, "consumer".to_owned()),
@@ -680,6 +680,18 @@ impl Broker for SqsBroker {
             subscription.clone(),
             url,
         )))
+    }
+
+    async fn plan(&self, subscription: &Subscription) -> Result<reliq_core::Plan, BrokerError> {
+        self.plan_topology(subscription).await
+    }
+
+    async fn inspect(
+        &self,
+        _subscription: &Subscription,
+        plan: &reliq_core::Plan,
+    ) -> Result<reliq_core::LiveTopology, BrokerError> {
+        self.inspect_topology(plan).await
     }
 
     /// The consumer queue's approximate counts: visible and delayed are waiting, not

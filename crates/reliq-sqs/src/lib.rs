@@ -17,6 +17,7 @@
 //! | FIFO ([`SqsOptions::fifo`], URL `fifo=true`) | queues `….fifo`; `MessageGroupId` = the key (keyless: one shared group), `MessageDeduplicationId` = the message id (DLQ copies and replays get unique ones, so SQS never drops them as duplicates); the receiver hands out **one message per group at a time** — SQS returns several of a group in one receive — and when one goes back (retry, release) the group's later messages held here go back too, so SQS delivers the group again in order. A retry therefore holds its group (ordered, in-place retries). |
 //! | redrive | the portable replay engine (receive → send → delete, rate-limited) works everywhere; [`SqsBroker::start_message_move_task`] asks SQS for a server-side move and reports whether the endpoint runs it (moto does not) |
 //! | backlog | `GetQueueAttributes` of the consumer queue: `ApproximateNumberOfMessages` + `…Delayed` waiting, `…NotVisible` in flight (retries wait there too, so there is no separate retry count) |
+//! | plan / inspect | `GetQueueAttributes` and `ListQueueTags` of the consumer queue (`RedrivePolicy` target and `maxReceiveCount`, the routing tags; `VisibilityTimeout` cosmetic) and of the DLQ (`MessageRetentionPeriod`) |
 //! | metadata | at most 10 message attributes: reliq's headers, id and key packed into one JSON attribute `reliq`, user headers as attributes while they fit (see [`RELIQ_ATTRIBUTE`] and [`MAX_ATTRIBUTES`]) |
 //!
 //! Capabilities (documented limitations, see [`reliq_core::Capabilities`]):
@@ -55,6 +56,7 @@ mod error;
 mod names;
 mod options;
 mod receiver;
+mod topology;
 
 pub use broker::SqsBroker;
 pub use codec::{BODY_FIELD, KEY_FIELD, MAX_ATTRIBUTES, RELIQ_ATTRIBUTE, ROUTE_FIELD};

@@ -61,9 +61,18 @@ pub use reliq_core::{
     Fingerprint, HeaderError, Headers, Inbox, InboxError, MemoryInbox, Message, MessageId,
     MeteredBroker, Origin, OutboxError, OutboxRecord, OutboxStore, PanicAction, Permanent, Poison,
     PolicyError, Progress, PurgeReport, Relay, RelayHandle, RelayStats, Replay, ReplayEntry,
-    ReplayReport, ReplayTarget, RetryPolicy, Schedule, ShutdownReport, Stats, StatsSnapshot,
-    Subscription, TierBacklog, Transient,
+    ReplayReport, ReplayTarget, RetryPolicy, Schedule, ShutdownReport, StartupCheck, Stats,
+    StatsSnapshot, Subscription, TierBacklog, Transient,
 };
+
+/// A consumer's topology as data: the plan ([`Broker::plan`]), the broker's objects
+/// ([`Broker::inspect`]) and their differences ([`Broker::check_topology`]).
+pub mod topology {
+    pub use reliq_core::topology::{
+        Difference, Drift, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan,
+        PlannedObject, Setting, Severity, TopologyReport, Wanted, compare, duration_text,
+    };
+}
 
 /// The header names reliq reads and writes on every message.
 pub mod headers {
@@ -85,7 +94,7 @@ pub mod metrics {
         DURATION_BUCKETS, HANDLER_DURATION, IN_FLIGHT, OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED,
         OUTBOX_STORE_FAILURES, PROCESSED, PRODUCER_BUFFER_RATIO, PUBLISH_DURATION,
         PUBLISH_FAILURES, PUBLISHED, RECEIVED, REPLAYED, RETRIED, RETRY_WAITING, SETTLE_FAILURES,
-        UNSETTLED,
+        TOPOLOGY_DRIFT, UNSETTLED,
     };
 }
 

@@ -12,6 +12,7 @@ use crate::classify::{BoxError, Classifier};
 use crate::inbox::Inbox;
 use crate::retry::RetryPolicy;
 use crate::telemetry::{Clock, ConsumerMetrics};
+use crate::topology::{Severity, StartupCheck};
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::AtomicU32;
@@ -40,6 +41,7 @@ pub struct ConsumerBuilder {
     pub(super) settle_backoff: (Duration, Duration),
     pub(super) batch_size: usize,
     pub(super) rate_limit: Option<(u32, u32)>,
+    pub(super) topology_check: StartupCheck,
 }
 
 impl std::fmt::Debug for ConsumerBuilder {
@@ -80,6 +82,7 @@ impl Consumer {
             settle_backoff: (Duration::from_millis(100), Duration::from_secs(10)),
             batch_size: DEFAULT_BATCH_SIZE,
             rate_limit: None,
+            topology_check: StartupCheck::Off,
         }
     }
 }
@@ -122,6 +125,17 @@ impl ConsumerBuilder {
     /// bound how much runs *at once*, this bounds how much runs *per second*.
     pub fn rate_limit(mut self, per_second: u32, burst: u32) -> Self {
         self.rate_limit = Some((per_second, burst));
+        self
+    }
+
+    /// Compare the broker's topology with this consumer's plan once subscribed
+    /// ([`Broker::check_topology`]): [`StartupCheck::Warn`] logs each difference,
+    /// [`StartupCheck::Refuse`] fails `start` with [`ConsumerError::Topology`] on one that
+    /// breaks delivery guarantees (an operator policy replacing the delivery limit, a
+    /// retry topic with a retention shorter than its tier…). Either way the result is in
+    /// `reliq_topology_drift`. Off by default (on RabbitMQ it needs the management API).
+    pub fn check_topology(mut self, check: StartupCheck) -> Self {
+        self.topology_check = check;
         self
     }
 
@@ -294,6 +308,38 @@ impl ConsumerBuilder {
             .await
     }
 
+    /// The start-up topology check (after the subscription declared what it declares).
+    async fn startup_check(&self, subscription: &Subscription) -> Result<(), ConsumerError> {
+        let check = self.topology_check;
+        if check == StartupCheck::Off {
+            return Ok(());
+        }
+        let report = match self.broker.check_topology(subscription).await {
+            Ok(report) => report,
+            Err(e) if check == StartupCheck::Warn => {
+                tracing::warn!(consumer = %subscription.consumer, error = %crate::ErrorChain(&e),
+                    "cannot check the broker's topology; starting anyway");
+                return Ok(());
+            }
+            Err(e) => return Err(ConsumerError::TopologyCheck(e)),
+        };
+        report.record();
+        for d in &report.drift {
+            match d.severity {
+                Severity::Breaking => {
+                    tracing::error!(consumer = %subscription.consumer, drift = %d, "topology drift")
+                }
+                Severity::Cosmetic => {
+                    tracing::warn!(consumer = %subscription.consumer, drift = %d, "topology drift")
+                }
+            }
+        }
+        if check == StartupCheck::Refuse && report.is_breaking() {
+            return Err(ConsumerError::Topology(Box::new(report)));
+        }
+        Ok(())
+    }
+
     /// Subscribe and start the receive loop; `dispatch` hands out what each receive
     /// returned (per delivery, or as one batch).
     pub(super) async fn launch<H: Send + Sync + 'static>(
@@ -309,6 +355,12 @@ impl ConsumerBuilder {
                 .await
                 .map_err(ConsumerError::Subscribe)?,
         );
+        if let Err(e) = self.startup_check(&subscription).await {
+            if let Err(close) = receiver.close().await {
+                tracing::debug!(error = %crate::ErrorChain(&close), "closing the refused receiver");
+            }
+            return Err(e);
+        }
         let concurrency = self
             .concurrency
             .unwrap_or(self.max_in_flight as usize)

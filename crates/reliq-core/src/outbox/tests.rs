@@ -138,6 +138,24 @@ impl Broker for TestBroker {
             what: "backlog",
         })
     }
+
+    async fn plan(&self, _: &Subscription) -> Result<crate::Plan, BrokerError> {
+        Err(BrokerError::Unsupported {
+            backend: "test",
+            what: "plan",
+        })
+    }
+
+    async fn inspect(
+        &self,
+        _: &Subscription,
+        _: &crate::Plan,
+    ) -> Result<crate::LiveTopology, BrokerError> {
+        Err(BrokerError::Unsupported {
+            backend: "test",
+            what: "inspect",
+        })
+    }
 }
 
 fn ids(b: &TestBroker) -> Vec<String> {

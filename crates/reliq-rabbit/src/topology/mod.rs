@@ -1,5 +1,6 @@
 //! The per-consumer topology reliq declares on RabbitMQ, derived from a portable
-//! [`Subscription`], and a human-readable plan of it ([`plan`]).
+//! [`Subscription`], a human-readable plan of it ([`plan_text`]), and the plan as data
+//! read back from the broker ([`live`]).
 //!
 //! For a subscription `consumer = inventory`, `source = orders`, tiers 5 s and 30 s:
 //!
@@ -35,6 +36,9 @@ use std::time::Duration;
 use crate::management::{Management, Policy};
 use crate::names::{Names, short};
 use crate::{QueueType, RabbitError, RabbitOptions};
+
+mod live;
+pub(crate) use live::{inspect, plan};
 
 /// Where the settings of reliq's queues (delivery limit, TTL, dead-lettering, overflow)
 /// live on this broker — resolved once at connect time from
@@ -318,21 +322,7 @@ async fn check_not_shadowed(
         if name == policy.name || priority < i64::from(policy.priority) {
             continue;
         }
-        let applies = match other.get("apply-to").and_then(|v| v.as_str()) {
-            Some("all" | "queues") => true,
-            Some("quorum_queues") => queue_type == QueueType::Quorum,
-            Some("classic_queues") => queue_type == QueueType::Classic,
-            _ => false,
-        };
-        let pattern = other.get("pattern").and_then(|v| v.as_str()).unwrap_or("");
-        let matches = match regex::Regex::new(pattern) {
-            Ok(re) => re.is_match(queue),
-            Err(e) => {
-                tracing::warn!(policy = name, pattern, error = %e, "cannot evaluate a policy pattern; assuming it does not match");
-                false
-            }
-        };
-        if applies && matches {
+        if live::policy_applies(other, queue, queue_type) {
             return Err(BrokerError::Config {
                 field: "policy_priority".into(),
                 reason: format!(
@@ -467,11 +457,11 @@ fn regex_escape(name: &str) -> String {
 /// use reliq_core::Subscription;
 /// let mut sub = Subscription::new("inventory", "orders");
 /// sub.retry_tiers = vec![Duration::from_secs(5)];
-/// let plan = reliq_rabbit::plan(&sub, &reliq_rabbit::RabbitOptions::default(), Some("3.10.8"));
+/// let plan = reliq_rabbit::plan_text(&sub, &reliq_rabbit::RabbitOptions::default(), Some("3.10.8"));
 /// assert!(plan.contains("orders.inventory.retry.5000ms"));
 /// assert!(plan.contains("--apply-to queues"));
 /// ```
-pub fn plan(sub: &Subscription, opts: &RabbitOptions, server_version: Option<&str>) -> String {
+pub fn plan_text(sub: &Subscription, opts: &RabbitOptions, server_version: Option<&str>) -> String {
     let names = Names::of(sub);
     let apply_to = apply_to(opts.queue_type, server_version);
     let mut specs = Vec::from(dead_letter_specs(&names, opts));
@@ -589,7 +579,7 @@ mod tests {
     #[test]
     fn plan_lists_objects_and_version_dependent_policies() {
         let opts = RabbitOptions::default();
-        let old = plan(&sub(), &opts, Some("3.10.8"));
+        let old = plan_text(&sub(), &opts, Some("3.10.8"));
         assert!(old.contains("exchange orders type=topic"));
         assert!(old.contains("binding orders -> orders.inventory key=order.*"));
         assert!(old.contains(
@@ -608,7 +598,7 @@ mod tests {
         let landing = old.find("queue orders.inventory.dlq durable").unwrap();
         assert!(landing < old.find("queue orders.inventory.dlq.stream").unwrap());
         assert!(!old.contains("set_policy reliq-orders.inventory.dlq.stream"));
-        let new = plan(&sub(), &opts, Some("4.1.0"));
+        let new = plan_text(&sub(), &opts, Some("4.1.0"));
         assert!(new.contains("--apply-to quorum_queues") && !new.contains("--apply-to queues"));
         assert!(knows_quorum_apply_to("3.12.0") && !knows_quorum_apply_to("3.11.28"));
     }
