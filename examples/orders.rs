@@ -25,7 +25,10 @@
 //! Run: `cargo run --example orders` (embedded broker) or
 //! `cargo run --example orders -- --url amqp://…` with the backend's feature enabled.
 //! `--metrics-listen 127.0.0.1:9464` serves its metrics for Prometheus (how an
-//! application exposes its own: [`reliq_examples::metrics::serve`]).
+//! application exposes its own: [`reliq_examples::metrics::serve`]). `--db-outage 10`
+//! takes the inventory database down for the first 10 s: the consumer's circuit breaker
+//! opens and consumption pauses at the broker, and the summary line adds
+//! `outage_failures=F outage_dead_lettered=0`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,6 +64,12 @@ struct Args {
     /// With --metrics-listen: keep serving this long after the summary line.
     #[arg(long, default_value_t = 0)]
     linger_secs: u64,
+    /// The inventory database is down for the first SECS of the run: the handler fails
+    /// transiently, the circuit breaker opens and consumption pauses at the broker; the
+    /// summary adds `outage_failures` and `outage_dead_lettered` (0: nothing was
+    /// dead-lettered because of the outage).
+    #[arg(long, value_name = "SECS", default_value_t = 0)]
+    db_outage: u64,
 }
 
 #[tokio::main]
@@ -131,12 +140,13 @@ async fn run_orders(args: &Args, db: &Db, topic: &str) -> anyhow::Result<()> {
             }
         });
     }
-    let summary = orders::run(
+    let summary = orders::run_with_outage(
         broker,
         db,
         topic,
         args.orders,
         Duration::from_secs(args.timeout_secs),
+        Duration::from_secs(args.db_outage),
     )
     .await;
     stop.cancel();
@@ -147,6 +157,12 @@ async fn run_orders(args: &Args, db: &Db, topic: &str) -> anyhow::Result<()> {
     println!("{summary}");
     if summary.lost > 0 {
         bail!("{} orders were lost", summary.lost);
+    }
+    if summary.outage_dead_lettered > 0 {
+        bail!(
+            "{} orders were dead-lettered because of the database outage",
+            summary.outage_dead_lettered
+        );
     }
     if args.linger_secs > 0 {
         // Keep /metrics up for a last scrape.

@@ -175,15 +175,32 @@ pub fn retry_policy() -> RetryPolicy {
         .jitter(0.2)
 }
 
+/// The error the handler fails with while the database is down (`--db-outage`).
+pub const OUTAGE_ERROR: &str = "database unavailable";
+
+/// The breaker in front of the inventory database: opens when half of at least 20
+/// outcomes over 10 s are transient failures, probes after 2 s; two successes close it.
+/// The warehouse's own transient failures (two per order ending in 7, a tenth of the
+/// orders) stay far below that.
+pub fn breaker() -> reliq::CircuitBreaker {
+    reliq::CircuitBreaker::new("inventory-db")
+        .failure_ratio(0.5)
+        .minimum_calls(20)
+        .window(Duration::from_secs(10))
+        .cool_down(Duration::from_secs(2))
+        .probes(2)
+}
+
 /// The inventory consumer on `topic`, before its handler: [`retry_policy`], 64 in flight,
-/// and `db`'s rules for database errors (a serialization failure, a deadlock or a busy
-/// SQLite file is transient).
+/// `db`'s rules for database errors (a serialization failure, a deadlock or a busy SQLite
+/// file is transient), and the [`breaker`].
 pub fn consumer(broker: Arc<dyn Broker>, topic: &str, db: &Db) -> ConsumerBuilder {
     Consumer::builder(broker, CONSUMER)
         .subscribe(topic)
         .retry(retry_policy())
         .classifier(db.error_rules(Classifier::default()))
         .max_in_flight(64)
+        .circuit_breaker(breaker())
 }
 
 /// The inventory consumer's subscription on `topic` (for its DLQ).
@@ -474,6 +491,11 @@ pub struct Summary {
     pub stats: reliq::StatsSnapshot,
     /// The outbox relay's counters at its shutdown.
     pub relay: reliq::RelayStats,
+    /// Handler calls that met the database outage (`--db-outage`; 0 without one).
+    pub outage_failures: u64,
+    /// Distinct orders in the DLQ whose last error is the outage's (must be 0: the
+    /// breaker keeps them in the broker).
+    pub outage_dead_lettered: usize,
 }
 
 impl std::fmt::Display for Summary {
@@ -487,7 +509,15 @@ impl std::fmt::Display for Summary {
             self.dead_lettered,
             self.stats.duplicates,
             self.lost
-        )
+        )?;
+        if self.outage_failures > 0 {
+            write!(
+                f,
+                " outage_failures={} outage_dead_lettered={}",
+                self.outage_failures, self.outage_dead_lettered
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -501,12 +531,35 @@ pub async fn run(
     orders: u32,
     timeout: Duration,
 ) -> anyhow::Result<Summary> {
+    run_with_outage(broker, db, topic, orders, timeout, Duration::ZERO).await
+}
+
+/// [`run`], with the database down for the first `outage` of the run: every handler call
+/// meanwhile fails with [`OUTAGE_ERROR`] (transient), as a refused connection would.
+pub async fn run_with_outage(
+    broker: Arc<dyn Broker>,
+    db: &Db,
+    topic: &str,
+    orders: u32,
+    timeout: Duration,
+    outage: Duration,
+) -> anyhow::Result<Summary> {
     db.setup().await?;
     let handler_db = db.clone();
+    let back_at = tokio::time::Instant::now() + outage;
+    let outage_failures = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let failures = outage_failures.clone();
     let consumer = consumer(broker.clone(), topic, db)
         .start(move |d: Delivery| {
             let db = handler_db.clone();
-            async move { db.reserve(CONSUMER, &d).await }
+            let failures = failures.clone();
+            async move {
+                if tokio::time::Instant::now() < back_at {
+                    failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    return Err(Transient::msg(OUTAGE_ERROR).into());
+                }
+                db.reserve(CONSUMER, &d).await
+            }
         })
         .await?;
     let relay = db.relay(broker.clone())?;
@@ -548,10 +601,22 @@ pub async fn run(
     let relay = relay.shutdown().await;
     let report = consumer.shutdown().await;
 
-    let dead: HashSet<MessageId> = dead_letters(&broker, &subscription(topic))
-        .await?
-        .into_keys()
-        .collect();
+    let listing = Replay::new(broker.clone(), subscription(topic))
+        .dry_run()
+        .await?;
+    let outage_dead_lettered = listing
+        .matched
+        .iter()
+        .filter(|e| {
+            e.record
+                .error
+                .as_deref()
+                .is_some_and(|t| t.contains(OUTAGE_ERROR))
+        })
+        .map(|e| e.id.clone())
+        .collect::<HashSet<_>>()
+        .len();
+    let dead: HashSet<MessageId> = listing.matched.into_iter().map(|e| e.id).collect();
     let rows = db.reservations().await?;
     let reserved: HashSet<MessageId> = published
         .iter()
@@ -576,6 +641,8 @@ pub async fn run(
         lost,
         stats: report.stats,
         relay,
+        outage_failures: outage_failures.load(std::sync::atomic::Ordering::Relaxed),
+        outage_dead_lettered,
     })
 }
 

@@ -996,3 +996,105 @@ mod kafka_dead_letters {
         Ok(())
     }
 }
+
+/// The circuit breaker on Kafka: paused without leaving the group.
+mod kafka_breaker {
+    use super::*;
+
+    /// A group's state and its members' (id, assignment), as the coordinator says.
+    type GroupView = (String, Vec<(String, Vec<u8>)>);
+
+    /// The group's members and their assignments, as the coordinator describes them.
+    fn members(group: &str) -> anyhow::Result<GroupView> {
+        use rdkafka::consumer::{BaseConsumer, Consumer as _};
+        let bootstrap = reliq_integration::settings::authority(&reliq_integration::settings::get(
+            "RELIQ_KAFKA_URL",
+        ))
+        .to_owned();
+        let client: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", bootstrap)
+            .create()?;
+        let list = client.fetch_group_list(Some(group), Duration::from_secs(10))?;
+        let info = list
+            .groups()
+            .iter()
+            .find(|g| g.name() == group)
+            .ok_or_else(|| anyhow::anyhow!("group {group} not described"))?;
+        let mut members: Vec<(String, Vec<u8>)> = info
+            .members()
+            .iter()
+            .map(|m| {
+                (
+                    m.id().to_owned(),
+                    m.assignment().unwrap_or_default().to_vec(),
+                )
+            })
+            .collect();
+        members.sort();
+        Ok((info.state().to_owned(), members))
+    }
+
+    /// A circuit breaker held open for longer than `max.poll.interval.ms` (7 s here): the
+    /// poll thread keeps polling with the partitions paused, so the group does not
+    /// rebalance — the same member holds the same assignment, the group stays `Stable` —
+    /// and what was published during the outage is handled once when it closes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_open_breaker_pauses_without_a_rebalance() -> anyhow::Result<()> {
+        use reliq_core::{CircuitBreaker, CircuitState};
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let backend = KafkaBackend::new();
+        let ctx = Ctx::new(&backend, "breaker-group").await?;
+        let prefix = unique("g");
+        let url = format!(
+            "{}&session.timeout.ms=6000&max.poll.interval.ms=7000",
+            reliq_integration::kafka::url_with_group_prefix(&prefix)
+        );
+        let broker: Arc<dyn Broker> = Arc::new(KafkaBroker::connect(&url)?);
+        let breaker = CircuitBreaker::new(unique("db"))
+            .minimum_calls(3)
+            .cool_down(Duration::from_secs(12))
+            .probes(1);
+        let rec = Recorder::new();
+        let down = Arc::new(AtomicBool::new(true));
+        let h = ctx
+            .consumer_on(broker, "c")
+            .max_in_flight(2)
+            .circuit_breaker(breaker.clone())
+            .start(rec.down_while(down.clone()))
+            .await?;
+        ctx.publish_all((0..20).map(|i| Message::new(format!("o-{i}"))).collect())
+            .await?;
+        wait_until("the breaker opens", Duration::from_secs(30), || {
+            breaker.state() == CircuitState::Open
+        })
+        .await?;
+        let group = format!("{prefix}.c");
+        let before = members(&group)?;
+        ensure!(before.0 == "Stable" && before.1.len() == 1, "{before:?}");
+        // Longer than max.poll.interval.ms, still inside the cool-down.
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        ensure!(breaker.state() == CircuitState::Open);
+        let during = members(&group)?;
+        ensure!(
+            during == before,
+            "the group changed while paused: {before:?} → {during:?}"
+        );
+        let calls = rec.calls().len();
+        down.store(false, Ordering::SeqCst);
+        wait_until("all 20 handled", Duration::from_secs(60), || {
+            rec.effect_count() == 20
+        })
+        .await?;
+        ensure!(
+            rec.calls().len() == calls + 20,
+            "{} calls",
+            rec.calls().len()
+        );
+        ensure!(
+            members(&group)? == before,
+            "the same member and assignment after"
+        );
+        h.shutdown().await;
+        Ok(())
+    }
+}

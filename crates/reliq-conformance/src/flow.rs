@@ -411,3 +411,152 @@ pub async fn rate_limit_holds_over_a_backlog(b: &dyn Backend) -> anyhow::Result<
     );
     Ok(())
 }
+
+/// A downstream outage behind a circuit breaker: 30 messages published while the
+/// database is down fail transiently until the breaker opens; then no handler is called
+/// at all (what waits stays in the broker, or leased in the receiver, and spends no
+/// attempt) until the cool-down ends. The database is back by then: the probes succeed,
+/// the breaker closes, and every message is handled once — none dead-lettered, and each
+/// message's successful call is at the attempt after its failed calls (no attempt spent
+/// unseen while the breaker was open).
+pub async fn circuit_breaker_pauses_consumption_through_an_outage(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
+    use reliq_core::{CircuitBreaker, CircuitState};
+    use std::sync::atomic::AtomicBool;
+    let ctx = Ctx::new(b, "breaker").await?;
+    let rec = Recorder::new();
+    let down = Arc::new(AtomicBool::new(true));
+    let settle = b.quiet_period();
+    let cool_down = settle * 3 + Duration::from_secs(2);
+    let breaker = CircuitBreaker::new(crate::support::unique("db"))
+        .failure_ratio(0.5)
+        .minimum_calls(5)
+        .window(Duration::from_secs(120))
+        .cool_down(cool_down)
+        .probes(2);
+    let h = ctx
+        .consumer("c")
+        .max_in_flight(4)
+        .circuit_breaker(breaker.clone())
+        .start(rec.down_while(down.clone()))
+        .await?;
+    let n = 30;
+    ctx.publish_all((0..n).map(|i| Message::new(format!("order-{i}"))).collect())
+        .await?;
+    wait_until("the breaker opens", soon(b), || {
+        breaker.state() == CircuitState::Open
+    })
+    .await?;
+    let opened = Instant::now();
+    ensure!(h.circuit_state() == Some(CircuitState::Open));
+    // The handlers that started before it opened finish (and fail).
+    tokio::time::sleep(settle).await;
+    let failed = rec.calls().len();
+    ensure!(
+        (5..n).contains(&failed),
+        "{failed} calls before the breaker opened (5 failures open it; 4 in flight at most besides)"
+    );
+    // Open: no delivery reaches the handler until just before the cool-down ends.
+    tokio::time::sleep_until(opened + cool_down - Duration::from_millis(500)).await;
+    let while_open = rec.calls().len() - failed;
+    ensure!(
+        while_open == 0,
+        "{while_open} handler calls while the breaker was open"
+    );
+    ensure!(breaker.state() == CircuitState::Open, "still open");
+    down.store(false, AtomicOrdering::SeqCst);
+
+    wait_until("every message handled", soon(b), || rec.effect_count() == n).await?;
+    ensure!(
+        breaker.state() == CircuitState::Closed,
+        "closed by the probes"
+    );
+    tokio::time::sleep(b.quiet_period()).await;
+    let calls = rec.calls();
+    ensure!(
+        calls.len() == failed + n,
+        "{} calls: {failed} failed before the breaker opened, then one success each",
+        calls.len()
+    );
+    for (id, effects) in rec.effects() {
+        ensure!(effects == 1, "{id} handled {effects} times");
+        let of = rec.calls_for(&id);
+        let successful = of.last().map(|c| c.attempt);
+        ensure!(
+            successful == Some(of.len() as u32),
+            "{id}: calls at attempts {:?}",
+            of.iter().map(|c| c.attempt).collect::<Vec<_>>()
+        );
+    }
+    ctx.assert_no_dead_letters("c").await?;
+    h.shutdown().await;
+    Ok(())
+}
+
+/// A poison storm is about the messages, not the downstream: 20 poison messages among 10
+/// good ones are dead-lettered as poison, the good ones handled, and the breaker never
+/// leaves closed.
+pub async fn circuit_breaker_stays_closed_through_a_poison_storm(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
+    use reliq_core::{CircuitBreaker, CircuitState};
+    use std::sync::atomic::AtomicBool;
+    let ctx = Ctx::new(b, "breaker-poison").await?;
+    let rec = Recorder::new();
+    let breaker = CircuitBreaker::new(crate::support::unique("db"))
+        .failure_ratio(0.5)
+        .minimum_calls(5)
+        .cool_down(Duration::from_secs(60));
+    let r = rec.clone();
+    let h = ctx
+        .consumer("c")
+        .circuit_breaker(breaker.clone())
+        .start(move |d: Delivery| {
+            let r = r.clone();
+            async move {
+                r.call(&d);
+                if d.payload().starts_with(b"bad") {
+                    return Err::<(), BoxError>(Poison::msg("undecodable order").into());
+                }
+                r.effect(d.id());
+                Ok(())
+            }
+        })
+        .await?;
+    let messages: Vec<Message> = (0..30)
+        .map(|i| {
+            Message::new(if i % 3 == 0 {
+                format!("good-{i}")
+            } else {
+                format!("bad-{i}")
+            })
+        })
+        .collect();
+    ctx.publish_all(messages).await?;
+    let left_closed = Arc::new(AtomicBool::new(false));
+    let seen = left_closed.clone();
+    wait_until("the good ones handled", soon(b), || {
+        if breaker.state() != CircuitState::Closed {
+            seen.store(true, AtomicOrdering::SeqCst);
+        }
+        rec.effect_count() == 10
+    })
+    .await?;
+    let dead = ctx.take_dead_letters("c", 20, soon(b)).await?;
+    ensure!(
+        dead.len() == 20
+            && dead
+                .iter()
+                .all(|(_, d)| d.reason == DeadLetterReason::Poison),
+        "{} dead letters, reasons {:?}",
+        dead.len(),
+        dead.iter().map(|(_, d)| d.reason).collect::<Vec<_>>()
+    );
+    ensure!(
+        !left_closed.load(AtomicOrdering::SeqCst) && breaker.state() == CircuitState::Closed,
+        "poison opened the breaker"
+    );
+    h.shutdown().await;
+    Ok(())
+}

@@ -100,7 +100,9 @@ macro_rules! conformance_suite {
             operator_edit_and_purge,
             backlog_follows_waiting_in_flight_and_retries,
             rate_limit_holds_over_a_backlog,
-            topology_check_names_each_difference_from_the_plan
+            topology_check_names_each_difference_from_the_plan,
+            circuit_breaker_pauses_consumption_through_an_outage,
+            circuit_breaker_stays_closed_through_a_poison_storm
             $(, $extra)*
         );
     };

@@ -363,6 +363,30 @@ impl Recorder {
         }
     }
 
+    /// A handler that records each call and fails transiently ("database unavailable")
+    /// while `down` is set, and otherwise records the effect and succeeds: a downstream
+    /// outage the test switches off.
+    pub fn down_while(
+        &self,
+        down: Arc<std::sync::atomic::AtomicBool>,
+    ) -> impl Fn(Delivery) -> futures::future::BoxFuture<'static, Result<(), reliq_core::BoxError>>
+    + Send
+    + Sync
+    + 'static {
+        let rec = self.clone();
+        move |d: Delivery| {
+            let (r, down) = (rec.clone(), down.clone());
+            Box::pin(async move {
+                r.call(&d);
+                if down.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Err(reliq_core::Transient::msg("database unavailable").into());
+                }
+                r.effect(d.id());
+                Ok(())
+            })
+        }
+    }
+
     /// Number of ids with at least one effect.
     pub fn effect_count(&self) -> usize {
         self.effects.lock().unwrap_or_else(|p| p.into_inner()).len()

@@ -44,6 +44,7 @@
 
 pub mod backlog;
 pub mod batch;
+pub mod breaker;
 pub mod broker;
 pub mod classify;
 pub mod consumer;
@@ -68,6 +69,7 @@ pub mod topology;
 
 pub use backlog::{Backlog, TierBacklog};
 pub use batch::{Batch, BatchError};
+pub use breaker::{CircuitBreaker, CircuitState};
 pub use broker::{
     Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, RawMessage, Receiver,
     ReceiverId, RetryRequest, Subscription,

@@ -86,6 +86,13 @@
 //! |---|---|---|
 //! | `reliq_topology_drift` | gauge | `severity` = `breaking\|cosmetic` (differences from the plan) |
 //!
+//! A [`CircuitBreaker`](crate::CircuitBreaker) records, with `breaker` (its name):
+//!
+//! | name | type | extra labels |
+//! |---|---|---|
+//! | `reliq_circuit_state` | gauge | (0 closed, 1 half-open, 2 open) |
+//! | `reliq_circuit_transitions_total` | counter | `to` = `open\|half_open\|closed` |
+//!
 //! And the Kafka producer's buffer, `reliq_producer_buffer_ratio` (gauge, `backend`): the
 //! share of `queue.buffering.max.messages` in use after each publish.
 
@@ -256,6 +263,10 @@ pub const BACKLOG_LAST_POLL: &str = "reliq_backlog_last_poll_timestamp_seconds";
 pub const BACKLOG_POLL_FAILURES: &str = "reliq_backlog_poll_failures_total";
 /// `reliq_topology_drift`
 pub const TOPOLOGY_DRIFT: &str = "reliq_topology_drift";
+/// `reliq_circuit_state`
+pub const CIRCUIT_STATE: &str = "reliq_circuit_state";
+/// `reliq_circuit_transitions_total`
+pub const CIRCUIT_TRANSITIONS: &str = "reliq_circuit_transitions_total";
 
 /// Histogram buckets for reliq's `*_seconds` histograms (handler and publish durations):
 /// 1 ms to 60 s, so `histogram_quantile(0.99, …)` is meaningful in alert rules. Give them
@@ -298,6 +309,8 @@ pub const ALL_METRICS: &[&str] = &[
     BACKLOG_LAST_POLL,
     BACKLOG_POLL_FAILURES,
     TOPOLOGY_DRIFT,
+    CIRCUIT_STATE,
+    CIRCUIT_TRANSITIONS,
 ];
 
 /// A settlement operation, for `reliq_settle_failures_total`.

@@ -54,15 +54,15 @@ use std::sync::Arc;
 // `Receiver` seam, delivery tokens, raw messages) stays in `reliq-core`.
 pub use reliq_core::{
     Aggregate, Backlog, BacklogGauges, Batch, BatchError, BoxError, Broker, BrokerError,
-    Capabilities, Claim, Classifier, Clock, Consumer, ConsumerBuilder, ConsumerError,
-    ConsumerHandle, Corrected, Correction, Cursor, DeadLetter, DeadLetterCount, DeadLetterEntry,
-    DeadLetterFilter, DeadLetterPage, DeadLetterReason, DeadLetters, DecodeError, Delivery,
-    DeliveryOrder, Destination, Duplicate, Envelope, ErrorChain, ErrorClass, FinalRoute,
-    Fingerprint, HeaderError, Headers, Inbox, InboxError, MemoryInbox, Message, MessageId,
-    MeteredBroker, Origin, OutboxError, OutboxRecord, OutboxStore, PanicAction, Permanent, Poison,
-    PolicyError, Progress, PurgeReport, Relay, RelayHandle, RelayStats, Replay, ReplayEntry,
-    ReplayReport, ReplayTarget, RetryPolicy, Schedule, ShutdownReport, StartupCheck, Stats,
-    StatsSnapshot, Subscription, TierBacklog, Transient,
+    Capabilities, CircuitBreaker, CircuitState, Claim, Classifier, Clock, Consumer,
+    ConsumerBuilder, ConsumerError, ConsumerHandle, Corrected, Correction, Cursor, DeadLetter,
+    DeadLetterCount, DeadLetterEntry, DeadLetterFilter, DeadLetterPage, DeadLetterReason,
+    DeadLetters, DecodeError, Delivery, DeliveryOrder, Destination, Duplicate, Envelope,
+    ErrorChain, ErrorClass, FinalRoute, Fingerprint, HeaderError, Headers, Inbox, InboxError,
+    MemoryInbox, Message, MessageId, MeteredBroker, Origin, OutboxError, OutboxRecord, OutboxStore,
+    PanicAction, Permanent, Poison, PolicyError, Progress, PurgeReport, Relay, RelayHandle,
+    RelayStats, Replay, ReplayEntry, ReplayReport, ReplayTarget, RetryPolicy, Schedule,
+    ShutdownReport, StartupCheck, Stats, StatsSnapshot, Subscription, TierBacklog, Transient,
 };
 
 /// A consumer's topology as data: the plan ([`Broker::plan`]), the broker's objects
@@ -90,11 +90,11 @@ pub mod metrics {
     pub use reliq_core::gauges::tier_label;
     pub use reliq_core::telemetry::{
         ALL_METRICS, BACKLOG, BACKLOG_LAST_POLL, BACKLOG_POLL_FAILURES, BATCH_SIZE,
-        BATCH_SIZE_BUCKETS, DEAD_LETTERED, DISCARDED, DLQ_MESSAGES, DLQ_OLDEST_AGE, DUPLICATES,
-        DURATION_BUCKETS, HANDLER_DURATION, IN_FLIGHT, OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED,
-        OUTBOX_STORE_FAILURES, PROCESSED, PRODUCER_BUFFER_RATIO, PUBLISH_DURATION,
-        PUBLISH_FAILURES, PUBLISHED, RECEIVED, REPLAYED, RETRIED, RETRY_WAITING, SETTLE_FAILURES,
-        TOPOLOGY_DRIFT, UNSETTLED,
+        BATCH_SIZE_BUCKETS, CIRCUIT_STATE, CIRCUIT_TRANSITIONS, DEAD_LETTERED, DISCARDED,
+        DLQ_MESSAGES, DLQ_OLDEST_AGE, DUPLICATES, DURATION_BUCKETS, HANDLER_DURATION, IN_FLIGHT,
+        OUTBOX_PUBLISH_FAILURES, OUTBOX_PUBLISHED, OUTBOX_STORE_FAILURES, PROCESSED,
+        PRODUCER_BUFFER_RATIO, PUBLISH_DURATION, PUBLISH_FAILURES, PUBLISHED, RECEIVED, REPLAYED,
+        RETRIED, RETRY_WAITING, SETTLE_FAILURES, TOPOLOGY_DRIFT, UNSETTLED,
     };
 }
 

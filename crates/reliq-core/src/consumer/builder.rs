@@ -7,6 +7,7 @@ use super::signal::Signal;
 use super::stats::Stats;
 use super::{ConsumerError, DeliveryOrder, Shared};
 use crate::batch::{Batch, BatchError};
+use crate::breaker::CircuitBreaker;
 use crate::broker::{Broker, Delivery, Receiver, Subscription};
 use crate::classify::{BoxError, Classifier};
 use crate::inbox::Inbox;
@@ -42,6 +43,7 @@ pub struct ConsumerBuilder {
     pub(super) batch_size: usize,
     pub(super) rate_limit: Option<(u32, u32)>,
     pub(super) topology_check: StartupCheck,
+    pub(super) breaker: Option<CircuitBreaker>,
 }
 
 impl std::fmt::Debug for ConsumerBuilder {
@@ -83,6 +85,7 @@ impl Consumer {
             batch_size: DEFAULT_BATCH_SIZE,
             rate_limit: None,
             topology_check: StartupCheck::Off,
+            breaker: None,
         }
     }
 }
@@ -136,6 +139,17 @@ impl ConsumerBuilder {
     /// `reliq_topology_drift`. Off by default (on RabbitMQ it needs the management API).
     pub fn check_topology(mut self, check: StartupCheck) -> Self {
         self.topology_check = check;
+        self
+    }
+
+    /// Stop taking deliveries while the downstream fails: `breaker` opens when the share
+    /// of transient failures over its window crosses its threshold (permanent, poison and
+    /// panic failures do not count), and the consumer receives nothing until its
+    /// cool-down ends; then a few probes decide (see [`CircuitBreaker`]). What waits stays
+    /// in the broker and spends no attempt. Pass clones of one breaker to every consumer
+    /// that calls the same downstream.
+    pub fn circuit_breaker(mut self, breaker: CircuitBreaker) -> Self {
+        self.breaker = Some(breaker);
         self
     }
 
@@ -247,6 +261,9 @@ impl ConsumerBuilder {
                 "rate_limit",
                 "per_second and burst must each be at least 1",
             ));
+        }
+        if let Some((field, reason)) = self.breaker.as_ref().and_then(CircuitBreaker::invalid) {
+            return Err(config(field, &reason));
         }
         self.policy.validate()?;
         let subscription = self.subscription()?;
@@ -374,6 +391,7 @@ impl ConsumerBuilder {
                     std::num::NonZeroU32::new(burst)?,
                 ))
             }),
+            breaker: self.breaker,
             name: self.name.into(),
             receiver: receiver.clone(),
             handler,

@@ -67,6 +67,18 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
         {
             permits.merge(extra);
         }
+        // The circuit breaker: nothing while it is open (what waits stays in the broker),
+        // its probes when half-open.
+        if let Some(breaker) = &shared.breaker {
+            let want = permits.num_permits();
+            let allowed = tokio::select! {
+                n = breaker.admit(want) => n,
+                _ = &mut stopped => break,
+            };
+            if allowed < want {
+                drop(permits.split(want - allowed));
+            }
+        }
         // The rate limit: as many deliveries as it allows now (waiting for the first);
         // the in-flight room left over goes back at once.
         let cells_taken = shared.rate.as_ref().map(|_| tokio::time::Instant::now());
@@ -96,6 +108,9 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
                 () = rate.take_exactly(batch.len()) => {}
                 _ = &mut stopped => break,
             }
+        }
+        if let Some(breaker) = &shared.breaker {
+            breaker.unused(permits.num_permits().saturating_sub(batch.len()));
         }
         dispatch(&shared, &in_flight, &mut batch, permits);
         match received {

@@ -43,6 +43,11 @@ impl ConsumerHandle {
         self.shared.stats().snapshot()
     }
 
+    /// Where the consumer's circuit breaker is (`None`: it has none).
+    pub fn circuit_state(&self) -> Option<crate::CircuitState> {
+        self.shared.breaker().map(crate::CircuitBreaker::state)
+    }
+
     /// Stop receiving, wait up to the shutdown timeout for in-flight handlers, release
     /// the rest, close the receiver.
     pub async fn shutdown(self) -> ShutdownReport {
@@ -91,6 +96,7 @@ pub(super) trait Control: Send + Sync {
     fn stats(&self) -> &Stats;
     fn tracker(&self) -> &TaskTracker;
     fn hard_stop(&self) -> &Signal;
+    fn breaker(&self) -> Option<&crate::CircuitBreaker>;
     #[cfg(feature = "test-util")]
     fn crash(&self) -> &Signal;
 }
@@ -104,6 +110,9 @@ impl<F: Send + Sync> Control for Shared<F> {
     }
     fn hard_stop(&self) -> &Signal {
         &self.hard_stop
+    }
+    fn breaker(&self) -> Option<&crate::CircuitBreaker> {
+        self.breaker.as_ref()
     }
     #[cfg(feature = "test-util")]
     fn crash(&self) -> &Signal {

@@ -99,6 +99,8 @@ struct Shared<F> {
     spans: crate::telemetry::SpanNames,
     /// The rate limit on deliveries taken, if any.
     rate: Option<rate::HandlerRate>,
+    /// The circuit breaker on handler outcomes, if any.
+    breaker: Option<crate::CircuitBreaker>,
     keyed: Mutex<HashMap<String, VecDeque<Held>>>,
     /// Most deliveries one task handles together ([`dispatch_each`]): about two groups
     /// per runtime worker when `max_in_flight` deliveries are held.

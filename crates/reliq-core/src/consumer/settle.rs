@@ -138,6 +138,9 @@ impl<H> Shared<H> {
             span.record("error.type", e.kind());
         }
         let acked = (done.len() - failed.len().min(done.len())) as u64;
+        if let Some(breaker) = &self.breaker {
+            breaker.succeeded(done.len() as u64);
+        }
         if acked > 0 {
             // Claimed, handled and acknowledged: whatever failed before works again.
             self.backoff.succeeded();
@@ -193,6 +196,9 @@ impl<H> Shared<H> {
             // The one success path: the same as a group's or a batch's successes.
             Outcome::Done => return self.ack_done(std::slice::from_ref(d)).await,
             Outcome::Duplicate => {
+                if let Some(breaker) = &self.breaker {
+                    breaker.neutral();
+                }
                 tracing::Span::current().record("reliq.decision", "duplicate");
                 // A duplicate's effect exists too (an earlier delivery made it).
                 self.complete_claim(d).await;
@@ -201,6 +207,13 @@ impl<H> Shared<H> {
             }
             Outcome::Failed(class, text) => (class, text),
         };
+        if let Some(breaker) = &self.breaker {
+            // Only a transient failure is news about the downstream.
+            match class {
+                ErrorClass::Transient => breaker.failed(),
+                _ => breaker.neutral(),
+            }
+        }
         // Boxed: the failure path's state (copies, headers, the dead-letter record) would
         // otherwise make every message's task as large as a failing one's.
         Box::pin(self.settle_failure(d, class, text)).await;

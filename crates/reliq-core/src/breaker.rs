@@ -1,0 +1,456 @@
+//! [`CircuitBreaker`]: stop taking deliveries while the downstream fails.
+//!
+//! When the database or the payment provider behind a handler is down, every delivery
+//! fails transiently, spends an attempt, waits on a retry tier and, the budget spent,
+//! lands in the DLQ — an outage turned into thousands of dead letters. A breaker watches
+//! the share of **transient** failures among the handler's outcomes over a sliding window
+//! (permanent, poison and panic failures are about the message, not the downstream, and do
+//! not count). Crossing the threshold **opens** it: the consumer stops receiving, so what
+//! waits stays in the broker and spends no attempt. After the cool-down it is
+//! **half-open**: a few probe deliveries go through; as many successes **close** it, one
+//! transient failure opens it again.
+//!
+//! Not receiving is how each broker stops handing out work to this consumer: nothing is
+//! received beyond the deliveries the backend already holds (at most the prefetch), which
+//! stay leased and unsettled until the breaker lets them through:
+//!
+//! | broker | while open |
+//! |---|---|
+//! | Kafka | the poll thread pauses the partitions once its buffer is full and keeps polling: no rebalance, nothing committed |
+//! | RabbitMQ | nothing is acked, so after `prefetch` unacknowledged deliveries the broker pushes no more (`basic.qos`); held longer than the broker's `consumer_timeout` (30 min by default) the channel is closed and they are requeued, which counts against a quorum queue's delivery limit |
+//! | NATS | no pull request is sent; the held deliveries are kept in progress |
+//! | SQS | the poller stops at `prefetch` held messages, whose visibility is extended |
+//! | embedded | nothing is taken from the queue |
+//!
+//! One breaker can serve several consumers that call the same downstream
+//! ([`CircuitBreaker`] is cheap to clone: clones share their state), so an outage seen by
+//! one stops them all.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use metrics::{counter, gauge};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::lock;
+use crate::telemetry::{CIRCUIT_STATE, CIRCUIT_TRANSITIONS};
+
+/// Where a breaker is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CircuitState {
+    /// Deliveries flow; outcomes are counted.
+    Closed,
+    /// No delivery is taken until the cool-down ends.
+    Open,
+    /// A few probe deliveries go through.
+    HalfOpen,
+}
+
+impl CircuitState {
+    /// `closed`, `open`, `half_open`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Open => "open",
+            Self::HalfOpen => "half_open",
+        }
+    }
+
+    /// The value of `reliq_circuit_state`: 0 closed, 1 half-open, 2 open.
+    pub fn gauge(self) -> f64 {
+        match self {
+            Self::Closed => 0.0,
+            Self::HalfOpen => 1.0,
+            Self::Open => 2.0,
+        }
+    }
+}
+
+/// Outcomes counted in one slice of the window.
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    start: Instant,
+    succeeded: u64,
+    failed: u64,
+}
+
+#[derive(Debug)]
+struct State {
+    state: CircuitState,
+    /// Open: when it opened. Half-open: when the last probe was admitted.
+    since: Instant,
+    window: VecDeque<Bucket>,
+    /// Half-open: probes admitted whose outcome has not come.
+    probes_out: u32,
+    /// Half-open: probes that succeeded.
+    probes_ok: u32,
+}
+
+#[derive(Debug)]
+struct Inner {
+    name: String,
+    failure_ratio: f64,
+    window: Duration,
+    minimum_calls: u64,
+    cool_down: Duration,
+    probes: u32,
+    state: Mutex<State>,
+    changed: Notify,
+}
+
+/// A circuit breaker on a consumer's handler outcomes (see the [module docs](self)).
+/// Give it to [`ConsumerBuilder::circuit_breaker`](crate::ConsumerBuilder::circuit_breaker).
+#[derive(Clone, Debug)]
+pub struct CircuitBreaker {
+    inner: Arc<Inner>,
+}
+
+/// Slices of the sliding window.
+const BUCKETS: u32 = 10;
+
+impl CircuitBreaker {
+    /// A breaker named `name` (the `breaker` label of its metrics): opens when at least
+    /// half of at least 20 outcomes over the last 10 s are transient failures; cools down
+    /// for 30 s; closes after 3 probes succeed.
+    pub fn new(name: impl Into<String>) -> Self {
+        let name = name.into();
+        gauge!(CIRCUIT_STATE, "breaker" => name.clone()).set(CircuitState::Closed.gauge());
+        Self {
+            inner: Arc::new(Inner {
+                name,
+                failure_ratio: 0.5,
+                window: Duration::from_secs(10),
+                minimum_calls: 20,
+                cool_down: Duration::from_secs(30),
+                probes: 3,
+                state: Mutex::new(State {
+                    state: CircuitState::Closed,
+                    since: Instant::now(),
+                    window: VecDeque::new(),
+                    probes_out: 0,
+                    probes_ok: 0,
+                }),
+                changed: Notify::new(),
+            }),
+        }
+    }
+
+    fn with(mut self, set: impl FnOnce(&mut Inner)) -> Self {
+        match Arc::get_mut(&mut self.inner) {
+            Some(inner) => set(inner),
+            None => tracing::error!(breaker = %self.inner.name,
+                "a circuit breaker is configured before it is shared; setting ignored"),
+        }
+        self
+    }
+
+    /// Open when the share of transient failures reaches `ratio` (0 < ratio ≤ 1).
+    pub fn failure_ratio(self, ratio: f64) -> Self {
+        self.with(|i| i.failure_ratio = ratio)
+    }
+
+    /// The sliding window the share is taken over.
+    pub fn window(self, window: Duration) -> Self {
+        self.with(|i| i.window = window)
+    }
+
+    /// Fewer outcomes in the window never open the breaker (one failure out of one is
+    /// no outage).
+    pub fn minimum_calls(self, n: u64) -> Self {
+        self.with(|i| i.minimum_calls = n)
+    }
+
+    /// How long it stays open before probing.
+    pub fn cool_down(self, cool_down: Duration) -> Self {
+        self.with(|i| i.cool_down = cool_down)
+    }
+
+    /// Probe deliveries let through half-open; as many successes close it.
+    pub fn probes(self, probes: u32) -> Self {
+        self.with(|i| i.probes = probes)
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Where it is now.
+    pub fn state(&self) -> CircuitState {
+        lock(&self.inner.state).state
+    }
+
+    /// The setting that is out of range, if one is.
+    pub(crate) fn invalid(&self) -> Option<(&'static str, String)> {
+        let i = &self.inner;
+        if !(i.failure_ratio > 0.0 && i.failure_ratio <= 1.0) {
+            return Some((
+                "circuit_breaker.failure_ratio",
+                format!("{} is not in (0, 1]", i.failure_ratio),
+            ));
+        }
+        if i.window.is_zero() {
+            return Some(("circuit_breaker.window", "must be longer than zero".into()));
+        }
+        if i.probes == 0 {
+            return Some((
+                "circuit_breaker.probes",
+                "at least one probe closes it".into(),
+            ));
+        }
+        if i.minimum_calls == 0 {
+            return Some((
+                "circuit_breaker.minimum_calls",
+                "at least one outcome".into(),
+            ));
+        }
+        None
+    }
+
+    fn transition(&self, s: &mut State, to: CircuitState, now: Instant) {
+        let from = s.state;
+        s.state = to;
+        s.since = now;
+        s.probes_out = 0;
+        s.probes_ok = 0;
+        if to == CircuitState::Closed {
+            s.window.clear();
+        }
+        let name = self.inner.name.clone();
+        gauge!(CIRCUIT_STATE, "breaker" => name.clone()).set(to.gauge());
+        counter!(CIRCUIT_TRANSITIONS, "breaker" => name.clone(), "to" => to.as_str()).increment(1);
+        match to {
+            CircuitState::Open => tracing::warn!(breaker = %name, from = from.as_str(),
+                cool_down = ?self.inner.cool_down, "circuit breaker opened: no deliveries are taken"),
+            _ => tracing::info!(breaker = %name, from = from.as_str(), to = to.as_str(),
+                "circuit breaker state changed"),
+        }
+        self.inner.changed.notify_waiters();
+    }
+
+    /// Add an outcome to the window's current slice, dropping slices that left it.
+    fn count(&self, s: &mut State, now: Instant, failed: bool, n: u64) {
+        let slice = self.inner.window / BUCKETS;
+        while s
+            .window
+            .front()
+            .is_some_and(|b| now.duration_since(b.start) >= self.inner.window)
+        {
+            s.window.pop_front();
+        }
+        if s.window
+            .back()
+            .is_none_or(|b| now.duration_since(b.start) >= slice)
+        {
+            s.window.push_back(Bucket {
+                start: now,
+                succeeded: 0,
+                failed: 0,
+            });
+        }
+        if let Some(b) = s.window.back_mut() {
+            if failed {
+                b.failed += n;
+            } else {
+                b.succeeded += n;
+            }
+        }
+    }
+
+    /// `n` deliveries handled and acknowledged.
+    pub(crate) fn succeeded(&self, n: u64) {
+        let now = Instant::now();
+        let mut s = lock(&self.inner.state);
+        match s.state {
+            CircuitState::Closed => self.count(&mut s, now, false, n),
+            CircuitState::HalfOpen => {
+                let n = u32::try_from(n).unwrap_or(u32::MAX);
+                s.probes_out = s.probes_out.saturating_sub(n);
+                s.probes_ok = s.probes_ok.saturating_add(n);
+                if s.probes_ok >= self.inner.probes {
+                    self.transition(&mut s, CircuitState::Closed, now);
+                } else {
+                    self.inner.changed.notify_waiters();
+                }
+            }
+            // Handlers that started before it opened: no news about the downstream now.
+            CircuitState::Open => {}
+        }
+    }
+
+    /// One delivery failed transiently.
+    pub(crate) fn failed(&self) {
+        let now = Instant::now();
+        let mut s = lock(&self.inner.state);
+        match s.state {
+            CircuitState::Closed => {
+                self.count(&mut s, now, true, 1);
+                let (ok, failed) = s
+                    .window
+                    .iter()
+                    .fold((0, 0), |(o, f), b| (o + b.succeeded, f + b.failed));
+                let total = ok + failed;
+                if total >= self.inner.minimum_calls
+                    && failed as f64 >= self.inner.failure_ratio * total as f64
+                {
+                    self.transition(&mut s, CircuitState::Open, now);
+                }
+            }
+            CircuitState::HalfOpen => self.transition(&mut s, CircuitState::Open, now),
+            CircuitState::Open => {}
+        }
+    }
+
+    /// A delivery settled in a way that says nothing about the downstream (a permanent
+    /// or poison failure, a duplicate): a half-open probe slot is free again.
+    pub(crate) fn neutral(&self) {
+        let mut s = lock(&self.inner.state);
+        if s.state == CircuitState::HalfOpen && s.probes_out > 0 {
+            s.probes_out -= 1;
+            self.inner.changed.notify_waiters();
+        }
+    }
+
+    /// Probe slots admitted and not used (the receive brought fewer deliveries).
+    pub(crate) fn unused(&self, n: usize) {
+        if n > 0 {
+            let mut s = lock(&self.inner.state);
+            if s.state == CircuitState::HalfOpen {
+                let n = u32::try_from(n).unwrap_or(u32::MAX);
+                s.probes_out = s.probes_out.saturating_sub(n);
+                self.inner.changed.notify_waiters();
+            }
+        }
+    }
+
+    /// How many of `want` deliveries the receive loop may take now, waiting while none
+    /// may: all when closed; none while open (until the cool-down ends); the probes not
+    /// yet out when half-open. Half-open probes whose outcome never comes (a delivery
+    /// released, lost with its receiver) free their slot after another cool-down.
+    pub(crate) async fn admit(&self, want: usize) -> usize {
+        loop {
+            let changed = self.inner.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let wait = {
+                let now = Instant::now();
+                let mut s = lock(&self.inner.state);
+                match s.state {
+                    CircuitState::Closed => return want,
+                    CircuitState::Open => {
+                        let until = s.since + self.inner.cool_down;
+                        if now >= until {
+                            self.transition(&mut s, CircuitState::HalfOpen, now);
+                            continue;
+                        }
+                        until
+                    }
+                    CircuitState::HalfOpen => {
+                        let room = self
+                            .inner
+                            .probes
+                            .saturating_sub(s.probes_ok)
+                            .saturating_sub(s.probes_out);
+                        if room > 0 {
+                            let n = want.min(room as usize);
+                            s.probes_out += u32::try_from(n).unwrap_or(room);
+                            s.since = now;
+                            return n;
+                        }
+                        let until = s.since + self.inner.cool_down;
+                        if now >= until {
+                            s.probes_out = 0;
+                            continue;
+                        }
+                        until
+                    }
+                }
+            };
+            tokio::select! {
+                () = changed => {}
+                () = tokio::time::sleep_until(wait) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn breaker() -> CircuitBreaker {
+        CircuitBreaker::new("test")
+            .failure_ratio(0.5)
+            .minimum_calls(4)
+            .window(Duration::from_secs(10))
+            .cool_down(Duration::from_secs(5))
+            .probes(2)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn opens_on_the_share_of_transient_failures_and_closes_after_probes() {
+        let b = breaker();
+        b.succeeded(2);
+        b.failed();
+        assert_eq!(b.state(), CircuitState::Closed, "1 of 3: below the minimum");
+        b.failed();
+        assert_eq!(b.state(), CircuitState::Open, "2 of 4");
+        assert_eq!(
+            tokio::time::timeout(Duration::from_secs(4), b.admit(10))
+                .await
+                .ok(),
+            None,
+            "open: nothing admitted during the cool-down"
+        );
+        assert_eq!(b.admit(10).await, 2, "half-open: the probes");
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        b.succeeded(1);
+        b.neutral();
+        assert_eq!(
+            b.admit(10).await,
+            1,
+            "the neutral probe's slot is free again"
+        );
+        b.succeeded(1);
+        assert_eq!(b.state(), CircuitState::Closed);
+        assert_eq!(b.admit(10).await, 10);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_probe_opens_again_and_old_outcomes_leave_the_window() {
+        let b = breaker();
+        for _ in 0..3 {
+            b.failed();
+        }
+        tokio::time::advance(Duration::from_secs(11)).await;
+        b.succeeded(3);
+        b.failed();
+        assert_eq!(
+            b.state(),
+            CircuitState::Closed,
+            "the old failures left the window"
+        );
+        b.failed();
+        b.failed();
+        assert_eq!(b.state(), CircuitState::Open, "3 of 6");
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert_eq!(b.admit(1).await, 1);
+        b.failed();
+        assert_eq!(b.state(), CircuitState::Open, "a failed probe");
+        // A probe whose outcome never comes frees its slot after a cool-down.
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert_eq!(b.admit(5).await, 2);
+        assert_eq!(
+            tokio::time::timeout(Duration::from_secs(4), b.admit(5))
+                .await
+                .ok(),
+            None
+        );
+        assert_eq!(b.admit(5).await, 2, "after another cool-down");
+        let shared = b.clone();
+        shared.succeeded(2);
+        assert_eq!(b.state(), CircuitState::Closed, "clones share the state");
+    }
+}
