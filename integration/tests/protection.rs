@@ -52,5 +52,9 @@ async fn orders_through_a_database_outage_on_rabbit() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orders_through_a_database_outage_on_kafka() -> anyhow::Result<()> {
-    outage(&reliq_integration::settings::get("RELIQ_KAFKA_URL")).await
+    // Kafka's group ids are cluster-wide and the example's consumer is always `inventory`:
+    // a prefix of its own keeps this run out of other runs' groups (the observability
+    // test runs the example on Kafka too).
+    let prefix = reliq_conformance::support::unique("outage");
+    outage(&reliq_integration::kafka::url_with_group_prefix(&prefix)).await
 }

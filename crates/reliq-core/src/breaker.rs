@@ -325,11 +325,11 @@ impl CircuitBreaker {
         }
     }
 
-    /// How many of `want` deliveries the receive loop may take now, waiting while none
-    /// may: all when closed; none while open (until the cool-down ends); the probes not
-    /// yet out when half-open. Half-open probes whose outcome never comes (a delivery
-    /// released, lost with its receiver) free their slot after another cool-down.
-    pub(crate) async fn admit(&self, want: usize) -> usize {
+    /// Deliveries received under a closed breaker that opened while the receive waited
+    /// (an idle consumer sharing the breaker, or a slow receive): wait while it is open,
+    /// then let them through — as probes when half-open. What was received stays leased
+    /// meanwhile, so it spends no attempt on the failing downstream.
+    pub(crate) async fn hold(&self, received: usize) {
         loop {
             let changed = self.inner.changed.notified();
             tokio::pin!(changed);
@@ -338,7 +338,46 @@ impl CircuitBreaker {
                 let now = Instant::now();
                 let mut s = lock(&self.inner.state);
                 match s.state {
-                    CircuitState::Closed => return want,
+                    CircuitState::Closed => return,
+                    CircuitState::HalfOpen => {
+                        s.probes_out = s
+                            .probes_out
+                            .saturating_add(u32::try_from(received).unwrap_or(u32::MAX));
+                        s.since = now;
+                        return;
+                    }
+                    CircuitState::Open => {
+                        let until = s.since + self.inner.cool_down;
+                        if now >= until {
+                            self.transition(&mut s, CircuitState::HalfOpen, now);
+                            continue;
+                        }
+                        until
+                    }
+                }
+            };
+            tokio::select! {
+                () = changed => {}
+                () = tokio::time::sleep_until(wait) => {}
+            }
+        }
+    }
+
+    /// How many of `want` deliveries the receive loop may take now, waiting while none
+    /// may — all when closed; none while open (until the cool-down ends); the probes not
+    /// yet out when half-open — and whether they are probes. Half-open probes whose
+    /// outcome never comes (a delivery released, lost with its receiver) free their slot
+    /// after another cool-down.
+    pub(crate) async fn admit(&self, want: usize) -> (usize, bool) {
+        loop {
+            let changed = self.inner.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            let wait = {
+                let now = Instant::now();
+                let mut s = lock(&self.inner.state);
+                match s.state {
+                    CircuitState::Closed => return (want, false),
                     CircuitState::Open => {
                         let until = s.since + self.inner.cool_down;
                         if now >= until {
@@ -357,7 +396,7 @@ impl CircuitBreaker {
                             let n = want.min(room as usize);
                             s.probes_out += u32::try_from(n).unwrap_or(room);
                             s.since = now;
-                            return n;
+                            return (n, true);
                         }
                         let until = s.since + self.inner.cool_down;
                         if now >= until {
@@ -389,6 +428,12 @@ mod tests {
             .probes(2)
     }
 
+    async fn nothing_within(b: &CircuitBreaker, secs: u64) -> bool {
+        tokio::time::timeout(Duration::from_secs(secs), b.admit(10))
+            .await
+            .is_err()
+    }
+
     #[tokio::test(start_paused = true)]
     async fn opens_on_the_share_of_transient_failures_and_closes_after_probes() {
         let b = breaker();
@@ -397,25 +442,22 @@ mod tests {
         assert_eq!(b.state(), CircuitState::Closed, "1 of 3: below the minimum");
         b.failed();
         assert_eq!(b.state(), CircuitState::Open, "2 of 4");
-        assert_eq!(
-            tokio::time::timeout(Duration::from_secs(4), b.admit(10))
-                .await
-                .ok(),
-            None,
-            "open: nothing admitted during the cool-down"
+        assert!(
+            nothing_within(&b, 4).await,
+            "open: nothing during the cool-down"
         );
-        assert_eq!(b.admit(10).await, 2, "half-open: the probes");
+        assert_eq!(b.admit(10).await, (2, true), "half-open: the probes");
         assert_eq!(b.state(), CircuitState::HalfOpen);
         b.succeeded(1);
         b.neutral();
         assert_eq!(
             b.admit(10).await,
-            1,
-            "the neutral probe's slot is free again"
+            (1, true),
+            "a neutral probe frees its slot"
         );
         b.succeeded(1);
         assert_eq!(b.state(), CircuitState::Closed);
-        assert_eq!(b.admit(10).await, 10);
+        assert_eq!(b.admit(10).await, (10, false));
     }
 
     #[tokio::test(start_paused = true)]
@@ -436,21 +478,36 @@ mod tests {
         b.failed();
         assert_eq!(b.state(), CircuitState::Open, "3 of 6");
         tokio::time::advance(Duration::from_secs(5)).await;
-        assert_eq!(b.admit(1).await, 1);
+        assert_eq!(b.admit(1).await, (1, true));
         b.failed();
         assert_eq!(b.state(), CircuitState::Open, "a failed probe");
         // A probe whose outcome never comes frees its slot after a cool-down.
         tokio::time::advance(Duration::from_secs(5)).await;
-        assert_eq!(b.admit(5).await, 2);
-        assert_eq!(
-            tokio::time::timeout(Duration::from_secs(4), b.admit(5))
-                .await
-                .ok(),
-            None
-        );
-        assert_eq!(b.admit(5).await, 2, "after another cool-down");
+        assert_eq!(b.admit(5).await, (2, true));
+        assert!(nothing_within(&b, 4).await);
+        assert_eq!(b.admit(5).await, (2, true), "after another cool-down");
         let shared = b.clone();
         shared.succeeded(2);
         assert_eq!(b.state(), CircuitState::Closed, "clones share the state");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deliveries_received_as_it_opened_are_held_until_the_cool_down_ends() {
+        let b = breaker();
+        for _ in 0..4 {
+            b.failed();
+        }
+        assert_eq!(b.state(), CircuitState::Open);
+        let started = Instant::now();
+        b.hold(3).await;
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        assert!(
+            nothing_within(&b, 4).await,
+            "the held deliveries are the probes"
+        );
+        b.succeeded(2);
+        assert_eq!(b.state(), CircuitState::Closed);
+        b.hold(3).await;
     }
 }

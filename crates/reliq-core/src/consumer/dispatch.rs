@@ -69,12 +69,14 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
         }
         // The circuit breaker: nothing while it is open (what waits stays in the broker),
         // its probes when half-open.
+        let mut probes = false;
         if let Some(breaker) = &shared.breaker {
             let want = permits.num_permits();
-            let allowed = tokio::select! {
-                n = breaker.admit(want) => n,
+            let (allowed, as_probes) = tokio::select! {
+                a = breaker.admit(want) => a,
                 _ = &mut stopped => break,
             };
+            probes = as_probes;
             if allowed < want {
                 drop(permits.split(want - allowed));
             }
@@ -110,7 +112,16 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
             }
         }
         if let Some(breaker) = &shared.breaker {
-            breaker.unused(permits.num_permits().saturating_sub(batch.len()));
+            if probes {
+                breaker.unused(permits.num_permits().saturating_sub(batch.len()));
+            } else if !batch.is_empty() && breaker.state() != crate::CircuitState::Closed {
+                // Received under a closed breaker that opened meanwhile: held (leased)
+                // until it lets deliveries through again. Stopping releases them below.
+                tokio::select! {
+                    () = breaker.hold(batch.len()) => {}
+                    _ = &mut stopped => break,
+                }
+            }
         }
         dispatch(&shared, &in_flight, &mut batch, permits);
         match received {

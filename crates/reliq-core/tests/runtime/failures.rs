@@ -355,3 +355,81 @@ async fn a_cancelled_replay_removes_what_went_and_leaves_the_rest() {
         "the last progress"
     );
 }
+
+/// One breaker shared by two consumers that call the same downstream: the failures of
+/// one open it, and the other stops receiving too — its messages wait in the broker (no
+/// handler call) until the cool-down ends; both handle everything once it closes.
+#[tokio::test(start_paused = true)]
+async fn a_shared_breaker_stops_every_consumer_that_uses_it() {
+    use reliq_core::{Broker, CircuitBreaker, CircuitState};
+    use std::sync::atomic::AtomicBool;
+    let broker = MemoryBroker::new();
+    let down = Arc::new(AtomicBool::new(true));
+    let breaker = CircuitBreaker::new("shared-db")
+        .minimum_calls(5)
+        .cool_down(secs(30))
+        .probes(1);
+    let start = |name: &'static str, topic: &'static str, fails: bool| {
+        let calls = Arc::new(AtomicU32::new(0));
+        let (c, down) = (calls.clone(), down.clone());
+        let consumer = Consumer::builder(Arc::new(broker.clone()), name)
+            .subscribe(topic)
+            .retry(RetryPolicy::tiers([secs(1)]).max_attempts(5))
+            .max_in_flight(2)
+            .circuit_breaker(breaker.clone())
+            .start(move |_d: Delivery| {
+                let (c, down) = (c.clone(), down.clone());
+                async move {
+                    c.fetch_add(1, Ordering::SeqCst);
+                    if fails && down.load(Ordering::SeqCst) {
+                        return Err::<(), BoxError>(reliq_core::Transient::msg("db down").into());
+                    }
+                    Ok(())
+                }
+            });
+        (consumer, calls)
+    };
+    let (a, a_calls) = start("writer", "a", true);
+    let (b, b_calls) = start("reader", "b", false);
+    let (a, b) = (a.await.unwrap(), b.await.unwrap());
+    for i in 0..10 {
+        broker
+            .publish(&Destination::new("a"), Message::new(format!("a-{i}")))
+            .await
+            .unwrap();
+    }
+    wait_for("the breaker opens", || {
+        breaker.state() == CircuitState::Open
+    })
+    .await;
+    assert_eq!(
+        b.circuit_state(),
+        Some(CircuitState::Open),
+        "the same breaker"
+    );
+    for i in 0..10 {
+        broker
+            .publish(&Destination::new("b"), Message::new(format!("b-{i}")))
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(secs(20)).await;
+    assert_eq!(
+        b_calls.load(Ordering::SeqCst),
+        0,
+        "the other consumer waits too"
+    );
+    down.store(false, Ordering::SeqCst);
+    wait_for("both handled everything", || {
+        a.stats().processed == 10 && b.stats().processed == 10
+    })
+    .await;
+    assert_eq!(breaker.state(), CircuitState::Closed);
+    assert_eq!(b_calls.load(Ordering::SeqCst), 10);
+    assert!(
+        a_calls.load(Ordering::SeqCst) >= 15,
+        "5 failures opened it, then 10 successes"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
