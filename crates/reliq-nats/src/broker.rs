@@ -55,15 +55,47 @@ impl Drop for Inner {
     }
 }
 
+/// The servers a URL names: one, or a cluster's, listed in the authority with commas
+/// (`nats://user:password@h1:4222,h2:4222,h3:4222`; each gets the scheme and the
+/// credentials). async-nats connects to one of them and, when it loses that one, to
+/// another (it also learns the cluster's other servers from the one it reached).
+fn server_addrs(address: &str) -> Result<Vec<async_nats::ServerAddr>, BrokerError> {
+    let bad = |reason: String| BrokerError::Config {
+        field: "url".into(),
+        reason,
+    };
+    let (scheme, authority) = address
+        .split_once("://")
+        .ok_or_else(|| bad("expected nats://host:port or tls://host:port".into()))?;
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((user, hosts)) => (format!("{user}@"), hosts),
+        None => (String::new(), authority),
+    };
+    hosts
+        .split(',')
+        .map(|host| {
+            let host = host.trim();
+            if host.is_empty() {
+                return Err(bad("an empty host in the URL's host list".into()));
+            }
+            format!("{scheme}://{userinfo}{host}")
+                .parse()
+                .map_err(|e: std::io::Error| bad(format!("`{}`: {e}", redact(host))))
+        })
+        .collect()
+}
+
 impl NatsBroker {
     /// Connect with default options. URL: `nats://[user:password@]host:port[?token=…]`, or
-    /// `tls://…` to require TLS. Credentials are never logged.
+    /// `tls://…` to require TLS; a cluster's servers separated by commas
+    /// (`nats://h1:4222,h2:4222,h3:4222?reliq.replicas=3`). Credentials are never logged.
     pub async fn connect(url: &str) -> Result<Self, BrokerError> {
         Self::connect_with(url, NatsOptions::default()).await
     }
 
     /// Connect with options.
     pub async fn connect_with(url: &str, options: NatsOptions) -> Result<Self, BrokerError> {
+        let mut options = options;
         let (address, query) = url.split_once('?').unwrap_or((url, ""));
         let mut connect = async_nats::ConnectOptions::new()
             .name("reliq")
@@ -72,10 +104,21 @@ impl NatsBroker {
             match k {
                 "token" => connect = connect.token(v.to_owned()),
                 "name" => connect = connect.name(v),
+                "reliq.replicas" => {
+                    options.replicas =
+                        v.parse()
+                            .ok()
+                            .filter(|r| (1..=5).contains(r))
+                            .ok_or_else(|| BrokerError::Config {
+                                field: "reliq.replicas".into(),
+                                reason: format!("`{v}` is not a stream replica count (1 to 5)"),
+                            })?;
+                }
                 other => {
                     return Err(BrokerError::Config {
                         field: format!("url query `{other}`"),
-                        reason: "unknown NATS URL option (known: token, name)".into(),
+                        reason: "unknown NATS URL option (known: token, name, reliq.replicas)"
+                            .into(),
                     });
                 }
             }
@@ -99,8 +142,9 @@ impl NatsBroker {
                 });
             }
         };
+        let servers = server_addrs(&address)?;
         let client = connect
-            .connect(address.as_str())
+            .connect(servers.as_slice())
             .await
             .map_err(connection(format!(
                 "connecting to NATS at {}",
@@ -131,6 +175,7 @@ impl NatsBroker {
                 subjects: vec![source.to_owned(), format!("{source}.>"), retries.clone()],
                 allow_direct: true,
                 allow_message_schedules: true,
+                num_replicas: self.inner.options.replicas,
                 ..Default::default()
             })
             .await
@@ -168,6 +213,7 @@ impl NatsBroker {
                 name: dead_letter_stream(sub),
                 subjects: vec![dead_letter_subject(sub)],
                 allow_direct: true,
+                num_replicas: self.inner.options.replicas,
                 ..Default::default()
             })
             .await
@@ -477,6 +523,34 @@ impl Broker for NatsBroker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cluster_url_names_every_server_with_the_scheme_and_credentials() {
+        let servers =
+            server_addrs("nats://u:p@10.0.0.1:4222, 10.0.0.2:4223,node-3").expect("cluster");
+        let named: Vec<(String, u16, Option<String>)> = servers
+            .iter()
+            .map(|s| {
+                (
+                    s.host().to_owned(),
+                    s.port(),
+                    s.username().map(str::to_owned),
+                )
+            })
+            .collect();
+        let user = Some("u".to_owned());
+        assert_eq!(
+            named,
+            [
+                ("10.0.0.1".to_owned(), 4222, user.clone()),
+                ("10.0.0.2".to_owned(), 4223, user.clone()),
+                ("node-3".to_owned(), 4222, user),
+            ]
+        );
+        assert_eq!(server_addrs("tls://h:4222").expect("single").len(), 1);
+        let err = server_addrs("nats://h1,,h3").expect_err("empty host");
+        assert!(err.to_string().contains("empty host"), "{err}");
+    }
 
     #[test]
     fn credentials_are_redacted() {

@@ -35,6 +35,10 @@ pub struct NatsOptions {
     /// in-flight window, however many there are. What this process holds stays bounded by
     /// `prefetch` (demand-driven pulls).
     pub retry_headroom: u32,
+    /// Replicas of the streams reliq creates (source and DLQ): 1 on a single server, 3 on
+    /// a three-node cluster so a stream survives the loss of a node (its consumers move
+    /// with it). An existing stream keeps its own. URL: `?reliq.replicas=3`.
+    pub replicas: usize,
     /// Fault injection for tests (see [`Faults`]; feature `test-util`).
     #[cfg(feature = "test-util")]
     pub faults: Option<Arc<Faults>>,
@@ -47,6 +51,7 @@ impl Default for NatsOptions {
             confirm_acks: true,
             existing_consumer: ExistingConsumer::Error,
             retry_headroom: 1000,
+            replicas: 1,
             #[cfg(feature = "test-util")]
             faults: None,
         }

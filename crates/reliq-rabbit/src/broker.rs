@@ -2,7 +2,9 @@
 //! mandatory) and the [`Broker`] implementation.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use lapin::Confirmation;
@@ -16,6 +18,7 @@ use crate::dead_letters::RabbitDeadLetters;
 use crate::error::reply_code;
 use crate::management::Management;
 use crate::names::{Names, short};
+use crate::options::Nodes;
 use crate::receiver::RabbitReceiver;
 use crate::{QueueSettings, QueueType, RabbitError, RabbitOptions, codec, topology};
 
@@ -37,8 +40,16 @@ impl std::fmt::Display for Target<'_> {
     }
 }
 
+/// Longest one node may take to accept a connection (TCP, AMQP handshake).
+const NODE_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 pub(crate) struct Inner {
+    /// The first node's URL (its vhost is every node's).
     pub(crate) url: String,
+    /// Every node's single-host URL ([`Nodes`]): a connection is made to one of them.
+    nodes: Vec<String>,
+    /// The node tried first: the one the last connection reached.
+    preferred: AtomicUsize,
     pub(crate) opts: RabbitOptions,
     pub(crate) management: Option<Management>,
     pub(crate) store: topology::SettingsStore,
@@ -60,13 +71,38 @@ impl Inner {
             .unwrap_or_else(|_| "/".to_owned())
     }
 
-    async fn connect_once(&self) -> Result<Connection, lapin::Error> {
-        Connection::connect(
-            &self.url,
-            ConnectionProperties::default()
-                .with_connection_name(self.opts.connection_name.clone().into()),
-        )
-        .await
+    /// One connection attempt per node, from the preferred one on, until one succeeds
+    /// (the error is the last node's). A cluster's clients move to a live node this way
+    /// when theirs is lost: the receivers re-declare and resume on the new connection.
+    async fn connect_once(&self) -> Result<Connection, String> {
+        let n = self.nodes.len().max(1);
+        let start = self.preferred.load(Ordering::Relaxed) % n;
+        let mut last = String::from("no node in the URL");
+        for k in (0..n).map(|i| (start + i) % n) {
+            let Some(url) = self.nodes.get(k) else {
+                continue;
+            };
+            let props = ConnectionProperties::default()
+                .with_connection_name(self.opts.connection_name.clone().into());
+            // Bounded: a node that accepts TCP but never answers must not hold the
+            // reconnect loop (the others may be up).
+            match tokio::time::timeout(NODE_CONNECT_TIMEOUT, Connection::connect(url, props)).await
+            {
+                Ok(Ok(c)) => {
+                    if k != start {
+                        tracing::info!(node = k, "connected to another RabbitMQ node of the URL");
+                    }
+                    self.preferred.store(k, Ordering::Relaxed);
+                    return Ok(c);
+                }
+                Ok(Err(e)) => last = e.to_string(),
+                Err(_) => last = format!("no answer within {NODE_CONNECT_TIMEOUT:?}"),
+            }
+            if n > 1 {
+                tracing::warn!(node = k, error = %last, "connecting to a RabbitMQ node failed; trying the next");
+            }
+        }
+        Err(last)
     }
 
     /// A live connection: the current one, or a new one (bounded backoff with jitter).
@@ -339,9 +375,13 @@ impl RabbitBroker {
             .as_deref()
             .map(Management::new)
             .transpose()?;
-        let store = settings_store(url, &options, management.as_ref()).await?;
+        let nodes = Nodes::parse(url)?.urls();
+        let first = nodes.first().cloned().unwrap_or_else(|| url.to_owned());
+        let store = settings_store(&first, &options, management.as_ref()).await?;
         let inner = Arc::new(Inner {
-            url: url.to_owned(),
+            url: first,
+            nodes,
+            preferred: AtomicUsize::new(0),
             opts: options,
             management,
             store,

@@ -22,6 +22,7 @@
 //! | `backlog` | `waiting`: the consumer queue's ready count and each TTL queue's, by passive `queue.declare` (live); `in_flight`: the queue's `messages_unacknowledged` from the management API when [`RabbitOptions::management_url`] is set (it trails by the statistics interval). |
 //! | `plan` / `inspect` | the exchange, queues, streams and binding of the topology row, each planned argument resolved from the queue's arguments and the matching policy and operator policy (management API: `inspect` needs [`RabbitOptions::management_url`]); retry queues of earlier policies, with a passive declare's message count, as extra objects |
 //! | `send_to_consumer` (replay) | publish to the default exchange with routing key = the consumer's queue |
+//! | cluster, node loss | the URL may name every node: `amqp://user:password@h1:5672,h2:5672,h3:5672/vhost` (same credentials, vhost and query for each). A connection goes to one node, tried from the one that last answered, each within 10 s; when it is lost, the broker's next channel reconnects to the next node that answers, and the receiver re-declares its topology and resumes consuming there. Unacked deliveries of the lost connection are requeued by RabbitMQ and delivered again (the inbox absorbs a repeated effect). Quorum queues (the default) are replicated on every node and elect a new leader when theirs dies; tested by `just chaos` (leader SIGKILLed mid-run). |
 //!
 //! ### The dead-letter stream
 //!

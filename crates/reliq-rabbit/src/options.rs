@@ -123,7 +123,10 @@ impl RabbitOptions {
             field: field.to_owned(),
             reason,
         };
-        let mut parsed = reqwest::Url::parse(url).map_err(|e| bad("url", e.to_string()))?;
+        // A cluster's URL names several nodes; the query is read from the first node's.
+        let nodes = Nodes::parse(url)?;
+        let mut parsed =
+            reqwest::Url::parse(&nodes.url(0)).map_err(|e| bad("url", e.to_string()))?;
         let mut options = Self::default();
         let mut kept = Vec::new();
         for (k, v) in parsed.query_pairs() {
@@ -164,7 +167,71 @@ impl RabbitOptions {
         } else {
             parsed.query_pairs_mut().clear().extend_pairs(kept);
         }
-        Ok((parsed.to_string(), options))
+        let tail = match parsed.query() {
+            Some(q) => format!("{}?{q}", parsed.path()),
+            None => parsed.path().to_owned(),
+        };
+        let url = Nodes { tail, ..nodes }.to_string();
+        Ok((url, options))
+    }
+}
+
+/// The nodes an AMQP URL names. A cluster's URL lists them in its authority, separated
+/// by commas — `amqp://user:password@host1:5672,host2:5672,host3:5672/vhost?query` — and
+/// every node gets the same credentials, vhost and query. lapin connects to one host; the
+/// broker tries the nodes in turn (see [`crate::RabbitBroker`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Nodes {
+    /// `scheme://` and the user info with its `@`.
+    prefix: String,
+    /// `host[:port]` per node, in the URL's order.
+    pub(crate) hosts: Vec<String>,
+    /// The path (vhost) and query.
+    tail: String,
+}
+
+impl Nodes {
+    pub(crate) fn parse(url: &str) -> Result<Self, BrokerError> {
+        let bad = |reason: &str| BrokerError::Config {
+            field: "url".into(),
+            reason: reason.into(),
+        };
+        let (scheme, rest) = url
+            .split_once("://")
+            .ok_or_else(|| bad("expected amqp://… or amqps://…"))?;
+        let end = rest.find(['/', '?']).unwrap_or(rest.len());
+        let (authority, tail) = rest.split_at(end);
+        // The hosts follow the last `@` (a password's own `@` is percent-encoded).
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((user, hosts)) => (format!("{user}@"), hosts),
+            None => (String::new(), authority),
+        };
+        let hosts: Vec<String> = hosts.split(',').map(|h| h.trim().to_owned()).collect();
+        if hosts.iter().any(String::is_empty) {
+            return Err(bad("an empty host in the URL's host list"));
+        }
+        Ok(Self {
+            prefix: format!("{scheme}://{userinfo}"),
+            hosts,
+            tail: tail.to_owned(),
+        })
+    }
+
+    /// The single-host URL of node `i` (what lapin connects to).
+    pub(crate) fn url(&self, i: usize) -> String {
+        let host = self.hosts.get(i).map_or("", String::as_str);
+        format!("{}{host}{}", self.prefix, self.tail)
+    }
+
+    /// Every node's single-host URL, in order.
+    pub(crate) fn urls(&self) -> Vec<String> {
+        (0..self.hosts.len()).map(|i| self.url(i)).collect()
+    }
+}
+
+impl std::fmt::Display for Nodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{}{}", self.prefix, self.hosts.join(","), self.tail)
     }
 }
 
@@ -186,6 +253,36 @@ impl Default for RabbitOptions {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cluster_url_names_every_node_with_the_same_credentials_vhost_and_query() {
+        let (url, o) = RabbitOptions::from_url(
+            "amqp://u:p%40ss@10.0.0.1:5672, 10.0.0.2:5673,node-3/%2f?heartbeat=10&reliq.management=15672",
+        )
+        .expect("cluster url");
+        assert_eq!(
+            url,
+            "amqp://u:p%40ss@10.0.0.1:5672,10.0.0.2:5673,node-3/%2f?heartbeat=10"
+        );
+        // The management API is the first node's.
+        assert_eq!(
+            o.management_url.as_deref(),
+            Some("http://u:p%40ss@10.0.0.1:15672")
+        );
+        let nodes = Nodes::parse(&url).expect("nodes");
+        assert_eq!(
+            nodes.urls(),
+            [
+                "amqp://u:p%40ss@10.0.0.1:5672/%2f?heartbeat=10",
+                "amqp://u:p%40ss@10.0.0.2:5673/%2f?heartbeat=10",
+                "amqp://u:p%40ss@node-3/%2f?heartbeat=10",
+            ]
+        );
+        let single = Nodes::parse("amqp://127.0.0.1:5672").expect("single");
+        assert_eq!(single.urls(), ["amqp://127.0.0.1:5672"]);
+        let err = Nodes::parse("amqp://u:p@h1,,h3/%2f").expect_err("empty host");
+        assert!(err.to_string().contains("empty host"), "{err}");
+    }
 
     #[test]
     fn url_options_are_taken_out_and_named_when_unknown() {

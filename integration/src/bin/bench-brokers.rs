@@ -53,19 +53,7 @@ fn payload(i: usize) -> Vec<u8> {
 }
 
 async fn connect(broker: &str) -> anyhow::Result<Arc<dyn Broker>> {
-    Ok(match broker {
-        "rabbit" => {
-            Arc::new(reliq_rabbit::RabbitBroker::connect(&settings::get("RELIQ_RABBIT_URL")).await?)
-        }
-        "nats" => {
-            Arc::new(reliq_nats::NatsBroker::connect(&settings::get("RELIQ_NATS_URL")).await?)
-        }
-        "kafka" => Arc::new(reliq_kafka::KafkaBroker::connect(&settings::get(
-            "RELIQ_KAFKA_URL",
-        ))?),
-        "sqs" => Arc::new(reliq_sqs::SqsBroker::connect(&settings::get("RELIQ_SQS_URL")).await?),
-        other => bail!("--broker rabbit|nats|kafka|sqs, not {other}"),
-    })
+    reliq_integration::connect_by_name(broker).await
 }
 
 /// Time `n` confirmed publishes, [`IN_FLIGHT`] outstanding at a time: `publish(i)` is

@@ -3,7 +3,7 @@
 //! gracefully) or until it is killed.
 //!
 //! ```text
-//! crash-consumer --backend rabbit|kafka|nats --db URL [--schema S] --topic T
+//! crash-consumer --backend rabbit|kafka|nats|sqs --db URL [--schema S] --topic T
 //!                [--kafka-url URL] [--crash-after-commit K]
 //! ```
 //!

@@ -113,6 +113,8 @@ struct Part {
     /// Relay records waiting for their due time (head first); in blocking mode, the
     /// failed record waiting for its retry.
     held: VecDeque<Held>,
+    /// Payload bytes in `held`.
+    held_bytes: usize,
     /// Blocking mode: a record of this partition is with the runtime (or held for its
     /// retry); later records wait in `waiting`.
     out: bool,
@@ -137,12 +139,51 @@ impl Part {
             revoking: false,
             paused: false,
             held: VecDeque::new(),
+            held_bytes: 0,
             out: false,
             waiting: VecDeque::new(),
             rewind: false,
             head,
             head_count,
             counted: false,
+        }
+    }
+}
+
+/// Most records a relay partition holds ahead of their due time before it pauses, and
+/// [`RELAY_HOLD_BYTES`] the most payload: a relay reads on past a head that is not due
+/// yet rather than pausing at it. A pause discards the records librdkafka has fetched
+/// and a resume fetches them again, so with a pause per held head each record behind it
+/// came back late by that refetch (p99 0.85 s on a 2 s tier, measured). Paused at the
+/// bound, resumed at half of it: the refetch runs while records are still in hand.
+pub(super) const RELAY_HOLD: usize = 1024;
+/// See [`RELAY_HOLD`].
+pub(super) const RELAY_HOLD_BYTES: usize = 16 << 20;
+
+impl Part {
+    /// Hold a record until `h.due`.
+    fn hold(&mut self, h: Held) {
+        self.held_bytes += h.delivery.payload().len();
+        self.held.push_back(h);
+    }
+
+    /// The head held record if it is due at `now`.
+    fn take_due(&mut self, now: SystemTime) -> Option<Held> {
+        if self.held.front()?.due > now {
+            return None;
+        }
+        let h = self.held.pop_front()?;
+        self.held_bytes = self.held_bytes.saturating_sub(h.delivery.payload().len());
+        Some(h)
+    }
+
+    /// A relay partition's fetch should be paused for what it holds (see [`RELAY_HOLD`]):
+    /// at the bound, and until it is down to half.
+    fn relay_full(&self) -> bool {
+        if self.paused {
+            self.held.len() > RELAY_HOLD / 2 || self.held_bytes > RELAY_HOLD_BYTES / 2
+        } else {
+            self.held.len() >= RELAY_HOLD || self.held_bytes >= RELAY_HOLD_BYTES
         }
     }
 }

@@ -269,10 +269,8 @@ impl Shared {
                 if let Some(pos) = part.tracker.take_commit() {
                     let _ = commit.add_partition_offset(topic, *p, Offset::Offset(pos));
                 }
-                while !full && part.held.front().is_some_and(|h| h.due <= now) {
-                    if let Some(h) = part.held.pop_front() {
-                        due.push((*p, h));
-                    }
+                while !full && let Some(h) = part.take_due(now) {
+                    due.push((*p, h));
                 }
             }
             s.queued = s.queued.saturating_sub(dropped);
@@ -296,11 +294,13 @@ impl Shared {
                 self.hand_out(client, consumer, partition, h.offset, h.delivery, out);
             }
         }
-        // Pause every partition while flow control says so, and relay partitions while
-        // their head is not due.
+        // Pause every partition while flow control says so, a relay partition while it
+        // holds its bound of records not due yet, and a blocking-mode partition while its
+        // failed record waits for its retry.
         let mut pause = TopicPartitionList::new();
         let mut resume = TopicPartitionList::new();
         let mut next_due: Option<Duration> = None;
+        let relay = matches!(self.clients[client].role, Role::Relay(_));
         {
             let mut s = lock(&self.state);
             for ((c, p), part) in s.parts.iter_mut() {
@@ -311,7 +311,12 @@ impl Shared {
                     let wait = h.due.duration_since(now).unwrap_or_default();
                     next_due = Some(next_due.map_or(wait, |n| n.min(wait)));
                 }
-                let want = flow_paused || !part.held.is_empty();
+                let want = flow_paused
+                    || if relay {
+                        part.relay_full()
+                    } else {
+                        !part.held.is_empty()
+                    };
                 if want != part.paused {
                     part.paused = want;
                     let list = if want { &mut pause } else { &mut resume };
@@ -418,13 +423,13 @@ impl Shared {
             if let Some(part) = s.parts.get_mut(&(client, partition))
                 && (due > SystemTime::now() || !part.held.is_empty())
             {
-                part.held.push_back(Held {
+                part.hold(Held {
                     due,
                     offset,
                     delivery,
                 });
-                if !part.paused {
-                    // Stop fetching behind a record that is not due yet.
+                if !part.paused && part.relay_full() {
+                    // Stop fetching: the partition holds its bound of records not due.
                     part.paused = true;
                     let mut tpl = TopicPartitionList::new();
                     tpl.add_partition(&self.clients[client].topic, partition);

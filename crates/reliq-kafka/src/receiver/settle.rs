@@ -169,7 +169,7 @@ impl Shared {
             && part.generation == info.generation
         {
             part.busy = part.busy.saturating_sub(1);
-            part.held.push_back(Held {
+            part.hold(Held {
                 due: SystemTime::now() + retry.delay,
                 offset: info.offset,
                 delivery: again,
