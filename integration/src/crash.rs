@@ -514,6 +514,30 @@ async fn run_inner(s: Scenario, during: Option<Faults>) -> anyhow::Result<Report
     Ok(report)
 }
 
+/// Publish `message`, again every 500 ms while the broker answers with a lost connection,
+/// a timeout or a closed client (until `deadline`); any other error fails at once.
+async fn publish_through_outages(
+    broker: &Arc<dyn Broker>,
+    destination: &reliq_core::Destination,
+    message: &reliq_core::Message,
+    deadline: Instant,
+) -> anyhow::Result<()> {
+    loop {
+        match broker.publish(destination, message.clone()).await {
+            Ok(()) => return Ok(()),
+            Err(
+                e @ (reliq_core::BrokerError::Connection { .. }
+                | reliq_core::BrokerError::Timeout(_)
+                | reliq_core::BrokerError::Closed),
+            ) if Instant::now() < deadline => {
+                tracing::warn!(error = %e, "publishing a second copy failed; again in 500 ms");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// Poll `f` every 10 ms until it returns `Some`, or fail at `deadline` saying `what`.
 async fn wait_for<T>(
     what: &str,
@@ -607,9 +631,11 @@ async fn drive(
     let relay = db.relay(broker.clone())?;
     let faults = during.map(|inject| tokio::spawn(inject(topic.clone())));
     // The second copies: a relay that died between the broker's confirm and the mark.
+    // Published as a relay would: again after a lost connection (a cluster node killed
+    // meanwhile), a copy more for the inbox to absorb if the first attempt was stored.
     for order in stream.iter().filter(|o| o.copies > 1) {
         for _ in 1..order.copies {
-            broker.publish(&destination, order.message.clone()).await?;
+            publish_through_outages(&broker, &destination, &order.message, deadline).await?;
         }
     }
 

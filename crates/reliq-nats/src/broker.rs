@@ -399,6 +399,16 @@ impl NatsBroker {
         }
     }
 
+    /// The streams and the durable consumer of `sub` (idempotent).
+    async fn declare_all(
+        &self,
+        sub: &Subscription,
+    ) -> Result<jetstream::consumer::Consumer<pull::Config>, BrokerError> {
+        self.declare_source(&sub.source).await?;
+        self.declare_dead_letters(sub).await?;
+        self.consumer_config(sub).await
+    }
+
     fn ensure_relay(&self, sub: &Subscription) {
         let key = (stream_name(&sub.source), consumer_name(&sub.consumer));
         let mut relays = self.inner.relays.lock().unwrap_or_else(|p| p.into_inner());
@@ -427,6 +437,60 @@ impl NatsBroker {
             closed: CancellationToken::new(),
         })
     }
+}
+
+/// How long subscribing keeps trying while JetStream answers as a cluster does during a
+/// leader election (a server lost: meta or stream leader moving), seconds on a healthy
+/// cluster. Other errors (a bad configuration) fail at once.
+const ELECTION_WAIT: Duration = Duration::from_secs(30);
+
+/// Whether `e` is JetStream unable to answer for now — the API request timed out, or the
+/// cluster says it is not available, not active, not the leader or incomplete — rather
+/// than a refusal.
+fn electing(e: &BrokerError) -> bool {
+    use async_nats::jetstream::ErrorCode;
+    use async_nats::jetstream::context::{
+        CreateStreamError, CreateStreamErrorKind, GetStreamError, GetStreamErrorKind,
+    };
+    use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
+    let cluster = |e: &async_nats::jetstream::Error| {
+        [
+            ErrorCode::CLUSTER_NOT_AVAILABLE,
+            ErrorCode::CLUSTER_NOT_ACTIVE,
+            ErrorCode::CLUSTER_NOT_LEADER,
+            ErrorCode::CLUSTER_INCOMPLETE,
+            ErrorCode::CLUSTER_NO_PEERS,
+        ]
+        .contains(&e.error_code())
+    };
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(c) = err.downcast_ref::<CreateStreamError>() {
+            return match c.kind() {
+                CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable => {
+                    true
+                }
+                CreateStreamErrorKind::JetStream(j) => cluster(&j),
+                _ => false,
+            };
+        }
+        if let Some(c) = err.downcast_ref::<ConsumerError>() {
+            return match c.kind() {
+                ConsumerErrorKind::TimedOut => true,
+                ConsumerErrorKind::JetStream(j) => cluster(&j),
+                _ => false,
+            };
+        }
+        if let Some(c) = err.downcast_ref::<GetStreamError>() {
+            return match c.kind() {
+                GetStreamErrorKind::Request => true,
+                GetStreamErrorKind::JetStream(j) => cluster(&j),
+                _ => false,
+            };
+        }
+        source = err.source();
+    }
+    false
 }
 
 fn redact(address: &str) -> String {
@@ -473,9 +537,17 @@ impl Broker for NatsBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError> {
-        self.declare_source(&subscription.source).await?;
-        self.declare_dead_letters(subscription).await?;
-        let consumer = self.consumer_config(subscription).await?;
+        let deadline = tokio::time::Instant::now() + ELECTION_WAIT;
+        let consumer = loop {
+            match self.declare_all(subscription).await {
+                Ok(consumer) => break consumer,
+                Err(e) if electing(&e) && tokio::time::Instant::now() < deadline => {
+                    tracing::warn!(error = %reliq_core::ErrorChain(&e), "JetStream is electing a leader (a server lost?); subscribing again in 1 s");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         self.ensure_relay(subscription);
         Ok(Box::new(self.pull_receiver(consumer, subscription).await?))
     }
@@ -523,6 +595,20 @@ impl Broker for NatsBroker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_election_is_waited_through_and_a_refusal_is_not() {
+        use async_nats::jetstream::context::{CreateStreamError, CreateStreamErrorKind};
+        let timed_out = api("declaring source stream `s`")(CreateStreamError::new(
+            CreateStreamErrorKind::TimedOut,
+        ));
+        assert!(electing(&timed_out));
+        let refused = api("declaring source stream `s`")(CreateStreamError::new(
+            CreateStreamErrorKind::InvalidStreamName,
+        ));
+        assert!(!electing(&refused));
+        assert!(!electing(&BrokerError::connection("other")));
+    }
 
     #[test]
     fn a_cluster_url_names_every_server_with_the_scheme_and_credentials() {
