@@ -306,9 +306,22 @@ impl Reader {
         expected: u64,
         gone: &CancellationToken,
     ) -> Result<Scan, BrokerError> {
-        let deadline = Instant::now() + SETTLE;
+        let mut scan = Scan {
+            broker: self.broker.clone(),
+            url: self.url.clone(),
+            held: HashMap::new(),
+        };
+        // Received entries stay held (hidden) while the scan goes on receiving: an empty
+        // answer before SQS's count is reached is a slow or sampled receive (moto under
+        // load answers a long poll empty while it works) or entries another scan holds
+        // for a moment. The window restarts whenever the scan grows.
+        let mut deadline = Instant::now() + SETTLE;
         loop {
-            let scan = self.scan_once(limit, gone).await?;
+            let before = scan.held.len();
+            if let Err(e) = self.fill(&mut scan, limit, gone).await {
+                scan.give_back().await;
+                return Err(e);
+            }
             let seen = scan.held.len();
             if seen as u64 >= expected || seen >= limit || gone.is_cancelled() {
                 if expected > limit as u64 {
@@ -317,26 +330,28 @@ impl Reader {
                 }
                 return Ok(scan);
             }
-            if Instant::now() >= deadline {
+            if seen > before {
+                deadline = Instant::now() + SETTLE;
+            } else if Instant::now() >= deadline {
                 tracing::info!(seen, counted = expected, queue = %self.url,
                     "a dead-letter scan saw fewer entries than SQS counts (approximate; held by another scan, or beyond the first 10 of a FIFO message group)");
                 return Ok(scan);
             }
-            scan.give_back().await;
             let jitter = u64::try_from(crate::receiver::unique_suffix() % 350).unwrap_or(0);
             tokio::time::sleep(Duration::from_millis(50 + jitter)).await;
         }
     }
 
-    /// Receive until an empty answer (or `limit` entries), under the scan lease.
-    async fn scan_once(&self, limit: usize, gone: &CancellationToken) -> Result<Scan, BrokerError> {
+    /// Receive into `scan` until an empty answer (or `limit` entries), under the scan
+    /// lease. On an error `scan` keeps what it holds (the caller gives it back).
+    async fn fill(
+        &self,
+        scan: &mut Scan,
+        limit: usize,
+        gone: &CancellationToken,
+    ) -> Result<(), BrokerError> {
         let options = &self.broker.inner.options;
         let lease = whole_seconds(options.dead_letter_lease).max(1);
-        let mut scan = Scan {
-            broker: self.broker.clone(),
-            url: self.url.clone(),
-            held: HashMap::new(),
-        };
         // A cancelled caller needs no more: stop, and give back what is held.
         while scan.held.len() < limit && !gone.is_cancelled() {
             let want = (limit - scan.held.len()).min(10);
@@ -356,13 +371,7 @@ impl Reader {
                 .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
                 .send()
                 .await;
-            let out = match out {
-                Ok(out) => out,
-                Err(e) => {
-                    scan.give_back().await;
-                    return Err(sdk_error("ReceiveMessage", e));
-                }
-            };
+            let out = out.map_err(|e| sdk_error("ReceiveMessage", e))?;
             let messages = out.messages();
             if messages.is_empty() {
                 break;
@@ -386,7 +395,7 @@ impl Reader {
                 break;
             }
         }
-        Ok(scan)
+        Ok(())
     }
 
     /// A full scan for browse, get and remove.
