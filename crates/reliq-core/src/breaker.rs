@@ -330,37 +330,18 @@ impl CircuitBreaker {
     /// then let them through — as probes when half-open. What was received stays leased
     /// meanwhile, so it spends no attempt on the failing downstream.
     pub(crate) async fn hold(&self, received: usize) {
-        loop {
-            let changed = self.inner.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            let wait = {
-                let now = Instant::now();
-                let mut s = lock(&self.inner.state);
-                match s.state {
-                    CircuitState::Closed => return,
-                    CircuitState::HalfOpen => {
-                        s.probes_out = s
-                            .probes_out
-                            .saturating_add(u32::try_from(received).unwrap_or(u32::MAX));
-                        s.since = now;
-                        return;
-                    }
-                    CircuitState::Open => {
-                        let until = s.since + self.inner.cool_down;
-                        if now >= until {
-                            self.transition(&mut s, CircuitState::HalfOpen, now);
-                            continue;
-                        }
-                        until
-                    }
-                }
-            };
-            tokio::select! {
-                () = changed => {}
-                () = tokio::time::sleep_until(wait) => {}
+        self.wait_for(|s, now| match s.state {
+            CircuitState::Closed => Step::Done(()),
+            CircuitState::HalfOpen => {
+                s.probes_out = s
+                    .probes_out
+                    .saturating_add(u32::try_from(received).unwrap_or(u32::MAX));
+                s.since = now;
+                Step::Done(())
             }
-        }
+            CircuitState::Open => Step::CoolDown,
+        })
+        .await
     }
 
     /// How many of `want` deliveries the receive loop may take now, waiting while none
@@ -369,38 +350,52 @@ impl CircuitBreaker {
     /// outcome never comes (a delivery released, lost with its receiver) free their slot
     /// after another cool-down.
     pub(crate) async fn admit(&self, want: usize) -> (usize, bool) {
+        self.wait_for(|s, now| match s.state {
+            CircuitState::Closed => Step::Done((want, false)),
+            CircuitState::Open => Step::CoolDown,
+            CircuitState::HalfOpen => {
+                let room = self
+                    .inner
+                    .probes
+                    .saturating_sub(s.probes_ok)
+                    .saturating_sub(s.probes_out);
+                if room > 0 {
+                    let n = want.min(room as usize);
+                    s.probes_out += u32::try_from(n).unwrap_or(room);
+                    s.since = now;
+                    return Step::Done((n, true));
+                }
+                let until = s.since + self.inner.cool_down;
+                if now >= until {
+                    s.probes_out = 0;
+                    return Step::Again;
+                }
+                Step::Until(until)
+            }
+        })
+        .await
+    }
+
+    /// Decide under the state lock until `decide` is done, waking on every state change
+    /// and at the time it names. [`Step::CoolDown`]: the breaker is open — half-open once
+    /// its cool-down has passed (and decide again), otherwise wait for the cool-down.
+    async fn wait_for<T>(&self, mut decide: impl FnMut(&mut State, Instant) -> Step<T>) -> T {
         loop {
+            // Registered before the state is read, so a change in between wakes it.
             let changed = self.inner.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
             let wait = {
                 let now = Instant::now();
                 let mut s = lock(&self.inner.state);
-                match s.state {
-                    CircuitState::Closed => return (want, false),
-                    CircuitState::Open => {
+                match decide(&mut s, now) {
+                    Step::Done(v) => return v,
+                    Step::Again => continue,
+                    Step::Until(until) => until,
+                    Step::CoolDown => {
                         let until = s.since + self.inner.cool_down;
                         if now >= until {
                             self.transition(&mut s, CircuitState::HalfOpen, now);
-                            continue;
-                        }
-                        until
-                    }
-                    CircuitState::HalfOpen => {
-                        let room = self
-                            .inner
-                            .probes
-                            .saturating_sub(s.probes_ok)
-                            .saturating_sub(s.probes_out);
-                        if room > 0 {
-                            let n = want.min(room as usize);
-                            s.probes_out += u32::try_from(n).unwrap_or(room);
-                            s.since = now;
-                            return (n, true);
-                        }
-                        let until = s.since + self.inner.cool_down;
-                        if now >= until {
-                            s.probes_out = 0;
                             continue;
                         }
                         until
@@ -413,6 +408,18 @@ impl CircuitBreaker {
             }
         }
     }
+}
+
+/// What [`CircuitBreaker::wait_for`]'s decision says.
+enum Step<T> {
+    /// Done, with this.
+    Done(T),
+    /// The state was changed: decide again at once.
+    Again,
+    /// Wait until then (or a state change), then decide again.
+    Until(Instant),
+    /// The breaker is open: wait out its cool-down.
+    CoolDown,
 }
 
 #[cfg(test)]
