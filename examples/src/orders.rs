@@ -23,8 +23,9 @@ use reliq::postgres::sqlx::{self, PgPool, SqlitePool};
 use reliq::postgres::{PgInbox, PgOutbox};
 use reliq::sqlite::{SqliteInbox, SqliteOutbox};
 use reliq::{
-    BoxError, Broker, Classifier, Consumer, ConsumerBuilder, Delivery, Destination, Envelope,
-    Message, MessageId, Permanent, RelayHandle, Replay, RetryPolicy, Subscription, Transient,
+    BoxError, Broker, Classifier, Consumer, ConsumerBuilder, DeadLetterReason, Delivery,
+    Destination, Envelope, Message, MessageId, Permanent, RelayHandle, Replay, RetryPolicy,
+    Subscription, Transient,
 };
 use serde::{Deserialize, Serialize};
 
@@ -125,8 +126,9 @@ pub fn orders(n: u32) -> anyhow::Result<Vec<Order>> {
 pub struct Expected {
     /// Valid orders: id → (sku, qty). Each must be reserved exactly once.
     pub valid: HashMap<MessageId, (String, u32)>,
-    /// Poison and unknown-SKU orders: exactly the DLQ's content.
-    pub dead: HashSet<MessageId>,
+    /// Poison and unknown-SKU orders, exactly the DLQ's content, with the reason each is
+    /// parked for (poison: it does not decode; an unknown SKU: permanent).
+    pub dead: HashMap<MessageId, DeadLetterReason>,
     /// Valid orders that fail transiently first.
     pub transient: usize,
     /// Extra copies of valid orders (each must come back as an inbox duplicate).
@@ -146,7 +148,11 @@ impl Expected {
                 e.transient += usize::from(o.transient);
                 e.valid.insert(id, (o.sku.clone(), o.qty));
             } else {
-                e.dead.insert(id);
+                let reason = match o.kind {
+                    Kind::Poison => DeadLetterReason::Poison,
+                    _ => DeadLetterReason::Permanent,
+                };
+                e.dead.insert(id, reason);
             }
         }
         e
@@ -653,11 +659,26 @@ pub async fn dead_letters(
     broker: &Arc<dyn Broker>,
     sub: &Subscription,
 ) -> anyhow::Result<HashMap<MessageId, usize>> {
+    Ok(dead_letter_reasons(broker, sub)
+        .await?
+        .into_iter()
+        .map(|(id, reasons)| (id, reasons.len()))
+        .collect())
+}
+
+/// The DLQ of `sub` as [`dead_letters`] reads it: the reason of each copy, per message id.
+pub async fn dead_letter_reasons(
+    broker: &Arc<dyn Broker>,
+    sub: &Subscription,
+) -> anyhow::Result<HashMap<MessageId, Vec<DeadLetterReason>>> {
     let listing = Replay::new(broker.clone(), sub.clone()).dry_run().await?;
-    let mut copies = HashMap::new();
+    let mut copies: HashMap<MessageId, Vec<DeadLetterReason>> = HashMap::new();
     for entry in listing.matched {
         tracing::info!(id = %entry.id, reason = %entry.record.reason, error = ?entry.record.error, "parked");
-        *copies.entry(entry.id).or_insert(0) += 1;
+        copies
+            .entry(entry.id)
+            .or_default()
+            .push(entry.record.reason);
     }
     Ok(copies)
 }

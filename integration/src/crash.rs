@@ -94,13 +94,16 @@ impl Backend {
 /// again (see the SQS conformance factory's `crash_lease`).
 const LEASE: Duration = Duration::from_secs(3);
 
-/// Connect to a real backend with the integration factories. `kafka_url` carries the
-/// run's consumer-group prefix (the parent and every child must use the same).
-pub async fn connect(backend: Backend, kafka_url: &str) -> anyhow::Result<Arc<dyn Broker>> {
+/// Connect to a real backend with the integration factories (their URLs from the
+/// environment or `brokers.env`). On Kafka, `group_prefix` is the run's consumer-group
+/// prefix (the parent and every child must use the same).
+pub async fn connect(backend: Backend, group_prefix: &str) -> anyhow::Result<Arc<dyn Broker>> {
     Ok(match backend {
         Backend::Memory => bail!("the memory broker lives in one process"),
         Backend::Rabbit => Arc::new(crate::rabbit::RabbitBackend::broker().await?),
-        Backend::Kafka => Arc::new(reliq_kafka::KafkaBroker::connect(kafka_url)?),
+        Backend::Kafka => Arc::new(reliq_kafka::KafkaBroker::connect(
+            &crate::kafka::url_with_group_prefix(group_prefix),
+        )?),
         Backend::Nats => Arc::new(crate::nats::NatsBackend::new().connect_nats().await?),
         Backend::Sqs => {
             Arc::new(reliq_sqs::SqsBroker::connect(&settings::get("RELIQ_SQS_URL")).await?)
@@ -139,8 +142,15 @@ impl Event {
             Self::CommitAck(id) => format!("commit-ack {id}"),
             Self::Duplicate(id) => format!("duplicate {id}"),
             Self::Stats(s) => format!(
-                "stats {} {} {} {} {} {}",
-                s.received, s.processed, s.retried, s.dead_lettered, s.duplicates, s.in_flight
+                "stats {} {} {} {} {} {} {} {}",
+                s.received,
+                s.processed,
+                s.retried,
+                s.dead_lettered,
+                s.duplicates,
+                s.in_flight,
+                s.settle_failures,
+                s.released
             ),
         }
     }
@@ -165,6 +175,8 @@ impl Event {
                     dead_lettered,
                     duplicates,
                     in_flight,
+                    settle_failures,
+                    released,
                 ] = n.as_slice().try_into().ok()?;
                 Self::Stats(StatsSnapshot {
                     received,
@@ -173,6 +185,8 @@ impl Event {
                     dead_lettered,
                     duplicates,
                     in_flight,
+                    settle_failures,
+                    released,
                     ..StatsSnapshot::default()
                 })
             }
@@ -254,10 +268,16 @@ pub struct Scenario {
     pub child: PathBuf,
     /// Give up after this long.
     pub timeout: Duration,
+    /// Environment of the consumer child beside the driver's own (a broker URL through a
+    /// fault proxy: `RELIQ_KAFKA_URL=kafka://127.0.0.1:9392,…`). The driver's own
+    /// connections (the relay, the checks) keep the driver's environment.
+    pub child_env: Vec<(String, String)>,
 }
 
 /// Faults injected beside the consumer kills ([`run_with_faults`]: a broker node killed
 /// and restarted, …): given the run's topic, inject them and say what was done, and when.
+/// The run waits for them to end before its last consumer may go idle, so whatever a
+/// fault held back is settled before the checks.
 pub type Faults = Box<dyn FnOnce(String) -> BoxFuture<'static, anyhow::Result<Vec<String>>> + Send>;
 
 /// What a run did (all checks passed).
@@ -280,12 +300,19 @@ pub struct Report {
     /// Distinct orders in the DLQ (exactly the injected poison and unknown SKUs).
     pub dead_lettered: usize,
     /// DLQ entries (a poison message redelivered after a kill, or published twice, is
-    /// parked again).
+    /// parked again), each with the reason its order was injected for.
     pub dlq_entries: usize,
+    /// Settlements the broker refused or did not confirm in time (summed over the runs'
+    /// last reported counters): what a DLQ outage or a stalled connection costs.
+    pub settle_failures: u64,
+    /// Deliveries handed back to the broker after such a failure.
+    pub released: u64,
     /// Valid orders that failed transiently first.
     pub transient: usize,
     /// Consumer runs (kills + the last one).
     pub runs: usize,
+    /// Every order sorted by what became of it.
+    pub outcomes: Outcomes,
     /// Wall time.
     pub elapsed: Duration,
     /// What the [`Faults`] of [`run_with_faults`] injected, and when.
@@ -297,8 +324,8 @@ impl std::fmt::Display for Report {
         write!(
             f,
             "crash backend={} store={:?} orders={} kills={} commit_ack_kills={} reserved={} \
-             duplicates={} dead_lettered={} dlq_entries={} transient={} runs={} lost=0 \
-             double=0 secs={:.1}",
+             duplicates={} dead_lettered={} dlq_entries={} transient={} settle_failures={} \
+             released={} runs={} {} secs={:.1}",
             self.backend,
             self.store,
             self.orders,
@@ -309,7 +336,10 @@ impl std::fmt::Display for Report {
             self.dead_lettered,
             self.dlq_entries,
             self.transient,
+            self.settle_failures,
+            self.released,
             self.runs,
+            self.outcomes,
             self.elapsed.as_secs_f64()
         )?;
         for fault in &self.faults {
@@ -368,6 +398,7 @@ trait Runner: Send {
 struct ChildRunner {
     exe: PathBuf,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     events: Events,
     run: usize,
     child: Option<(Child, ChildStdin)>,
@@ -378,6 +409,7 @@ impl Runner for ChildRunner {
     async fn start(&mut self, run: usize, crash_after_commit: Option<u64>) -> anyhow::Result<()> {
         let mut cmd = Command::new(&self.exe);
         cmd.args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true);
@@ -538,17 +570,43 @@ async fn publish_through_outages(
     }
 }
 
-/// Poll `f` every 10 ms until it returns `Some`, or fail at `deadline` saying `what`.
+/// Where the run's waits stop: its deadline, or at once when an injected fault failed
+/// (a wait for progress that fault was to allow would otherwise last until the deadline).
+#[derive(Clone)]
+struct Until {
+    deadline: Instant,
+    fault_failed: Arc<Mutex<Option<String>>>,
+}
+
+impl Until {
+    fn check(&self, what: &str) -> anyhow::Result<()> {
+        if let Some(e) = self
+            .fault_failed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            bail!("an injected fault failed while waiting for {what}: {e}");
+        }
+        ensure!(
+            Instant::now() < self.deadline,
+            "timed out waiting for {what}"
+        );
+        Ok(())
+    }
+}
+
+/// Poll `f` every 10 ms until it returns `Some`, or fail at `until` saying `what`.
 async fn wait_for<T>(
     what: &str,
-    deadline: Instant,
+    until: &Until,
     mut f: impl AsyncFnMut() -> anyhow::Result<Option<T>>,
 ) -> anyhow::Result<T> {
     loop {
         if let Some(v) = f().await? {
             return Ok(v);
         }
-        ensure!(Instant::now() < deadline, "timed out waiting for {what}");
+        until.check(what)?;
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -561,11 +619,14 @@ async fn drive(
     during: Option<Faults>,
 ) -> anyhow::Result<Report> {
     let deadline = Instant::now() + s.timeout;
+    let until = Until {
+        deadline,
+        fault_failed: Arc::default(),
+    };
     let mut rng = fastrand::Rng::with_seed(s.seed);
     let topic = reliq_conformance::support::unique("crash");
     let events = Events::default();
-    let kafka_url =
-        crate::kafka::url_with_group_prefix(&reliq_conformance::support::unique("crash"));
+    let group_prefix = reliq_conformance::support::unique("crash");
     let (broker, mut runner): (Arc<dyn Broker>, Box<dyn Runner>) = match s.backend {
         Backend::Memory => {
             let broker: Arc<dyn Broker> = Arc::new(MemoryBroker::new());
@@ -582,8 +643,8 @@ async fn drive(
             let mut args: Vec<String> = [
                 "--backend",
                 backend.name(),
-                "--kafka-url",
-                &kafka_url,
+                "--group-prefix",
+                &group_prefix,
                 "--db",
                 db_url,
                 "--topic",
@@ -597,11 +658,12 @@ async fn drive(
             let runner = ChildRunner {
                 exe: s.child.clone(),
                 args,
+                env: s.child_env.clone(),
                 events: events.clone(),
                 run: 0,
                 child: None,
             };
-            (connect(backend, &kafka_url).await?, Box::new(runner))
+            (connect(backend, &group_prefix).await?, Box::new(runner))
         }
     };
 
@@ -624,12 +686,21 @@ async fn drive(
 
     // The first run subscribes before anything is published (it declares the topology).
     runner.start(0, plan.first().copied().flatten()).await?;
-    wait_for("the first consumer", deadline, ready(0)).await?;
+    wait_for("the first consumer", &until, ready(0)).await?;
     let destination = orders::destination(&topic);
     let messages: Vec<_> = stream.iter().map(|o| o.message.clone()).collect();
     ensure!(db.place(&destination, &messages).await? == stream.len());
     let relay = db.relay(broker.clone())?;
-    let faults = during.map(|inject| tokio::spawn(inject(topic.clone())));
+    let faults = during.map(|inject| {
+        let (injected, failed) = (inject(topic.clone()), until.fault_failed.clone());
+        tokio::spawn(async move {
+            let result = injected.await;
+            if let Err(e) = &result {
+                *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(format!("{e:#}"));
+            }
+            result
+        })
+    });
     // The second copies: a relay that died between the broker's confirm and the mark.
     // Published as a relay would: again after a lost connection (a cluster node killed
     // meanwhile), a copy more for the inbox to absorb if the first attempt was stored.
@@ -643,11 +714,11 @@ async fn drive(
     for (run, crash_after_commit) in plan.iter().copied().enumerate() {
         if run > 0 {
             runner.start(run, crash_after_commit).await?;
-            wait_for("a restarted consumer", deadline, ready(run)).await?;
+            wait_for("a restarted consumer", &until, ready(run)).await?;
         }
         let held = if crash_after_commit.is_some() {
             let events = events.clone();
-            let id = wait_for("the commit-ack fault", deadline, async || {
+            let id = wait_for("the commit-ack fault", &until, async || {
                 Ok(
                     match events.find(run, |e| matches!(e, Event::CommitAck(_)).then(|| e.clone()))
                     {
@@ -660,7 +731,7 @@ async fn drive(
             Some(id)
         } else {
             let target = db.reserved_orders().await? + rng.u64(1..=step);
-            wait_for("progress before a kill", deadline, async || {
+            wait_for("progress before a kill", &until, async || {
                 Ok((db.reserved_orders().await? >= target).then_some(()))
             })
             .await?;
@@ -676,14 +747,22 @@ async fn drive(
     // has been idle for longer than a killed run's deliveries take to come back.
     let last = kills.len();
     runner.start(last, None).await?;
-    wait_for("the last consumer", deadline, ready(last)).await?;
-    wait_for("every valid order reserved", deadline, async || {
+    wait_for("the last consumer", &until, ready(last)).await?;
+    wait_for("every valid order reserved", &until, async || {
         Ok((db.reserved_orders().await? >= valid).then_some(()))
     })
     .await?;
+    // What a fault held back (a dead letter the DLQ refused) is settled after it ends.
+    let faults = match faults {
+        Some(injected) => tokio::time::timeout_at(deadline, injected)
+            .await
+            .context("timed out waiting for the faults to end")?
+            .context("the fault task panicked")??,
+        None => Vec::new(),
+    };
     let quiet = s.backend.quiet_period();
     let mut seen = (None, Instant::now());
-    wait_for("the last consumer to go idle", deadline, async || {
+    wait_for("the last consumer to go idle", &until, async || {
         let st = runner.stats();
         let key = st.map(|s| (s.received, s.in_flight));
         if key != seen.0 {
@@ -695,10 +774,6 @@ async fn drive(
     runner.stop().await?;
     relay.shutdown().await;
     ensure!(db.unsent().await? == 0, "outbox rows left unsent");
-    let faults = match faults {
-        Some(injected) => injected.await.context("the fault task panicked")??,
-        None => Vec::new(),
-    };
 
     let mut report = check(s, db, &broker, &topic, &expected, &events, &kills).await?;
     report.faults = faults;
@@ -715,8 +790,11 @@ async fn check(
     kills: &[(&'static str, Option<MessageId>)],
 ) -> anyhow::Result<Report> {
     let valid: HashSet<&str> = expected.valid.keys().map(MessageId::as_str).collect();
-    // Every valid order reserved exactly once; nothing else reserved.
     let rows = db.reservations().await?;
+    let dlq = orders::dead_letter_reasons(broker, &orders::subscription(topic)).await?;
+    let outcomes = Outcomes::sort(expected, &rows, &dlq, events);
+    println!("{outcomes}");
+    // Every valid order reserved exactly once; nothing else reserved.
     exactly_once("reservations", &valid, &rows)?;
     // The inbox holds each processed id once.
     let inbox = db.inbox_rows(CONSUMER).await?;
@@ -725,17 +803,42 @@ async fn check(
         db.stock().await? == expected.stock(),
         "stock differs from the orders"
     );
-    // The DLQ holds exactly the injected poison and unknown SKUs.
-    let dlq = orders::dead_letters(broker, &orders::subscription(topic)).await?;
-    let dead: HashSet<MessageId> = dlq.keys().cloned().collect();
-    let missing: Vec<_> = expected.dead.difference(&dead).collect();
-    let unexpected: Vec<_> = dead.difference(&expected.dead).collect();
+    // The DLQ holds exactly the injected poison and unknown SKUs, every copy parked with
+    // the reason its order was injected for.
+    let missing: Vec<_> = expected
+        .dead
+        .keys()
+        .filter(|id| !dlq.contains_key(*id))
+        .collect();
+    let unexpected: Vec<_> = dlq
+        .keys()
+        .filter(|id| !expected.dead.contains_key(*id))
+        .collect();
     ensure!(
         missing.is_empty() && unexpected.is_empty(),
         "DLQ: {} injected orders missing ({missing:?}), {} unexpected ({unexpected:?})",
         missing.len(),
         unexpected.len()
     );
+    let wrong_reason: Vec<_> = dlq
+        .iter()
+        .filter(|(id, reasons)| reasons.iter().any(|r| Some(r) != expected.dead.get(*id)))
+        .collect();
+    ensure!(
+        wrong_reason.is_empty(),
+        "DLQ: {} orders parked with another reason than injected: {wrong_reason:?}",
+        wrong_reason.len()
+    );
+    if broker.capabilities().deduplicates_publishes {
+        // Publishes (second copies) and dead letters (one per stream message) are
+        // deduplicated: each order is parked exactly once, whatever was redelivered.
+        let twice: Vec<_> = dlq.iter().filter(|(_, r)| r.len() != 1).collect();
+        ensure!(
+            twice.is_empty(),
+            "DLQ: {} orders parked more than once on a broker that deduplicates: {twice:?}",
+            twice.len()
+        );
+    }
 
     // The kills happened as planned, and the inbox absorbed what it had to.
     ensure!(kills.len() == s.kills as usize, "{} kills", kills.len());
@@ -771,6 +874,11 @@ async fn check(
             "the second copy of {id} was not absorbed as a duplicate"
         );
     }
+    // Each run's last counters (a child reports them every 200 ms and when it stops; an
+    // in-process run reports none).
+    let last_stats: Vec<StatsSnapshot> = (0..=kills.len())
+        .filter_map(|run| events.stats(run))
+        .collect();
     Ok(Report {
         backend: s.backend.name(),
         store: s.store,
@@ -779,13 +887,86 @@ async fn check(
         commit_ack_kills: held.len(),
         reserved: rows.len(),
         duplicates: duplicates.len(),
-        dead_lettered: dead.len(),
-        dlq_entries: dlq.values().sum(),
+        dead_lettered: dlq.len(),
+        dlq_entries: dlq.values().map(Vec::len).sum(),
         transient: expected.transient,
+        settle_failures: last_stats.iter().map(|st| st.settle_failures).sum(),
+        released: last_stats.iter().map(|st| st.released).sum(),
         runs: kills.len() + 1,
+        outcomes,
         elapsed: Duration::ZERO,
         faults: Vec::new(),
     })
+}
+
+/// Every order placed, sorted by what became of it (the categories of RabbitMQ's Jepsen
+/// suite, for effects): a valid order's effect is its reservation, an injected one's is
+/// its DLQ entry.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Outcomes {
+    /// Done once, delivered once.
+    pub once: usize,
+    /// Done once although delivered again (a second copy, a redelivery after a kill or a
+    /// lost connection): the inbox absorbed the repeat.
+    pub recovered: usize,
+    /// Placed, and never done (no reservation; an injected one not in the DLQ).
+    pub lost: usize,
+    /// Done but never placed, or done the wrong way (a valid order parked, an injected
+    /// one reserved).
+    pub unexpected: usize,
+    /// Reserved more than once.
+    pub duplicated: usize,
+}
+
+impl Outcomes {
+    fn sort(
+        expected: &Expected,
+        reservations: &HashMap<String, i64>,
+        dlq: &HashMap<MessageId, Vec<reliq_core::DeadLetterReason>>,
+        events: &Events,
+    ) -> Self {
+        let absorbed: HashSet<MessageId> = events
+            .all()
+            .into_iter()
+            .filter_map(|(_, e)| match e {
+                Event::Duplicate(id) => Some(id),
+                _ => None,
+            })
+            .collect();
+        let mut o = Self::default();
+        for id in expected.valid.keys() {
+            match reservations.get(id.as_str()).copied().unwrap_or(0) {
+                0 => o.lost += 1,
+                1 if absorbed.contains(id) => o.recovered += 1,
+                1 => o.once += 1,
+                _ => o.duplicated += 1,
+            }
+        }
+        for id in expected.dead.keys() {
+            if dlq.contains_key(id) {
+                o.once += 1;
+            } else {
+                o.lost += 1;
+            }
+        }
+        let placed = |id: &str| expected.valid.contains_key(&MessageId::from(id.to_owned()));
+        o.unexpected = reservations.keys().filter(|id| !placed(id)).count()
+            + dlq
+                .keys()
+                .filter(|id| !expected.dead.contains_key(*id))
+                .count();
+        o
+    }
+}
+
+impl std::fmt::Display for Outcomes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "once={} recovered={} lost={} unexpected={} duplicated={}",
+            self.once, self.recovered, self.lost, self.unexpected, self.duplicated
+        )
+    }
 }
 
 /// `rows` (id → row count) has exactly the ids of `want`, each once.
@@ -807,4 +988,68 @@ fn exactly_once(
         doubled.len()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_survive_the_child_s_stdout() {
+        let stats = StatsSnapshot {
+            received: 9,
+            processed: 8,
+            retried: 7,
+            dead_lettered: 6,
+            duplicates: 5,
+            in_flight: 4,
+            settle_failures: 3,
+            released: 2,
+            ..StatsSnapshot::default()
+        };
+        for e in [
+            Event::Ready,
+            Event::CommitAck(MessageId::from("m-1".to_owned())),
+            Event::Duplicate(MessageId::from("m-2".to_owned())),
+            Event::Stats(stats),
+        ] {
+            assert_eq!(Event::parse(&e.line()), Some(e.clone()), "{}", e.line());
+        }
+        assert_eq!(Event::parse("stats 1 2 3"), None);
+    }
+
+    #[test]
+    fn every_order_is_sorted_by_what_became_of_it() {
+        let id = |s: &str| MessageId::from(s.to_owned());
+        let mut expected = Expected::default();
+        for v in ["a", "b", "c", "e"] {
+            expected.valid.insert(id(v), ("sku-1".into(), 1));
+        }
+        expected
+            .dead
+            .insert(id("p"), reliq_core::DeadLetterReason::Poison);
+        expected
+            .dead
+            .insert(id("q"), reliq_core::DeadLetterReason::Poison);
+        let reservations: HashMap<String, i64> = [("a", 1), ("b", 2), ("e", 1), ("x", 1)]
+            .map(|(k, n)| (k.to_owned(), n))
+            .into();
+        let dlq = HashMap::from([
+            (id("p"), vec![reliq_core::DeadLetterReason::Poison]),
+            (id("e"), vec![reliq_core::DeadLetterReason::Permanent]),
+        ]);
+        let events = Events::default();
+        events.push(1, Event::Duplicate(id("a")));
+        let o = Outcomes::sort(&expected, &reservations, &dlq, &events);
+        assert_eq!(
+            o,
+            Outcomes {
+                once: 2,       // e reserved; p parked
+                recovered: 1,  // a, delivered again
+                lost: 2,       // c never reserved, q never parked
+                unexpected: 2, // x reserved, e (valid) parked
+                duplicated: 1, // b
+            }
+        );
+    }
 }

@@ -5,6 +5,7 @@ pub mod crash;
 pub mod kafka;
 pub mod memory;
 pub mod nats;
+pub mod proxy;
 pub mod rabbit;
 pub mod settings;
 pub mod sqs;

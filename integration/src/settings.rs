@@ -48,6 +48,16 @@ pub fn authority(url: &str) -> &str {
     rest.split(['/', '?']).next().unwrap_or(rest)
 }
 
+/// `url` with its host list replaced by `hosts` (credentials, path and query kept).
+pub fn with_hosts(url: &str, hosts: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let credentials = authority.rsplit_once('@').map_or("", |(c, _)| c);
+    let at = if credentials.is_empty() { "" } else { "@" };
+    format!("{scheme}://{credentials}{at}{hosts}{tail}")
+}
+
 /// A query parameter of a URL.
 pub fn query_param(url: &str, name: &str) -> Option<String> {
     let query = url.split_once('?')?.1;
@@ -78,5 +88,18 @@ mod tests {
             query_param("sqs://h:1?region=us-east-1", "region").as_deref(),
             Some("us-east-1")
         );
+    }
+
+    #[test]
+    fn hosts_are_replaced_and_the_rest_kept() {
+        assert_eq!(
+            with_hosts("amqp://guest:guest@h1:1,h2:2/%2f", "p:9,q:8"),
+            "amqp://guest:guest@p:9,q:8/%2f"
+        );
+        assert_eq!(
+            with_hosts("kafka://h1:1,h2:2?reliq.replication=3", "p:9"),
+            "kafka://p:9?reliq.replication=3"
+        );
+        assert_eq!(with_hosts("nats://h:1", "p:9"), "nats://p:9");
     }
 }

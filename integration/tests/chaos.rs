@@ -1,42 +1,62 @@
 //! Chaos on three-node clusters (`scripts/brokers cluster up`): the crash harness
-//! (`reliq_integration::crash::run_with_faults`: orders through the outbox, the inventory consumer with its
-//! durable inbox SIGKILLed 5 times, two of them between COMMIT and ack) with the leader of
-//! the consumer's queue / partition / stream SIGKILLed mid-run and restarted 15 s later.
-//! The harness's checker fails on any lost order, any double reservation, and any DLQ
-//! entry other than the injected poison.
+//! (`reliq_integration::crash::run_with_faults`: orders through the outbox, the inventory
+//! consumer with its durable inbox SIGKILLed 5 times, two of them between COMMIT and ack)
+//! with three faults injected meanwhile, timed from the moment the orders are in the
+//! outbox:
+//!
+//! - **node loss** (+3 s): the leader of the consumer's queue / partition / stream
+//!   SIGKILLed, started again 15 s later;
+//! - **DLQ outage** (+10 s, 30 s): the consumer's DLQ refuses dead letters or does not
+//!   confirm them (see [`dlq_outage`]); the DLQ must not grow meanwhile, and what was held
+//!   back must land after;
+//! - **stall** (+45 s, 10 s): every connection of the consumer — each goes through a
+//!   [`FaultProxy`] per node — moves no byte.
+//!
+//! The harness's checker then fails on any lost order, any double reservation, any DLQ
+//! entry other than the injected poison or with another reason than its injected one, and
+//! (NATS, which deduplicates) any order parked more than once.
 //!
 //! Not in `just test` (a cluster costs ~50 s to start and nine processes): `just chaos`
 //! starts the clusters, points the tests' URLs at them and runs this binary alone
 //! (nextest profile `chaos`). A test here fails, rather than passing on a single node,
 //! when its URL does not name three nodes.
 //!
-//! `RELIQ_CHAOS_ORDERS` (default 2,000), `RELIQ_CRASH_SEED` as in the crash harness.
+//! `RELIQ_CHAOS_ORDERS` (default 10,000, which keeps the consumer
+//! busy through every fault), `RELIQ_CRASH_SEED` as in the crash harness,
+//! `RELIQ_CHAOS_FAULTS=node,dlq,stall` to inject only some.
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use futures::FutureExt;
 use reliq_integration::crash::{self, Backend, Scenario, Store};
+use reliq_integration::proxy::FaultProxy;
 use reliq_integration::settings;
 use tokio::process::Command;
 use tokio::time::Instant;
 
-/// `scripts/brokers cluster ARGS…`, its stdout.
-async fn cluster(args: &[&str]) -> anyhow::Result<String> {
+/// `scripts/brokers ARGS…`, its stdout.
+async fn script(args: &[&str]) -> anyhow::Result<String> {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/brokers");
     let out = Command::new(script)
-        .arg("cluster")
         .args(args)
         .output()
         .await
-        .with_context(|| format!("running scripts/brokers cluster {args:?}"))?;
+        .with_context(|| format!("running scripts/brokers {args:?}"))?;
     ensure!(
         out.status.success(),
-        "scripts/brokers cluster {args:?}: {}\n{}",
+        "scripts/brokers {args:?}: {}\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// `scripts/brokers cluster ARGS…`, its stdout.
+async fn cluster(args: &[&str]) -> anyhow::Result<String> {
+    script(&[&["cluster"], args].concat()).await
 }
 
 /// What leads the consumer's data on `backend`, in `scripts/brokers cluster leader` terms.
@@ -50,29 +70,337 @@ fn led(backend: Backend, topic: &str) -> (&'static str, String) {
     }
 }
 
-/// Kill the leader once the run is under way, start it again 15 s later.
-fn node_loss(backend: Backend) -> crash::Faults {
+/// When each fault starts (after the orders are in the outbox and the relay runs) and
+/// how long it lasts. Apart, so each one's effect can be told from the others'; all
+/// within the consumer's busy time at 10,000 orders (and the run waits for them).
+const NODE_LOSS_AT: Duration = Duration::from_secs(3);
+const NODE_DOWN: Duration = Duration::from_secs(15);
+const DLQ_OUTAGE_AT: Duration = Duration::from_secs(10);
+const DLQ_OUTAGE: Duration = Duration::from_secs(30);
+const STALL_AT: Duration = Duration::from_secs(45);
+const STALL: Duration = Duration::from_secs(10);
+
+/// The faults of one run, side by side: the leader killed and restarted, the DLQ
+/// unavailable, the consumer's connections stalled.
+fn faults(backend: Backend, proxies: Arc<Proxies>) -> crash::Faults {
     Box::new(move |topic: String| {
         async move {
             let t0 = Instant::now();
-            // The consumers are running and the relay is publishing: mid-run.
-            tokio::time::sleep(Duration::from_secs(3)).await;
-            let (broker, what) = led(backend, &topic);
-            let leader = cluster(&["leader", broker, &what]).await?;
-            cluster(&["kill", &leader]).await?;
-            let killed = t0.elapsed();
-            tokio::time::sleep(Duration::from_secs(15)).await;
-            cluster(&["start", &leader]).await?;
-            let back = t0.elapsed();
-            let new_leader = cluster(&["leader", broker, &what]).await?;
-            Ok(vec![format!(
-                "{leader} (leader of {what}) SIGKILLed at +{:.1} s, started again at +{:.1} s and rejoined; leader now {new_leader}",
-                killed.as_secs_f64(),
-                back.as_secs_f64()
-            )])
+            // `RELIQ_CHAOS_FAULTS=node,dlq,stall` (the default: all) picks some, to
+            // look into one.
+            let picked = std::env::var("RELIQ_CHAOS_FAULTS")
+                .ok()
+                .filter(|v| !v.is_empty())
+                .unwrap_or_else(|| "node,dlq,stall".into());
+            let on = |name: &str| picked.split(',').any(|p| p.trim() == name);
+            let skipped = |name: &'static str| async move { Ok(format!("{name}: not injected")) };
+            let (node, dlq, stall) = tokio::try_join!(
+                async {
+                    if on("node") {
+                        node_loss(backend, &topic, t0).await
+                    } else {
+                        skipped("node").await
+                    }
+                },
+                async {
+                    if on("dlq") {
+                        dlq_outage(backend, &topic, t0).await
+                    } else {
+                        skipped("dlq").await
+                    }
+                },
+                async {
+                    if on("stall") {
+                        stall(&proxies, t0).await
+                    } else {
+                        skipped("stall").await
+                    }
+                },
+            )?;
+            Ok(vec![node, dlq, stall])
         }
         .boxed()
     })
+}
+
+/// Kill the leader of the consumer's data, start it again [`NODE_DOWN`] later.
+async fn node_loss(backend: Backend, topic: &str, t0: Instant) -> anyhow::Result<String> {
+    tokio::time::sleep_until(t0 + NODE_LOSS_AT).await;
+    let (broker, what) = led(backend, topic);
+    let leader = cluster(&["leader", broker, &what]).await?;
+    cluster(&["kill", &leader]).await?;
+    let killed = t0.elapsed();
+    tokio::time::sleep(NODE_DOWN).await;
+    cluster(&["start", &leader]).await?;
+    let back = t0.elapsed();
+    let new_leader = cluster(&["leader", broker, &what]).await?;
+    Ok(format!(
+        "{leader} (leader of {what}) SIGKILLed at +{:.1} s, started again at +{:.1} s and rejoined; leader now {new_leader}",
+        killed.as_secs_f64(),
+        back.as_secs_f64()
+    ))
+}
+
+/// Make the consumer's DLQ refuse (or not confirm) dead letters for [`DLQ_OUTAGE`],
+/// keeping what it holds: RabbitMQ — the parking stream's writer process suspended (a
+/// publish is never confirmed); Kafka — the DLQ topic's `max.message.bytes` set to 1
+/// (every record is refused as too large; a `min.insync.replicas` above the replica count
+/// would not do: Kafka 4 caps it at the replication factor); NATS — the
+/// DLQ stream capped at the messages it holds with `discard: new` (a publish is refused).
+async fn dlq_outage(backend: Backend, topic: &str, t0: Instant) -> anyhow::Result<String> {
+    tokio::time::sleep_until(t0 + DLQ_OUTAGE_AT).await;
+    let sub = reliq_examples::orders::subscription(topic);
+    let reader = crash::connect(backend, &reliq_conformance::support::unique("chaos"))
+        .await?
+        .dead_letters(&sub)
+        .await?;
+    // A count may hang while the DLQ is unavailable (RabbitMQ asks the stream's
+    // suspended writer): `None` then, with the reason logged.
+    let count = async || match tokio::time::timeout(Duration::from_secs(10), reader.count()).await {
+        Ok(Ok(c)) => Some(c.count),
+        Ok(Err(e)) => {
+            eprintln!("counting the DLQ failed: {e}");
+            None
+        }
+        Err(_) => {
+            eprintln!("counting the DLQ timed out (10 s)");
+            None
+        }
+    };
+    let (what, how, start, end) = match backend {
+        Backend::Rabbit => {
+            let parking = reliq_rabbit::Names::of(&sub).parking;
+            let start = count().await;
+            let node = suspend_rabbit_stream_writer(&parking, DLQ_OUTAGE).await?;
+            let blocked = t0.elapsed();
+            // Counted before the writer resumes by itself.
+            tokio::time::sleep(DLQ_OUTAGE - Duration::from_secs(6)).await;
+            let end = count().await;
+            tokio::time::sleep_until(t0 + blocked + DLQ_OUTAGE).await;
+            (
+                format!("stream {parking}"),
+                format!(
+                    "writer on {node} suspended at +{:.1} s",
+                    blocked.as_secs_f64()
+                ),
+                start,
+                end,
+            )
+        }
+        Backend::Kafka => {
+            let name = sub.dead_letter_name();
+            let bootstrap = settings::authority(&settings::get("RELIQ_KAFKA_URL")).to_owned();
+            let configs = |change: &'static [&'static str]| {
+                let (bootstrap, name) = (bootstrap.clone(), name.clone());
+                async move {
+                    let mut args = vec![
+                        "kafka",
+                        "configs",
+                        "--bootstrap-server",
+                        &bootstrap,
+                        "--alter",
+                        "--entity-type",
+                        "topics",
+                        "--entity-name",
+                        &name,
+                    ];
+                    args.extend_from_slice(change);
+                    script(&args).await
+                }
+            };
+            configs(&["--add-config", "max.message.bytes=1"]).await?;
+            let blocked = t0.elapsed();
+            let start = count().await;
+            tokio::time::sleep(DLQ_OUTAGE).await;
+            let end = count().await;
+            configs(&["--delete-config", "max.message.bytes"]).await?;
+            (
+                format!("topic {name}"),
+                format!(
+                    "max.message.bytes 1 (every record refused as too large) at +{:.1} s",
+                    blocked.as_secs_f64()
+                ),
+                start,
+                end,
+            )
+        }
+        Backend::Nats => {
+            let name = reliq_nats::dead_letter_stream(&sub);
+            let servers: Vec<async_nats::ServerAddr> =
+                settings::authority(&settings::get("RELIQ_NATS_URL"))
+                    .split(',')
+                    .map(|h| format!("nats://{h}").parse())
+                    .collect::<Result<_, _>>()?;
+            let js = async_nats::jetstream::new(async_nats::connect(servers).await?);
+            let mut stream = js.get_stream(&name).await?;
+            // A cap of 0 means no cap: wait until something is parked.
+            let held = loop {
+                let held = stream.info().await?.state.messages;
+                if held > 0 {
+                    break held;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
+            let open = stream.cached_info().config.clone();
+            let capped = async_nats::jetstream::stream::Config {
+                max_messages: i64::try_from(held)?,
+                discard: async_nats::jetstream::stream::DiscardPolicy::New,
+                ..open.clone()
+            };
+            js.update_stream(&capped).await?;
+            let blocked = t0.elapsed();
+            let start = count().await;
+            tokio::time::sleep(DLQ_OUTAGE).await;
+            let end = count().await;
+            js.update_stream(&open).await?;
+            (
+                format!("stream {name}"),
+                format!(
+                    "capped at its {held} messages, discard new, at +{:.1} s",
+                    blocked.as_secs_f64()
+                ),
+                start,
+                end,
+            )
+        }
+        other => unreachable!("no cluster for {other:?}"),
+    };
+    let back = t0.elapsed();
+    // Nothing was parked while the route was down (where the DLQ could be counted then);
+    // what was held back lands once it is up again.
+    if let (Some(start), Some(end)) = (start, end) {
+        ensure!(
+            start == end,
+            "the DLQ grew from {start} to {end} entries while unavailable"
+        );
+    }
+    let held_at = end.or(start).context("the DLQ could not be counted")?;
+    let mut landed = None;
+    while t0.elapsed() < back + Duration::from_secs(60) {
+        if let Some(now) = count().await
+            && now > held_at
+        {
+            landed = Some((now, t0.elapsed() - back));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (now, after) = landed.with_context(|| {
+        format!("no dead letter landed within 60 s of the DLQ's return (held at {held_at})")
+    })?;
+    let held = |c: Option<u64>| c.map_or("?".to_owned(), |c| c.to_string());
+    Ok(format!(
+        "DLQ {what} unavailable: {how}, available again at +{:.1} s; entries {} at the start, {} at the end, {now} {:.1} s after",
+        back.as_secs_f64(),
+        held(start),
+        held(end),
+        after.as_secs_f64()
+    ))
+}
+
+/// Suspend the writer (leader) process of RabbitMQ stream `stream` for `outage`, on its
+/// node, through the first node that answers; that node's name. The suspension is held
+/// by a process spawned there (a suspension ends with the process that made it), which
+/// resumes the writer when the time is up, whatever happens to this test.
+async fn suspend_rabbit_stream_writer(stream: &str, outage: Duration) -> anyhow::Result<String> {
+    let expr = format!(
+        "{{ok, Q}} = rabbit_amqqueue:lookup(rabbit_misc:r(<<\"/\">>, queue, <<\"{stream}\">>)), \
+         Pid = amqqueue:get_pid(Q), Self = self(), \
+         spawn(node(Pid), fun() -> true = erlang:suspend_process(Pid), Self ! suspended, \
+                                   timer:sleep({}), erlang:resume_process(Pid) end), \
+         receive suspended -> node(Pid) after 5000 -> error(not_suspended) end.",
+        outage.as_millis()
+    );
+    let mut last = None;
+    for node in ["rabbit-1", "rabbit-2", "rabbit-3"] {
+        match cluster(&["rabbitmqctl", node, "eval", &expr]).await {
+            Ok(out) => return Ok(out),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| anyhow::anyhow!("no RabbitMQ node")))
+        .with_context(|| format!("suspending the writer of stream {stream}"))
+}
+
+/// Stall every connection of the consumer (all of them go through the proxies) for
+/// [`STALL`].
+async fn stall(proxies: &Proxies, t0: Instant) -> anyhow::Result<String> {
+    tokio::time::sleep_until(t0 + STALL_AT).await;
+    let open = proxies.connections();
+    ensure!(
+        open > 0,
+        "no consumer connection goes through the fault proxies at +{} s",
+        STALL_AT.as_secs()
+    );
+    proxies.stall();
+    let stalled = t0.elapsed();
+    tokio::time::sleep(STALL).await;
+    proxies.resume();
+    Ok(format!(
+        "the consumer's {open} connection(s) stalled by the fault proxy at +{:.1} s, moving again at +{:.1} s",
+        stalled.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    ))
+}
+
+/// One fault proxy per cluster node, between the consumer (the harness's child) and
+/// that node.
+struct Proxies(Vec<FaultProxy>);
+
+impl Proxies {
+    /// Proxies for the nodes of `url`, and the URL the consumer connects with instead.
+    async fn start(backend: Backend, url: &str) -> anyhow::Result<(Self, String)> {
+        let nodes: Vec<SocketAddr> = settings::authority(url)
+            .split(',')
+            .map(|h| {
+                h.trim()
+                    .parse()
+                    .with_context(|| format!("node `{h}` of {url}"))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        let mut proxies = Vec::new();
+        if backend == Backend::Kafka {
+            // A Kafka client reaches the brokers the metadata names: the cluster's
+            // PROXIED listeners advertise these ports (scripts/brokers).
+            let ports = |key: &str| -> anyhow::Result<Vec<u16>> {
+                settings::get(key)
+                    .split(',')
+                    .map(|p| p.trim().parse().with_context(|| format!("{key}: `{p}`")))
+                    .collect()
+            };
+            let listeners = ports("KAFKA_CLUSTER_PROXIED_PORTS")?;
+            let at = ports("KAFKA_CLUSTER_PROXY_PORTS")?;
+            for (listen, upstream) in at.into_iter().zip(listeners) {
+                let local = |port| SocketAddr::from(([127, 0, 0, 1], port));
+                proxies.push(FaultProxy::start_on(local(listen), local(upstream)).await?);
+            }
+        } else {
+            for node in nodes {
+                proxies.push(FaultProxy::start(node).await?);
+            }
+        }
+        let hosts: Vec<String> = proxies.iter().map(|p| p.addr().to_string()).collect();
+        let mut via = settings::with_hosts(url, &hosts.join(","));
+        if backend == Backend::Nats {
+            // Stay behind the proxies after a reconnect (the cluster advertises its
+            // servers' own addresses).
+            via.push_str(if via.contains('?') { "&" } else { "?" });
+            via.push_str("reliq.ignore_discovered_servers=true");
+        }
+        Ok((Self(proxies), via))
+    }
+
+    fn connections(&self) -> usize {
+        self.0.iter().map(FaultProxy::connections).sum()
+    }
+
+    fn stall(&self) {
+        self.0.iter().for_each(FaultProxy::stall);
+    }
+
+    fn resume(&self) {
+        self.0.iter().for_each(FaultProxy::resume);
+    }
 }
 
 async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
@@ -95,9 +423,12 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
         );
     }
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    let orders = env("RELIQ_CHAOS_ORDERS").map_or(Ok(2000), |v| v.parse())?;
+    let orders = env("RELIQ_CHAOS_ORDERS").map_or(Ok(10_000), |v| v.parse())?;
     let seed = env("RELIQ_CRASH_SEED").map_or_else(|| Ok(fastrand::u64(..)), |v| v.parse())?;
     println!("seed {seed} ({backend:?} cluster, {orders} orders)");
+    let (proxies, via) = Proxies::start(backend, &url).await?;
+    println!("consumer through the fault proxies: {via}");
+    let proxies = Arc::new(proxies);
     let scenario = Scenario {
         backend,
         store: Store::Sqlite,
@@ -106,10 +437,13 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
         seed,
         child: env!("CARGO_BIN_EXE_crash-consumer").into(),
         timeout: Duration::from_secs(300 + u64::from(orders) / 10),
+        child_env: vec![(url_key.to_owned(), via)],
     };
-    let report = crash::run_with_faults(scenario, node_loss(backend)).await?;
+    // The proxies live until the run is over, whatever becomes of the fault task.
+    let report = crash::run_with_faults(scenario, faults(backend, proxies.clone())).await?;
+    drop(proxies);
     println!("{report}");
-    ensure!(!report.faults.is_empty(), "no node was killed");
+    ensure!(report.faults.len() == 3, "faults: {:?}", report.faults);
     Ok(())
 }
 

@@ -30,6 +30,7 @@ async fn scenario(backend: Backend, store: Store) -> anyhow::Result<()> {
         seed,
         child: env!("CARGO_BIN_EXE_crash-consumer").into(),
         timeout: Duration::from_secs(120 + u64::from(orders) / 10),
+        child_env: Vec::new(),
     })
     .await?;
     println!("{report}");

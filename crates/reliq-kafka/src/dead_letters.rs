@@ -53,7 +53,7 @@ use reliq_core::{
 
 use crate::broker::Inner;
 use crate::codec::decode;
-use crate::error::{KafkaError, client_error};
+use crate::error::{KafkaError, client_error, passes_with_an_election};
 use crate::names::{browse_group, ledger_topic};
 
 /// Longest one read (a page, the ledger, the index) may take.
@@ -334,29 +334,20 @@ fn partitions(consumer: &BaseConsumer, topic: &str) -> Result<Vec<Span>, BrokerE
 
 /// A partition's watermarks. A topic created a moment ago (the DLQ or its ledger, made
 /// by this reader's `open`) is in the metadata before its partitions have a leader, and
-/// the broker then answers "not leader" or "leader not available": asked again until
+/// the broker then answers "not leader" or "leader not available"; a node lost in a
+/// cluster fails requests until a new leader is elected: asked again until
 /// `META_TIMEOUT` has passed, on this blocking thread.
 fn watermarks(
     consumer: &BaseConsumer,
     topic: &str,
     partition: i32,
 ) -> Result<(i64, i64), BrokerError> {
-    use rdkafka::types::RDKafkaErrorCode as Code;
     let deadline = std::time::Instant::now() + META_TIMEOUT;
     loop {
         match consumer.fetch_watermarks(topic, partition, META_TIMEOUT) {
             Ok(marks) => return Ok(marks),
-            Err(e)
-                if std::time::Instant::now() < deadline
-                    && matches!(
-                        e.rdkafka_error_code(),
-                        Some(
-                            Code::NotLeaderForPartition
-                                | Code::LeaderNotAvailable
-                                | Code::UnknownTopicOrPartition
-                        )
-                    ) =>
-            {
+            Err(e) if std::time::Instant::now() < deadline && passes_with_an_election(&e) => {
+                tracing::debug!(error = %e, topic, partition, "reading watermarks again");
                 std::thread::sleep(Duration::from_millis(100));
             }
             Err(e) => {
@@ -411,6 +402,12 @@ fn scan(
                 if let Some(end) = open.remove(&p) {
                     pos.insert(p, end);
                 }
+                continue;
+            }
+            // librdkafka reconnects and follows a new leader by itself: a lost node is
+            // reported here, then the reads go on (bounded by READ_TIMEOUT).
+            Some(Err(e)) if passes_with_an_election(&e) => {
+                tracing::debug!(error = %e, topic, "reading the DLQ through a broker failure");
                 continue;
             }
             Some(Err(e)) => break Err(read_error(e, topic)),

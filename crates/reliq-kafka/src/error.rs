@@ -69,11 +69,58 @@ pub(crate) fn client_error(e: RdError, doing: &str, topic: &str) -> BrokerError 
     }
 }
 
+/// An error librdkafka recovers from by itself while a broker is lost or a leader is
+/// being elected (it reconnects, refreshes the metadata and asks the new leader): a
+/// request that met one is worth making again shortly, within its caller's deadline.
+pub(crate) fn passes_with_an_election(e: &RdError) -> bool {
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::NotLeaderForPartition
+                | RDKafkaErrorCode::LeaderNotAvailable
+                | RDKafkaErrorCode::UnknownTopicOrPartition
+                | RDKafkaErrorCode::BrokerTransportFailure
+                | RDKafkaErrorCode::AllBrokersDown
+                | RDKafkaErrorCode::DestroyBroker
+                | RDKafkaErrorCode::RequestTimedOut
+                | RDKafkaErrorCode::OperationTimedOut
+                | RDKafkaErrorCode::NotCoordinator
+                | RDKafkaErrorCode::CoordinatorLoadInProgress
+                | RDKafkaErrorCode::CoordinatorNotAvailable
+        )
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use std::error::Error as _;
 
     use super::*;
+
+    #[test]
+    fn a_lost_node_or_an_election_is_waited_through_and_a_refusal_is_not() {
+        for code in [
+            RDKafkaErrorCode::BrokerTransportFailure,
+            RDKafkaErrorCode::DestroyBroker,
+            RDKafkaErrorCode::NotLeaderForPartition,
+            RDKafkaErrorCode::AllBrokersDown,
+        ] {
+            assert!(
+                passes_with_an_election(&RdError::MessageConsumption(code)),
+                "{code:?}"
+            );
+        }
+        for code in [
+            RDKafkaErrorCode::TopicAuthorizationFailed,
+            RDKafkaErrorCode::InvalidConfig,
+            RDKafkaErrorCode::MessageSizeTooLarge,
+        ] {
+            assert!(
+                !passes_with_an_election(&RdError::MessageConsumption(code)),
+                "{code:?}"
+            );
+        }
+    }
 
     #[test]
     fn client_errors_keep_their_cause_and_say_what_was_done() {

@@ -88,7 +88,11 @@ fn server_addrs(address: &str) -> Result<Vec<async_nats::ServerAddr>, BrokerErro
 impl NatsBroker {
     /// Connect with default options. URL: `nats://[user:password@]host:port[?token=…]`, or
     /// `tls://…` to require TLS; a cluster's servers separated by commas
-    /// (`nats://h1:4222,h2:4222,h3:4222?reliq.replicas=3`). Credentials are never logged.
+    /// (`nats://h1:4222,h2:4222,h3:4222?reliq.replicas=3`). A client reconnects to any
+    /// server of the cluster, the ones it advertises included;
+    /// `?reliq.ignore_discovered_servers=true` keeps it to the URL's servers (when the
+    /// cluster is reached through a proxy, a load balancer or NAT). Credentials are never
+    /// logged.
     pub async fn connect(url: &str) -> Result<Self, BrokerError> {
         Self::connect_with(url, NatsOptions::default()).await
     }
@@ -114,10 +118,23 @@ impl NatsBroker {
                                 reason: format!("`{v}` is not a stream replica count (1 to 5)"),
                             })?;
                 }
+                // Only the URL's servers, never the ones the cluster advertises (behind a
+                // proxy, a load balancer or NAT, where those addresses do not reach it).
+                "reliq.ignore_discovered_servers" => match v {
+                    "true" => connect = connect.ignore_discovered_servers(),
+                    "false" => {}
+                    _ => {
+                        return Err(BrokerError::Config {
+                            field: "reliq.ignore_discovered_servers".into(),
+                            reason: format!("`{v}` is not true or false"),
+                        });
+                    }
+                },
                 other => {
                     return Err(BrokerError::Config {
                         field: format!("url query `{other}`"),
-                        reason: "unknown NATS URL option (known: token, name, reliq.replicas)"
+                        reason: "unknown NATS URL option (known: token, name, reliq.replicas, \
+                                 reliq.ignore_discovered_servers)"
                             .into(),
                     });
                 }
@@ -439,7 +456,7 @@ impl NatsBroker {
     }
 }
 
-/// How long subscribing keeps trying while JetStream answers as a cluster does during a
+/// How long subscribing (and opening the DLQ) keeps trying while JetStream answers as a cluster does during a
 /// leader election (a server lost: meta or stream leader moving), seconds on a healthy
 /// cluster. Other errors (a bad configuration) fail at once.
 const ELECTION_WAIT: Duration = Duration::from_secs(30);
@@ -493,6 +510,27 @@ fn electing(e: &BrokerError) -> bool {
     false
 }
 
+/// `attempt`, made again every second for up to [`ELECTION_WAIT`] while JetStream is
+/// electing a leader (see [`electing`]); any other error at once.
+async fn through_election<T, F>(
+    doing: &str,
+    mut attempt: impl FnMut() -> F,
+) -> Result<T, BrokerError>
+where
+    F: std::future::Future<Output = Result<T, BrokerError>>,
+{
+    let deadline = tokio::time::Instant::now() + ELECTION_WAIT;
+    loop {
+        match attempt().await {
+            Err(e) if electing(&e) && tokio::time::Instant::now() < deadline => {
+                tracing::warn!(error = %reliq_core::ErrorChain(&e), doing, "JetStream is electing a leader (a server lost?); again in 1 s");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            done => return done,
+        }
+    }
+}
+
 fn redact(address: &str) -> String {
     match address.split_once("://") {
         Some((scheme, rest)) => match rest.rsplit_once('@') {
@@ -537,17 +575,7 @@ impl Broker for NatsBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError> {
-        let deadline = tokio::time::Instant::now() + ELECTION_WAIT;
-        let consumer = loop {
-            match self.declare_all(subscription).await {
-                Ok(consumer) => break consumer,
-                Err(e) if electing(&e) && tokio::time::Instant::now() < deadline => {
-                    tracing::warn!(error = %reliq_core::ErrorChain(&e), "JetStream is electing a leader (a server lost?); subscribing again in 1 s");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-                Err(e) => return Err(e),
-            }
-        };
+        let consumer = through_election("subscribing", || self.declare_all(subscription)).await?;
         self.ensure_relay(subscription);
         Ok(Box::new(self.pull_receiver(consumer, subscription).await?))
     }
@@ -575,16 +603,18 @@ impl Broker for NatsBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
-        self.declare_dead_letters(subscription).await?;
-        let stream = self
-            .inner
-            .js
-            .get_stream(dead_letter_stream(subscription))
-            .await
-            .map_err(api(format!(
-                "opening DLQ stream `{}`",
-                dead_letter_stream(subscription)
-            )))?;
+        let stream = through_election("opening the DLQ", || async {
+            self.declare_dead_letters(subscription).await?;
+            self.inner
+                .js
+                .get_stream(dead_letter_stream(subscription))
+                .await
+                .map_err(api(format!(
+                    "opening DLQ stream `{}`",
+                    dead_letter_stream(subscription)
+                )))
+        })
+        .await?;
         Ok(Box::new(NatsDeadLetters::new(
             stream,
             dead_letter_subject(subscription),
@@ -636,6 +666,28 @@ mod tests {
         assert_eq!(server_addrs("tls://h:4222").expect("single").len(), 1);
         let err = server_addrs("nats://h1,,h3").expect_err("empty host");
         assert!(err.to_string().contains("empty host"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn bad_url_options_fail_before_connecting_naming_the_option() {
+        // Port 1: nothing listens; the options are refused before any connection.
+        for (url, field) in [
+            ("nats://127.0.0.1:1?reliq.replicas=7", "reliq.replicas"),
+            (
+                "nats://127.0.0.1:1?reliq.ignore_discovered_servers=yes",
+                "reliq.ignore_discovered_servers",
+            ),
+            (
+                "nats://127.0.0.1:1?reliq.replica=3",
+                "url query `reliq.replica`",
+            ),
+        ] {
+            match NatsBroker::connect(url).await {
+                Err(BrokerError::Config { field: f, .. }) => assert_eq!(f, field, "{url}"),
+                Err(other) => panic!("{url}: {other}"),
+                Ok(_) => panic!("{url} connected"),
+            }
+        }
     }
 
     #[test]

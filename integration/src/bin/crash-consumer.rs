@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! crash-consumer --backend rabbit|kafka|nats|sqs --db URL [--schema S] --topic T
-//!                [--kafka-url URL] [--crash-after-commit K]
+//!                [--group-prefix P] [--crash-after-commit K]
 //! ```
 //!
 //! It reports on stdout, one line each (see `crash::Event`): `ready`, `duplicate <id>`,
@@ -38,9 +38,9 @@ async fn main() -> anyhow::Result<()> {
         .map(|k| k.parse::<u64>())
         .transpose()
         .context("--crash-after-commit takes a number")?;
-    let kafka_url = settings::arg("--kafka-url").unwrap_or_default();
+    let group_prefix = settings::arg("--group-prefix").unwrap_or_default();
 
-    let broker = crash::connect(backend, &kafka_url).await?;
+    let broker = crash::connect(backend, &group_prefix).await?;
     let db = Db::open(&db_url, settings::arg("--schema").as_deref()).await?;
     let emit: Emit = Arc::new(|e: Event| println!("{}", e.line()));
     let consumer = crash::consumer(broker, &topic, &db)

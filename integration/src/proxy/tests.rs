@@ -1,0 +1,164 @@
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::Instant;
+
+use super::FaultProxy;
+
+/// An echo server on a free loopback port.
+async fn echo() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    addr
+}
+
+async fn round_trip(s: &mut TcpStream, bytes: &[u8]) -> Vec<u8> {
+    s.write_all(bytes).await.unwrap();
+    let mut back = vec![0; bytes.len()];
+    s.read_exact(&mut back).await.unwrap();
+    back
+}
+
+#[tokio::test]
+async fn forwards_bytes_unchanged_both_ways() {
+    let proxy = FaultProxy::start(echo().await).await.unwrap();
+    let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
+    let mut rng = fastrand::Rng::with_seed(7);
+    let payload: Vec<u8> = (0..3 * 1024 * 1024).map(|_| rng.u8(..)).collect();
+    let (mut r, mut w) = s.split();
+    let send = async {
+        w.write_all(&payload).await.unwrap();
+    };
+    let mut back = vec![0; payload.len()];
+    let receive = async { r.read_exact(&mut back).await.unwrap() };
+    tokio::join!(send, receive);
+    assert!(back == payload, "3 MiB came back changed");
+    assert_eq!(proxy.connections(), 1);
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while proxy.connections() != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "a closed connection stays open in the proxy"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn latency_delays_each_direction_without_serialising_chunks() {
+    let proxy = FaultProxy::start(echo().await).await.unwrap();
+    let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
+    assert_eq!(round_trip(&mut s, b"warm").await, b"warm");
+    proxy.set_latency(Duration::from_millis(200));
+    let t0 = Instant::now();
+    assert_eq!(round_trip(&mut s, b"ping").await, b"ping");
+    let rtt = t0.elapsed();
+    assert!(
+        rtt >= Duration::from_millis(400) && rtt < Duration::from_millis(1000),
+        "round trip {rtt:?} with 200 ms each way"
+    );
+    // 20 writes 20 ms apart: each is late by the latency, not by the ones before it.
+    let t0 = Instant::now();
+    let (mut r, mut w) = s.split();
+    let send = async {
+        for i in 0..20u8 {
+            w.write_all(&[i]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let mut back = [0u8; 20];
+    let receive = async { r.read_exact(&mut back).await.unwrap() };
+    tokio::join!(send, receive);
+    let all = t0.elapsed();
+    assert_eq!(back.to_vec(), (0..20).collect::<Vec<u8>>());
+    assert!(
+        all >= Duration::from_millis(780) && all < Duration::from_millis(1600),
+        "20 writes over 0.4 s with a 0.4 s round trip took {all:?}"
+    );
+    proxy.set_latency(Duration::ZERO);
+    let t0 = Instant::now();
+    round_trip(&mut s, b"fast").await;
+    assert!(t0.elapsed() < Duration::from_millis(100));
+}
+
+#[tokio::test]
+async fn a_stall_holds_every_byte_until_resumed_then_delivers_in_order() {
+    let proxy = FaultProxy::start(echo().await).await.unwrap();
+    let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
+    round_trip(&mut s, b"warm").await;
+    proxy.stall();
+    s.write_all(b"held").await.unwrap();
+    let mut buf = [0u8; 4];
+    let early = tokio::time::timeout(Duration::from_millis(700), s.read_exact(&mut buf)).await;
+    assert!(early.is_err(), "bytes moved through a stalled proxy");
+    // A connection opened while stalled is accepted and stalled too.
+    let mut late = TcpStream::connect(proxy.addr()).await.unwrap();
+    late.write_all(b"new!").await.unwrap();
+    let mut late_buf = [0u8; 4];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), late.read_exact(&mut late_buf))
+            .await
+            .is_err()
+    );
+    let resumed = Instant::now();
+    proxy.resume();
+    s.read_exact(&mut buf).await.unwrap();
+    late.read_exact(&mut late_buf).await.unwrap();
+    assert_eq!((&buf, &late_buf), (b"held", b"new!"));
+    assert!(resumed.elapsed() < Duration::from_millis(200));
+}
+
+#[tokio::test]
+async fn a_cut_resets_open_connections_and_serves_new_ones() {
+    let proxy = FaultProxy::start(echo().await).await.unwrap();
+    let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
+    round_trip(&mut s, b"warm").await;
+    proxy.cut();
+    let mut buf = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+        .await
+        .expect("a cut connection is closed at once");
+    match read {
+        Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset),
+        Ok(n) => panic!("read {n} bytes from a cut connection, expected a reset"),
+    }
+    let mut again = TcpStream::connect(proxy.addr()).await.unwrap();
+    assert_eq!(round_trip(&mut again, b"next").await, b"next");
+}
+
+#[tokio::test]
+async fn only_loopback_addresses_are_proxied() {
+    let err = FaultProxy::start("10.1.2.3:9092".parse().unwrap())
+        .await
+        .err()
+        .expect("a non-loopback upstream is refused");
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+    assert!(err.to_string().contains("10.1.2.3:9092"), "{err}");
+}
+
+#[tokio::test]
+async fn a_refused_upstream_closes_the_client() {
+    // A port nothing listens on: bind, note it, close.
+    let dead = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let proxy = FaultProxy::start(dead).await.unwrap();
+    let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
+    let mut buf = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+        .await
+        .expect("closed at once");
+    assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+}
