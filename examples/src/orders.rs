@@ -184,18 +184,27 @@ pub fn retry_policy() -> RetryPolicy {
 /// The error the handler fails with while the database is down (`--db-outage`).
 pub const OUTAGE_ERROR: &str = "database unavailable";
 
-/// The breaker in front of the inventory database: opens when 80 % of at least 40
-/// outcomes over 10 s are transient failures — an outage, not the warehouse's own
-/// transient failures (two per order ending in 7, a tenth of the orders) or SQLite's lock
+/// The breaker in front of the inventory database: it counts the database's failures
+/// only ([`is_database_failure`]) — the warehouse's timeouts (two per order ending in 7,
+/// a tenth of the orders) are another downstream's and neutral; opens when 80 % of at
+/// least 40 outcomes over 10 s are such failures — an outage, not SQLite's lock
 /// contention at 64 in flight on a loaded machine — and probes after 2 s; two successes
 /// close it.
 pub fn breaker() -> reliq::CircuitBreaker {
     reliq::CircuitBreaker::new("inventory-db")
+        .counting(is_database_failure)
         .failure_ratio(0.8)
         .minimum_calls(40)
         .window(Duration::from_secs(10))
         .cool_down(Duration::from_secs(2))
         .probes(2)
+}
+
+/// Whether a handler error is the inventory database's: a sqlx error anywhere in its
+/// chain, or the simulated outage ([`OUTAGE_ERROR`]).
+pub fn is_database_failure(e: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(e), |e| e.source())
+        .any(|e| e.is::<sqlx::Error>() || e.to_string().contains(OUTAGE_ERROR))
 }
 
 /// The inventory consumer on `topic`, before its handler: [`retry_policy`], 64 in flight,
@@ -692,4 +701,19 @@ fn now_ms() -> i64 {
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default();
     i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_breaker_counts_the_database_s_failures_not_the_warehouse_s() {
+        let warehouse: BoxError = Transient::msg("warehouse service timed out").into();
+        assert!(!is_database_failure(warehouse.as_ref()));
+        let outage: BoxError = Transient::msg(OUTAGE_ERROR).into();
+        assert!(is_database_failure(outage.as_ref()));
+        let pool: BoxError = sqlx::Error::PoolTimedOut.into();
+        assert!(is_database_failure(pool.as_ref()));
+    }
 }

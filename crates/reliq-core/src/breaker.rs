@@ -22,6 +22,10 @@
 //! | SQS | the poller stops at `prefetch` held messages, whose visibility is extended |
 //! | embedded | nothing is taken from the queue |
 //!
+//! A handler often calls more than one downstream: [`CircuitBreaker::counting`] says
+//! which transient failures are this breaker's downstream's (the database's, not a
+//! partner API's timeouts the same handler returns); the others are neutral.
+//!
 //! One breaker can serve several consumers that call the same downstream
 //! ([`CircuitBreaker`] is cheap to clone: clones share their state), so an outage seen by
 //! one stops them all.
@@ -88,9 +92,13 @@ struct State {
     probes_ok: u32,
 }
 
-#[derive(Debug)]
+/// Which transient failures a breaker counts ([`CircuitBreaker::counting`]).
+type Counts = dyn Fn(&(dyn std::error::Error + 'static)) -> bool + Send + Sync;
+
 struct Inner {
     name: String,
+    /// `None`: every transient failure.
+    counts: Option<Box<Counts>>,
     failure_ratio: f64,
     window: Duration,
     minimum_calls: u64,
@@ -98,6 +106,27 @@ struct Inner {
     probes: u32,
     state: Mutex<State>,
     changed: Notify,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CircuitBreaker")
+            .field("name", &self.name)
+            .field(
+                "counting",
+                &self
+                    .counts
+                    .as_ref()
+                    .map_or("every transient failure", |_| "a predicate"),
+            )
+            .field("failure_ratio", &self.failure_ratio)
+            .field("window", &self.window)
+            .field("minimum_calls", &self.minimum_calls)
+            .field("cool_down", &self.cool_down)
+            .field("probes", &self.probes)
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A circuit breaker on a consumer's handler outcomes (see the [module docs](self)).
@@ -120,6 +149,7 @@ impl CircuitBreaker {
         Self {
             inner: Arc::new(Inner {
                 name,
+                counts: None,
                 failure_ratio: 0.5,
                 window: Duration::from_secs(10),
                 minimum_calls: 20,
@@ -149,6 +179,31 @@ impl CircuitBreaker {
     /// Open when the share of transient failures reaches `ratio` (0 < ratio ≤ 1).
     pub fn failure_ratio(self, ratio: f64) -> Self {
         self.with(|i| i.failure_ratio = ratio)
+    }
+
+    /// Count only the transient failures for which `counts` holds (given the handler's
+    /// error); the others say nothing about this breaker's downstream and are neutral, as
+    /// permanent failures are. A handler timeout always counts. Default: every transient
+    /// failure.
+    ///
+    /// ```
+    /// # use reliq_core::CircuitBreaker;
+    /// // In front of the database: its errors open the breaker, a partner API's
+    /// // timeouts (retried as transient too) do not.
+    /// let breaker = CircuitBreaker::new("orders-db")
+    ///     .counting(|e| reliq_core::ErrorChain(e).to_string().contains("database"));
+    /// ```
+    pub fn counting(
+        self,
+        counts: impl Fn(&(dyn std::error::Error + 'static)) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.with(|i| i.counts = Some(Box::new(counts)))
+    }
+
+    /// Whether a transient failure with error `e` is news about this breaker's
+    /// downstream ([`counting`](Self::counting)).
+    pub(crate) fn counts(&self, e: &(dyn std::error::Error + 'static)) -> bool {
+        self.inner.counts.as_ref().is_none_or(|counts| counts(e))
     }
 
     /// The sliding window the share is taken over.

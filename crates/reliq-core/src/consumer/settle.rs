@@ -54,7 +54,9 @@ pub(super) enum Outcome {
     Done,
     /// The handler returned [`Duplicate`]: ack, skip, count.
     Duplicate,
-    Failed(ErrorClass, String),
+    /// A failure of this class, its error text, and whether it is news about the
+    /// circuit breaker's downstream (a transient failure its `counting` accepts).
+    Failed(ErrorClass, String, bool),
 }
 
 impl<H> Shared<H> {
@@ -99,6 +101,7 @@ impl<H> Shared<H> {
                     Outcome::Failed(
                         ErrorClass::Transient,
                         format!("handler timed out after {limit:?}"),
+                        true,
                     )
                 }),
                 None => Ok(call.await),
@@ -114,7 +117,11 @@ impl<H> Shared<H> {
             Stats::bump(&self.stats.panics);
             let text = panic_text(panic.as_ref());
             tracing::error!(panic = %text, "handler panicked");
-            Err(Outcome::Failed(ErrorClass::Panic, format!("panic: {text}")))
+            Err(Outcome::Failed(
+                ErrorClass::Panic,
+                format!("panic: {text}"),
+                false,
+            ))
         })
     }
 
@@ -161,7 +168,10 @@ impl<H> Shared<H> {
         if Duplicate::is_in(e.as_ref()) {
             Outcome::Duplicate
         } else {
-            Outcome::Failed(self.classifier.classify(e.as_ref()), chain_text(e.as_ref()))
+            let class = self.classifier.classify(e.as_ref());
+            let counts = class == ErrorClass::Transient
+                && self.breaker.as_ref().is_none_or(|b| b.counts(e.as_ref()));
+            Outcome::Failed(class, chain_text(e.as_ref()), counts)
         }
     }
 
@@ -192,7 +202,7 @@ impl<H> Shared<H> {
     }
 
     pub(super) async fn settle(&self, d: &Delivery, outcome: Outcome) {
-        let (class, text) = match outcome {
+        let (class, text, counts) = match outcome {
             // The one success path: the same as a group's or a batch's successes.
             Outcome::Done => return self.ack_done(std::slice::from_ref(d)).await,
             Outcome::Duplicate => {
@@ -205,13 +215,15 @@ impl<H> Shared<H> {
                 self.skip_duplicate(d).await;
                 return;
             }
-            Outcome::Failed(class, text) => (class, text),
+            Outcome::Failed(class, text, counts) => (class, text, counts),
         };
         if let Some(breaker) = &self.breaker {
-            // Only a transient failure is news about the downstream.
-            match class {
-                ErrorClass::Transient => breaker.failed(),
-                _ => breaker.neutral(),
+            // Only a transient failure (that its `counting` accepts) is news about the
+            // downstream.
+            if counts {
+                breaker.failed();
+            } else {
+                breaker.neutral();
             }
         }
         // Boxed: the failure path's state (copies, headers, the dead-letter record) would

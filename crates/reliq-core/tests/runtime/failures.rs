@@ -433,3 +433,60 @@ async fn a_shared_breaker_stops_every_consumer_that_uses_it() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// A breaker `counting` only its downstream's errors: a handler whose every delivery
+/// fails transiently with another downstream's error (a partner API timing out) leaves
+/// it closed — those retry as usual — while the same share of its own downstream's
+/// errors opens it.
+#[tokio::test(start_paused = true)]
+async fn a_breaker_counts_only_the_failures_it_is_told_to() {
+    use reliq_core::{Broker, CircuitBreaker, CircuitState};
+    let run = |error: &'static str| async move {
+        let broker = MemoryBroker::new();
+        let breaker = CircuitBreaker::new("db")
+            .minimum_calls(5)
+            .cool_down(secs(30))
+            .probes(1)
+            .counting(|e| e.to_string().contains("db down"));
+        let consumer = Consumer::builder(Arc::new(broker.clone()), "c")
+            .subscribe("t")
+            .retry(RetryPolicy::tiers([secs(1)]).max_attempts(3))
+            .max_in_flight(2)
+            .circuit_breaker(breaker.clone())
+            .start(move |_d: Delivery| async move {
+                Err::<(), BoxError>(reliq_core::Transient::msg(error).into())
+            })
+            .await
+            .unwrap();
+        for i in 0..10 {
+            broker
+                .publish(&Destination::new("t"), Message::new(format!("m-{i}")))
+                .await
+                .unwrap();
+        }
+        wait_for("the retries are spent or the breaker opens", || {
+            let st = consumer.stats();
+            st.dead_lettered == 10 || breaker.state() == CircuitState::Open
+        })
+        .await;
+        let state = breaker.state();
+        let dead = consumer.stats().dead_lettered;
+        consumer.shutdown().await;
+        (state, dead)
+    };
+    assert_eq!(
+        run("partner api timed out").await,
+        (CircuitState::Closed, 10),
+        "another downstream's failures: closed, every message retried and parked"
+    );
+    let (state, dead) = run("db down").await;
+    assert_eq!(
+        state,
+        CircuitState::Open,
+        "its own downstream's failures open it"
+    );
+    assert!(
+        dead < 10,
+        "opened before the retries were spent ({dead} parked)"
+    );
+}
