@@ -799,10 +799,10 @@ async fn depth(backend: &RabbitBackend, queue: &str) -> anyhow::Result<u32> {
     Ok(q.message_count())
 }
 
-/// Browsing the dead-letter stream changes nothing: two full browses (pages of 7) give
-/// the same entries in the same order, each entry once; the broker's copies keep their
-/// offsets and carry no delivery count; the source queue, the landing queue and the
-/// count are unchanged.
+/// Browsing the dead-letter stream changes no dead letter: two full browses (pages of 7)
+/// give the same entries in the same order, each entry once; the broker's copies keep
+/// their offsets and carry no delivery count; the source queue, the landing queue and the
+/// count are unchanged; what a browse adds is its read fence, one per page, after them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn browsing_dead_letters_changes_nothing_and_pages_cover_each_entry_once()
 -> anyhow::Result<()> {
@@ -856,7 +856,13 @@ async fn browsing_dead_letters_changes_nothing_and_pages_cover_each_entry_once()
         "every entry carries its record"
     );
 
-    let raw_after = raw_stream(&backend, &names.parking).await?;
+    // Each browse appended one read fence (a confirmed, empty entry with a
+    // `reliq-fence` header, after every dead letter): the dead letters themselves are
+    // untouched.
+    let (raw_after, fences): (Vec<_>, Vec<_>) = raw_stream(&backend, &names.parking)
+        .await?
+        .into_iter()
+        .partition(|(_, h)| !h.inner().contains_key("reliq-fence"));
     let offsets = |raw: &[(i64, lapin::types::FieldTable)]| -> Vec<i64> {
         raw.iter().map(|(o, _)| *o).collect()
     };
@@ -864,6 +870,18 @@ async fn browsing_dead_letters_changes_nothing_and_pages_cover_each_entry_once()
         raw_before.len() == 25,
         "{} entries in the stream",
         raw_before.len()
+    );
+    ensure!(
+        fences.len() == 2 * pages,
+        "{} read fences after {} browses",
+        fences.len(),
+        2 * pages
+    );
+    let last_entry = offsets(&raw_before).into_iter().max().unwrap_or_default();
+    ensure!(
+        offsets(&fences).iter().all(|o| *o > last_entry),
+        "a fence before a dead letter: {:?}",
+        offsets(&fences)
     );
     ensure!(offsets(&raw_before) == offsets(&raw_after), "offsets moved");
     ensure!(

@@ -45,11 +45,21 @@ const RELAY_PREFETCH: u16 = 32;
 ///   reads it without removing anything — an ack on a stream only returns credit, so a
 ///   browse changes no depth, no order and no delivery count. The cursor is the offset of
 ///   the next entry to read.
-/// - **The end of a read** is found without a timing guess where it matters: a consumer
-///   started at `last` first names the first offset of the stream's last chunk; a read
-///   starts no later than that offset and waits as long as it takes (up to 15 s) for
-///   every offset up to it, and only past it treats a short quiet spell (300 ms) as
-///   the end — the rest of the last chunk is delivered in the same burst.
+/// - **A read is complete wherever it is served.** RabbitMQ serves a stream consumer
+///   from the stream's member on the connection's node, and a replica that is behind its
+///   leader (a node just restarted, or cut off from the leader) holds a consistent but
+///   short prefix. So browse, get and remove first attach their stream consumer, then
+///   append a *fence* to the stream (an empty entry with a `reliq-fence` header, confirmed
+///   by the leader) and read until that fence is delivered: every entry confirmed before
+///   the read began precedes it, so none is missed; a member that does not deliver the
+///   fence within 15 s fails the read, naming the stream, instead of answering short.
+///   The ledger is read the same way. Fences are skipped by every read, and cost one
+///   small entry per read in each stream.
+/// - **Count** is the one read without a fence (gauges poll it: a fence per poll would
+///   grow the streams without end): it reads to the end of what the serving member holds
+///   — a consumer started at `last` names the first offset of its last chunk, the read
+///   waits (up to 15 s) for every offset up to it and past it treats a short quiet spell
+///   (300 ms) as the end. On a cluster it can trail a replica that is catching up.
 /// - **Removal** appends a record of `(offset, id)` pairs to the removal ledger
 ///   ([`Names::removed`], a stream), confirmed before `remove` returns: a stream cannot
 ///   delete one message. Browse, get and count skip an entry whose offset *and* id are in
@@ -165,29 +175,45 @@ impl RabbitDeadLetters {
             .await
     }
 
-    /// Move what landed in the landing queue into the stream, then (at once) bring the
-    /// ledger up to date and find the stream's end; the ledger, locked, and the first
-    /// offset of the stream's last chunk (`None`: empty).
+    /// Move what landed in the landing queue into the stream, then bring the ledger up
+    /// to date; the ledger, locked, and where a read of the stream stops. A
+    /// [`Completeness::Complete`] read fences the ledger and the stream; a
+    /// [`Completeness::Served`] one finds both ends at once.
     async fn refresh(
         &self,
-    ) -> Result<(tokio::sync::MutexGuard<'_, Ledger>, Option<u64>), BrokerError> {
+        completeness: Completeness,
+    ) -> Result<(tokio::sync::MutexGuard<'_, Ledger>, ReadTo), BrokerError> {
         drain_landing(&self.inner, &self.sub, &self.names).await?;
-        let (ledger, end) = tokio::join!(
-            self.read_ledger(),
-            last_chunk_start(&self.inner, &self.names.parking)
-        );
-        Ok((ledger?, end?))
+        match completeness {
+            Completeness::Complete => Ok((self.read_ledger(completeness).await?, ReadTo::Fence)),
+            Completeness::Served => {
+                let (ledger, end) = tokio::join!(
+                    self.read_ledger(completeness),
+                    last_chunk_start(&self.inner, &self.names.parking)
+                );
+                Ok((ledger?, ReadTo::LastChunk(end?)))
+            }
+        }
     }
 
     /// The ledger, read on from where this reader left it.
-    async fn read_ledger(&self) -> Result<tokio::sync::MutexGuard<'_, Ledger>, BrokerError> {
+    async fn read_ledger(
+        &self,
+        completeness: Completeness,
+    ) -> Result<tokio::sync::MutexGuard<'_, Ledger>, BrokerError> {
         let mut ledger = self.ledger.lock().await;
-        let end = last_chunk_start(&self.inner, &self.names.removed).await?;
-        if end.is_some() && end == ledger.read_through_chunk {
-            return Ok(ledger);
-        }
+        let to = match completeness {
+            Completeness::Complete => ReadTo::Fence,
+            Completeness::Served => {
+                let end = last_chunk_start(&self.inner, &self.names.removed).await?;
+                if end.is_some() && end == ledger.read_through_chunk {
+                    return Ok(ledger);
+                }
+                ReadTo::LastChunk(end)
+            }
+        };
         let mut records = Vec::new();
-        let scan = scan(&self.inner, &self.names.removed, ledger.next, end, |_, d| {
+        let scan = scan(&self.inner, &self.names.removed, ledger.next, to, |_, d| {
             match serde_json::from_slice::<LedgerRecord>(&d.data) {
                 Ok(r) => records.push(r),
                 Err(e) => {
@@ -203,9 +229,12 @@ impl RabbitDeadLetters {
             }
         }
         ledger.next = scan.next;
-        if scan.at_end {
-            ledger.read_through_chunk = end;
-        }
+        // A fence may share its chunk with records appended after it, which this read
+        // stopped before: only a read to the last chunk may skip the next one.
+        ledger.read_through_chunk = match to {
+            ReadTo::LastChunk(end) if scan.at_end => end,
+            _ => None,
+        };
         Ok(ledger)
     }
 
@@ -236,9 +265,9 @@ fn parse_cursor(cursor: &Cursor) -> Result<u64, BrokerError> {
 impl DeadLetters for RabbitDeadLetters {
     async fn browse(&self, from: &Cursor, max: usize) -> Result<DeadLetterPage, BrokerError> {
         let start = parse_cursor(from)?;
-        let (mut ledger, end) = self.refresh().await?;
+        let (mut ledger, to) = self.refresh(Completeness::Complete).await?;
         let mut entries = Vec::new();
-        let scan = scan(&self.inner, &self.names.parking, start, end, |offset, d| {
+        let scan = scan(&self.inner, &self.names.parking, start, to, |offset, d| {
             let message = codec::message(&d.properties, &d.data);
             if ledger.hides(offset, message.id()) {
                 return true;
@@ -263,9 +292,9 @@ impl DeadLetters for RabbitDeadLetters {
     }
 
     async fn get(&self, id: &MessageId) -> Result<Option<DeadLetterEntry>, BrokerError> {
-        let (ledger, end) = self.refresh().await?;
+        let (ledger, to) = self.refresh(Completeness::Complete).await?;
         let mut found = None;
-        scan(&self.inner, &self.names.parking, 0, end, |offset, d| {
+        scan(&self.inner, &self.names.parking, 0, to, |offset, d| {
             let message = codec::message(&d.properties, &d.data);
             if message.id() != id || ledger.hides(offset, id) {
                 return true;
@@ -282,7 +311,7 @@ impl DeadLetters for RabbitDeadLetters {
             return Ok(Vec::new());
         }
         let _serial = self.removing.lock().await;
-        let (mut ledger, end) = self.refresh().await?;
+        let (mut ledger, to) = self.refresh(Completeness::Complete).await?;
         let mut wanted = IdCounts::new(ids);
         let mut taken: Vec<(u64, MessageId)> = Vec::new();
         // The entries this reader has seen are taken where it saw them, without reading
@@ -302,7 +331,7 @@ impl DeadLetters for RabbitDeadLetters {
         }
         if !wanted.is_done() {
             let already: HashSet<u64> = taken.iter().map(|(o, _)| *o).collect();
-            scan(&self.inner, &self.names.parking, 0, end, |offset, d| {
+            scan(&self.inner, &self.names.parking, 0, to, |offset, d| {
                 let message = codec::message(&d.properties, &d.data);
                 if !already.contains(&offset)
                     && !ledger.hides(offset, message.id())
@@ -330,9 +359,9 @@ impl DeadLetters for RabbitDeadLetters {
     }
 
     async fn count(&self) -> Result<DeadLetterCount, BrokerError> {
-        let (ledger, end) = self.refresh().await?;
+        let (ledger, to) = self.refresh(Completeness::Served).await?;
         let mut count = DeadLetterCount::default();
-        scan(&self.inner, &self.names.parking, 0, end, |offset, d| {
+        scan(&self.inner, &self.names.parking, 0, to, |offset, d| {
             let message = codec::message(&d.properties, &d.data);
             if !ledger.hides(offset, message.id()) {
                 count.count += 1;
@@ -343,6 +372,18 @@ impl DeadLetters for RabbitDeadLetters {
         .await?;
         Ok(count)
     }
+}
+
+/// How complete a read of the stream and its ledger is.
+#[derive(Clone, Copy, Debug)]
+enum Completeness {
+    /// Everything confirmed before the read began, whichever node serves it (a fence
+    /// written to each stream, [`ReadTo::Fence`]): browse, get and remove.
+    Complete,
+    /// What the stream's member on the connection's node holds, without a write
+    /// ([`ReadTo::LastChunk`]): count, which gauges poll — a fence per poll would grow
+    /// the streams without end.
+    Served,
 }
 
 /// Where a stream read starts.
@@ -384,13 +425,35 @@ fn offset_of(d: &lapin::message::Delivery) -> Option<u64> {
 
 impl StreamRead {
     /// Start reading `stream` at `start`; also the message count the broker reports for
-    /// it (it lags behind publishes: a hint, never the truth).
+    /// it (it lags behind publishes: a hint, never the truth). A node whose member of the
+    /// stream is not running (yet: a node just restarted) refuses the consumer with
+    /// `INTERNAL_ERROR` ("no local stream replica"); that is retried for up to 15 s.
     async fn open(
         inner: &Inner,
         stream: &str,
         start: Start,
         prefetch: u16,
     ) -> Result<(Self, u32), BrokerError> {
+        let deadline = tokio::time::Instant::now() + STALL;
+        loop {
+            match Self::open_once(inner, stream, start, prefetch).await {
+                Err(Refused::NoLocalMember(e)) if tokio::time::Instant::now() < deadline => {
+                    tracing::info!(stream, error = %e, "no running member of the stream on this node yet; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(Refused::NoLocalMember(e)) => return Err(missing_or(stream, e)),
+                Err(Refused::Other(e)) => return Err(e),
+                Ok(read) => return Ok(read),
+            }
+        }
+    }
+
+    async fn open_once(
+        inner: &Inner,
+        stream: &str,
+        start: Start,
+        prefetch: u16,
+    ) -> Result<(Self, u32), Refused> {
         let ch = inner.channel().await?;
         let name = short("queue", stream)?;
         let declared = ch
@@ -415,10 +478,17 @@ impl StreamRead {
                 Start::Last => AMQPValue::LongString(LongString::from("last")),
             },
         );
-        let consumer = ch
+        let consumer = match ch
             .basic_consume(name, "".into(), BasicConsumeOptions::default(), args)
             .await
-            .map_err(|e| missing_or(stream, e))?;
+        {
+            Ok(consumer) => consumer,
+            // The channel is closed by the refusal.
+            Err(e) if reply_code(&e) == Some(INTERNAL_ERROR) => {
+                return Err(Refused::NoLocalMember(e));
+            }
+            Err(e) => return Err(missing_or(stream, e).into()),
+        };
         Ok((
             Self {
                 ch,
@@ -474,6 +544,23 @@ impl StreamRead {
     }
 }
 
+/// AMQP's `INTERNAL_ERROR` reply code: what RabbitMQ answers a stream consumer on a node
+/// with no running member of the stream.
+const INTERNAL_ERROR: u16 = 541;
+
+/// Why a stream consumer could not be started.
+enum Refused {
+    /// The node has no running member of the stream (yet).
+    NoLocalMember(lapin::Error),
+    Other(BrokerError),
+}
+
+impl From<BrokerError> for Refused {
+    fn from(e: BrokerError) -> Self {
+        Self::Other(e)
+    }
+}
+
 /// A missing stream (404) is named; anything else is a client error.
 fn missing_or(stream: &str, e: lapin::Error) -> BrokerError {
     if reply_code(&e) == Some(404) {
@@ -508,37 +595,84 @@ async fn last_chunk_start(inner: &Inner, stream: &str) -> Result<Option<u64>, Br
     }
 }
 
-/// Read `stream` from offset `from` to the end found by [`last_chunk_start`] (`end`),
-/// handing each entry to `visit` until it returns `false` (that entry is then where the
-/// next read starts).
+/// Where a [`scan`] stops.
+#[derive(Clone, Copy, Debug)]
+enum ReadTo {
+    /// At a fence this read writes once its stream consumer is attached: every entry
+    /// confirmed before the read began is delivered before the fence, whichever member
+    /// of the stream serves the read.
+    Fence,
+    /// At the end of what the serving member holds, found by [`last_chunk_start`]
+    /// (`None`: empty) — no write, but a member that is behind its leader gives a
+    /// consistent, short read.
+    LastChunk(Option<u64>),
+}
+
+/// The header that marks a fence entry; its value is the fence's own id.
+const FENCE_HEADER: &str = "reliq-fence";
+
+/// The fence id of a fence entry, `None` for any other.
+fn fence_of(d: &lapin::message::Delivery) -> Option<&[u8]> {
+    match d.properties.headers().as_ref()?.inner().get(FENCE_HEADER)? {
+        AMQPValue::LongString(s) => Some(s.as_bytes()),
+        _ => Some(&[]),
+    }
+}
+
+/// Read `stream` from offset `from` to where `to` says, handing each entry (fences
+/// excepted) to `visit` until it returns `false` (that entry is then where the next read
+/// starts).
 async fn scan(
     inner: &Inner,
     stream: &str,
     from: u64,
-    end: Option<u64>,
+    to: ReadTo,
     mut visit: impl FnMut(u64, &lapin::message::Delivery) -> bool + Send,
 ) -> Result<Scan, BrokerError> {
-    let Some(last_chunk) = end else {
-        return Ok(Scan {
-            next: from,
-            at_end: true,
-        });
+    let (start, last_chunk) = match to {
+        ReadTo::Fence => (from, None),
+        ReadTo::LastChunk(None) => {
+            return Ok(Scan {
+                next: from,
+                at_end: true,
+            });
+        }
+        // Start no later than the last chunk, so its first offset is always delivered:
+        // until it is, every wait is for an entry known to exist; after it, the rest of
+        // that chunk comes in the same burst, and a quiet spell is the end.
+        ReadTo::LastChunk(Some(last)) => (from.min(last), Some(last)),
     };
-    // Start no later than the last chunk, so its first offset is always delivered: until
-    // it is, every wait is for an entry known to exist; after it, the rest of that chunk
-    // comes in the same burst, and a quiet spell is the end.
-    let start = from.min(last_chunk);
     let (mut read, _) =
         StreamRead::open(inner, stream, Start::Offset(start), READ_PREFETCH).await?;
+    // The consumer is attached (consume-ok): the fence lands after everything this
+    // read must see, and the member serving it delivers entries in order.
+    let fence = match to {
+        ReadTo::Fence => match write_fence(inner, stream).await {
+            Ok(id) => Some(id),
+            Err(e) => {
+                read.close().await;
+                return Err(e);
+            }
+        },
+        ReadTo::LastChunk(_) => None,
+    };
     let mut position = from;
     let mut past_last_chunk = false;
     let result = loop {
         let wait = if past_last_chunk { SETTLE } else { STALL };
         match read.next(wait).await {
             Err(e) => break Err(e),
+            Ok(None) if fence.is_some() => {
+                break Err(BrokerError::connection(format!(
+                    "stream `{stream}`: the fence written at the start of this read was not \
+                     delivered within {STALL:?} (the stream member on the node of this \
+                     connection is behind its leader)"
+                )));
+            }
             Ok(None) if !past_last_chunk => {
                 break Err(BrokerError::connection(format!(
-                    "stream `{stream}` delivered nothing for {STALL:?} before offset {last_chunk}"
+                    "stream `{stream}` delivered nothing for {STALL:?} before offset {}",
+                    last_chunk.unwrap_or_default()
                 )));
             }
             Ok(None) => {
@@ -548,7 +682,19 @@ async fn scan(
                 });
             }
             Ok(Some((offset, d))) => {
-                past_last_chunk |= offset >= last_chunk;
+                past_last_chunk |= last_chunk.is_some_and(|last| offset >= last);
+                if let Some(id) = fence_of(&d) {
+                    if fence.as_deref().is_some_and(|f| f.as_bytes() == id) {
+                        break Ok(Scan {
+                            next: position.max(offset + 1),
+                            at_end: true,
+                        });
+                    }
+                    if offset >= from {
+                        position = offset + 1;
+                    }
+                    continue; // another read's fence
+                }
                 // A read starts at the chunk holding its start offset: skip what precedes.
                 if offset < from {
                     continue;
@@ -565,6 +711,23 @@ async fn scan(
     };
     read.close().await;
     result
+}
+
+/// Append a fence to `stream`, confirmed; its id.
+async fn write_fence(inner: &Inner, stream: &str) -> Result<String, BrokerError> {
+    let id = MessageId::generate().as_str().to_owned();
+    let fence = Message::new(Vec::new())
+        .with_id(id.as_str())
+        .with_header(FENCE_HEADER, id.as_str());
+    inner
+        .publish_to(
+            "",
+            stream,
+            &fence,
+            Target::Queue("read fence of stream", stream),
+        )
+        .await?;
+    Ok(id)
 }
 
 /// Give a landed message its reliq record (from `x-death`, when it has none) and publish
