@@ -731,8 +731,19 @@ async fn drive(
             Some(id)
         } else {
             let target = db.reserved_orders().await? + rng.u64(1..=step);
+            // A run that stops making progress says so every 30 s, with the consumer's
+            // last counters (a stuck runtime and a slow one look alike from outside).
+            let mut said_at = Instant::now();
             wait_for("progress before a kill", &until, async || {
-                Ok((db.reserved_orders().await? >= target).then_some(()))
+                let reserved = db.reserved_orders().await?;
+                if said_at.elapsed() >= Duration::from_secs(30) {
+                    said_at = Instant::now();
+                    eprintln!(
+                        "run {run}: {reserved} orders reserved, waiting for {target}; the consumer's last counters: {:?}",
+                        events.stats(run)
+                    );
+                }
+                Ok((reserved >= target).then_some(()))
             })
             .await?;
             tokio::time::sleep(Duration::from_millis(rng.u64(0..20))).await;

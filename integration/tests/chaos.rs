@@ -155,9 +155,27 @@ async fn dlq_outage(backend: Backend, topic: &str, t0: Instant) -> anyhow::Resul
         .dead_letters(&sub)
         .await?;
     // A count may hang while the DLQ is unavailable (RabbitMQ asks the stream's
-    // suspended writer): `None` then, with the reason logged.
-    let count = async || match tokio::time::timeout(Duration::from_secs(10), reader.count()).await {
-        Ok(Ok(c)) => Some(c.count),
+    // suspended writer): `None` then, with the reason logged. On RabbitMQ the DLQ is
+    // counted by a complete read (browse, with its fence): `count` reads the stream's
+    // member on the connection's node, which after the node loss can be behind its
+    // leader, and a short first count reads as growth (110 → 180 in one run).
+    let complete_count = async || -> Result<u64, reliq_core::BrokerError> {
+        if backend != Backend::Rabbit {
+            return Ok(reader.count().await?.count);
+        }
+        let (mut total, mut cursor) = (0u64, reliq_core::Cursor::start());
+        loop {
+            let page = reader.browse(&cursor, 5_000).await?;
+            total += page.entries.len() as u64;
+            if page.at_end {
+                return Ok(total);
+            }
+            cursor = page.next;
+        }
+    };
+    let count = async || match tokio::time::timeout(Duration::from_secs(10), complete_count()).await
+    {
+        Ok(Ok(c)) => Some(c),
         Ok(Err(e)) => {
             eprintln!("counting the DLQ failed: {e}");
             None
@@ -619,6 +637,82 @@ async fn rabbit_dead_letters_read_on_a_lagging_replica() -> anyhow::Result<()> {
         seen.len(),
         ids.len(),
         &missing[..missing.len().min(5)]
+    );
+    Ok(())
+}
+
+/// A Kafka member whose partitions flow control paused, and whose assignment is then
+/// lost (its connections stalled past the session timeout) and given back, consumes
+/// those partitions again. librdkafka keeps a partition's pause across a rebalance; the
+/// receiver's new partition state said "not paused", so nothing resumed them and the
+/// member fetched nothing for good (chaos seed 16328554269714791920 stalled so after the
+/// stall). Here: every handler waits at a gate, so the buffer fills and the partitions
+/// are paused; the proxies stall the member's connections for 9 s (session timeout 6 s:
+/// the assignment is lost); the gate opens during the stall, so the buffer drains
+/// before the partitions come back; then every record must be processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_paused_partitions_are_consumed_after_a_lost_assignment() -> anyhow::Result<()> {
+    use reliq_core::{BoxError, Broker, Consumer, Delivery, Destination, Message, RetryPolicy};
+    use std::collections::HashSet;
+    const TOTAL: usize = 600;
+    let url = settings::get("RELIQ_KAFKA_URL");
+    node_urls("RELIQ_KAFKA_URL")?;
+    let (proxies, via) = Proxies::start(Backend::Kafka, &url).await?;
+    let topic = reliq_conformance::support::unique("paused-lost");
+    let publisher = reliq_kafka::KafkaBroker::connect(&url)?;
+    publisher
+        .ensure_topics(std::slice::from_ref(&topic))
+        .await?;
+    let dest = Destination::new(topic.clone());
+    let mut ids = HashSet::new();
+    for i in 0..TOTAL {
+        let m = Message::new(format!("{i}")).with_key(format!("k{i}"));
+        ids.insert(m.id().as_str().to_owned());
+        publisher.publish(&dest, m).await?;
+    }
+    let member = reliq_kafka::KafkaBroker::connect(&format!(
+        "{via}&reliq.group.prefix={}.",
+        reliq_conformance::support::unique("paused")
+    ))?;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let done = Arc::new(std::sync::Mutex::new(HashSet::new()));
+    let (g, d) = (gate.clone(), done.clone());
+    let handle = Consumer::builder(Arc::new(member) as Arc<dyn Broker>, "c")
+        .subscribe(topic.clone())
+        .retry(RetryPolicy::tiers([Duration::from_secs(1)]))
+        .max_in_flight(4)
+        .start(move |delivery: Delivery| {
+            let (g, d) = (g.clone(), d.clone());
+            async move {
+                drop(g.acquire().await?);
+                d.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(delivery.id().as_str().to_owned());
+                Ok::<(), BoxError>(())
+            }
+        })
+        .await?;
+    // The buffer fills within the first second; a second more and the partitions pause.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    proxies.stall();
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    // The assignment is lost by now: the buffer drains (its records dropped as revoked).
+    gate.add_permits(tokio::sync::Semaphore::MAX_PERMITS / 2);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    proxies.resume();
+    let count = || done.lock().unwrap_or_else(|p| p.into_inner()).len();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count() < TOTAL && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let stats = handle.stats();
+    handle.shutdown().await;
+    drop(proxies);
+    let processed = done.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    ensure!(
+        processed == ids,
+        "{} of {TOTAL} records processed within 60 s of the stall's end ({stats:?})",
+        processed.len()
     );
     Ok(())
 }

@@ -34,7 +34,7 @@
 //! record it and both report it removed; the entry goes once.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -54,6 +54,7 @@ use reliq_core::{
 use crate::broker::Inner;
 use crate::codec::decode;
 use crate::error::{KafkaError, client_error, passes_with_an_election};
+use crate::lock;
 use crate::names::{browse_group, ledger_topic};
 
 /// Longest one read (a page, the ledger, the index) may take.
@@ -140,11 +141,6 @@ pub(crate) struct KafkaDeadLetters {
     /// Removals through this reader one at a time (each picks entries, then records
     /// them).
     removing: tokio::sync::Mutex<()>,
-}
-
-fn lock(m: &Mutex<Reader>) -> MutexGuard<'_, Reader> {
-    // Critical sections leave the caches consistent; a poisoned lock is usable.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn read_error(e: RdError, what: &str) -> BrokerError {

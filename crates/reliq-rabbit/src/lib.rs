@@ -18,11 +18,11 @@
 //! | drop / `close` | the channel is closed: RabbitMQ requeues every unacked delivery |
 //! | attempt | the `reliq-attempt` header (never `x-death`) |
 //! | delivery limit | quorum `x-delivery-limit` = [`Subscription::delivery_limit`]; the broker dead-letters (at-least-once) to the landing queue; the running consumer (a relay beside its receiver) and every dead-letter reader call move each landed message into the stream with a reliq [`DeadLetter`](reliq_core::DeadLetter) record made from its `x-death` (reason `max-deliveries`, the move's time, queue, exchange and routing key) — confirmed, *then* acked on the landing queue |
-//! | `dead_letters` ([`RabbitDeadLetters`]) | **browse**: a stream consumer (`x-stream-offset` = the cursor, manual ack, prefetch 512) on its own channel; an ack on a stream removes nothing, so a browse changes no depth, order or delivery count; the cursor is the next stream offset; the end is the last chunk's first offset (probed with `x-stream-offset=last`) plus the rest of that chunk. **remove**: the `(offset, id)` pairs of the oldest entries with those ids are appended to the removal ledger, confirmed before it returns; browse, get and count skip what the ledger names. **count**: a read of the stream less the ledger, with the oldest `reliq-dead-lettered-at`. **get**: a read from the start. Each call first moves what sits in the landing queue into the stream. |
+//! | `dead_letters` ([`RabbitDeadLetters`]) | **browse**: a stream consumer (`x-stream-offset` = the cursor, manual ack, prefetch 512) on its own channel; an ack on a stream removes nothing, so a browse changes no depth, order or delivery count; the cursor is the next stream offset; the end is a *read fence* the call appends once its consumer is attached (a confirmed, empty entry with a `reliq-fence` header, skipped by every read), so the read is complete on any node of a cluster. **remove**: the `(offset, id)` pairs of the oldest entries with those ids are appended to the removal ledger, confirmed before it returns; browse, get and count skip what the ledger names. **count**: a read of the stream less the ledger, with the oldest `reliq-dead-lettered-at`, without a fence (gauges poll it): to the end of what the node's member holds (the last chunk, probed with `x-stream-offset=last`). **get**: a read from the start. Each call first moves what sits in the landing queue into the stream. |
 //! | `backlog` | `waiting`: the consumer queue's ready count and each TTL queue's, by passive `queue.declare` (live); `in_flight`: the queue's `messages_unacknowledged` from the management API when [`RabbitOptions::management_url`] is set (it trails by the statistics interval). |
 //! | `plan` / `inspect` | the exchange, queues, streams and binding of the topology row, each planned argument resolved from the queue's arguments and the matching policy and operator policy (management API: `inspect` needs [`RabbitOptions::management_url`]); retry queues of earlier policies, with a passive declare's message count, as extra objects |
 //! | `send_to_consumer` (replay) | publish to the default exchange with routing key = the consumer's queue |
-//! | cluster, node loss | the URL may name every node: `amqp://user:password@h1:5672,h2:5672,h3:5672/vhost` (same credentials, vhost and query for each). A connection goes to one node, tried from the one that last answered, each within 10 s; when it is lost, the broker's next channel reconnects to the next node that answers, and the receiver re-declares its topology and resumes consuming there. Unacked deliveries of the lost connection are requeued by RabbitMQ and delivered again (the inbox absorbs a repeated effect). Quorum queues (the default) are replicated on every node and elect a new leader when theirs dies; a dead letter the DLQ stream does not confirm within `confirm_timeout` is released and dead-lettered again later (the stream may then hold it twice). Tested by `just chaos` (leader SIGKILLed mid-run, the DLQ stream's writer suspended for 30 s, the consumer's connection stalled for 10 s). |
+//! | cluster, node loss | the URL may name every node: `amqp://user:password@h1:5672,h2:5672,h3:5672/vhost` (same credentials, vhost and query for each). A connection goes to one node, tried from the one that last answered, each within 10 s; when it is lost, the broker's next channel reconnects to the next node that answers, and the receiver re-declares its topology and resumes consuming there (a subscribe whose declarations lose the connection does the same, for up to 30 s, instead of failing the consumer's start). Unacked deliveries of the lost connection are requeued by RabbitMQ and delivered again (the inbox absorbs a repeated effect). Quorum queues (the default) are replicated on every node and elect a new leader when theirs dies; a dead letter the DLQ stream does not confirm within `confirm_timeout` is released and dead-lettered again later (the stream may then hold it twice). Tested by `just chaos` (leader SIGKILLed mid-run, the DLQ stream's writer suspended for 30 s, the consumer's connection stalled for 10 s). |
 //!
 //! ### The dead-letter stream
 //!
@@ -48,8 +48,22 @@
 //!   segments, oldest first, removed or not. Keep the ledger without retention (it holds a
 //!   few bytes per removal): a ledger record dropped before its entry would bring the
 //!   entry back.
+//! - **Complete reads on a cluster.** RabbitMQ serves a stream consumer from the
+//!   stream's member on the connection's node (a node with none refuses it with
+//!   `INTERNAL_ERROR`, retried for 15 s), and a member behind its leader — a node just
+//!   restarted, or one the leader's committed offset did not reach (the leader sends it
+//!   without waiting, and drops it while the nodes' link is down) — delivers a
+//!   consistent but short prefix, possibly until the stream is next written. So browse,
+//!   get and remove append a fence to the stream and the ledger after attaching their
+//!   consumer, and read until it: everything confirmed before the read began comes
+//!   first. A member that does not deliver it within 15 s fails the read (naming the
+//!   stream) rather than answer short. While the stream cannot take writes (its leader
+//!   unavailable) these reads fail; `count`, unfenced, still answers from the node's
+//!   member. `just chaos` has a test of it: the leader's replication to one node
+//!   suspended while dead letters are parked, and a browse through that node.
 //! - **Cost**: each call reads the landing queue, the new part of the ledger and the
 //!   stream from its cursor; `count`, `get` and `remove` read the stream from the start.
+//!   Browse, get and remove append one fence (~100 bytes) to each stream they read.
 //! - **Existing deployments** (reliq before the stream): their quorum parking queue
 //!   `<source>.<consumer>.dlq` keeps its name, type and arguments and becomes the landing
 //!   queue, so no queue is redeclared with other arguments (a queue redeclared with

@@ -43,6 +43,9 @@ pub(crate) struct RabbitReceiver {
     closed: AtomicBool,
 }
 
+/// How long starting a receiver retries its declarations through a lost connection.
+const START_THROUGH_NODE_LOSS: Duration = Duration::from_secs(30);
+
 impl RabbitReceiver {
     /// A receiver of `sub`'s queue, consuming, with the relay that moves what the broker
     /// dead-letters into the landing queue on to the dead-letter stream.
@@ -58,7 +61,21 @@ impl RabbitReceiver {
             generation: AtomicU64::new(0),
             closed: AtomicBool::new(false),
         };
-        let live = rx.open().await?;
+        // A node lost while the topology is declared closes the connection under the
+        // declare: wait for the reconnect (to another node of the URL) and declare again,
+        // as a running receiver does, rather than fail the consumer's start.
+        let deadline = tokio::time::Instant::now() + START_THROUGH_NODE_LOSS;
+        let live = loop {
+            match rx.open().await {
+                Err(e @ BrokerError::Connection { .. })
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    tracing::warn!(queue = rx.queue(), error = %reliq_core::ErrorChain(&e), "connection lost while subscribing (a node lost?); again in 1 s");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                opened => break opened?,
+            }
+        };
         *rx.live.lock().await = Some(live);
         *rx.relay.lock().unwrap_or_else(|p| p.into_inner()) = Some(
             crate::dead_letters::spawn_relay(rx.inner.clone(), sub.clone()),

@@ -20,6 +20,12 @@
 //!   retry publishes and the tier's wait are inside the clock), and reported beside the
 //!   broker's own limit for that work — one confirmed publish and two deliveries per
 //!   message at the raw client's rates of the same run (`--only failure`: just this).
+//! - **dead-letter path** (`--only dead-letter`): a pre-filled queue/stream/topic whose
+//!   every message fails permanently, timed from the first delivery to the N-th dead
+//!   letter settled (reliq's `dead_lettered` count), against a raw loop on the same
+//!   broker doing the same broker work — consume, a confirmed publish of the message to
+//!   a second queue/stream/topic, then the ack or commit — as fast as the client safely
+//!   allows (up to the prefetch in flight; on Kafka a commit only past what is produced).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -34,10 +40,11 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use anyhow::{Context, bail, ensure};
 use futures::StreamExt;
+use futures::stream::FuturesOrdered;
 use reliq_conformance::support::unique;
 use reliq_core::{
-    Batch, BoxError, Broker, Consumer, Delivery, Destination, Message, MessageId, RetryPolicy,
-    Transient,
+    Batch, BoxError, Broker, Consumer, Delivery, Destination, Message, MessageId, Permanent,
+    RetryPolicy, Transient,
 };
 use reliq_integration::settings;
 
@@ -125,6 +132,8 @@ enum Handling {
     FailOnce,
     /// A batch handler (`start_batch`, batches of up to [`BATCH_SIZE`]) that does nothing.
     Batch,
+    /// Every message fails permanently: each is dead-lettered. Done at its settlement.
+    DeadLetter,
 }
 
 /// `batch_size` of the batch-handler runs: half the prefetch, so a second batch is
@@ -179,12 +188,14 @@ async fn reliq_consume(
                 })
                 .await?
         }
-        Handling::Each | Handling::FailOnce => {
+        Handling::Each | Handling::FailOnce | Handling::DeadLetter => {
             builder
                 .start(move |d: Delivery| {
                     seen.get_or_init(Instant::now);
                     std::hint::black_box(d.payload());
-                    let result = if handling == Handling::FailOnce && d.attempt() == 1 {
+                    let result = if handling == Handling::DeadLetter {
+                        Err(Permanent::msg("dead-letter path").into())
+                    } else if handling == Handling::FailOnce && d.attempt() == 1 {
                         Err(Transient::msg("fails once").into())
                     } else {
                         count(1);
@@ -196,13 +207,23 @@ async fn reliq_consume(
         }
     };
     let deadline = Instant::now() + Duration::from_secs(600);
-    while done.load(Ordering::Relaxed) < n as u64 {
+    loop {
+        if handling == Handling::DeadLetter {
+            // Done at the n-th settlement (the dead letter confirmed, the source acked):
+            // seen within this loop's 1 ms tick.
+            if handle.stats().dead_lettered >= n as u64 {
+                let _ = last.set(Instant::now());
+                break;
+            }
+        } else if done.load(Ordering::Relaxed) >= n as u64 {
+            break;
+        }
         ensure!(
             Instant::now() < deadline,
             "reliq consumer stalled: {:?}",
             handle.stats()
         );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let t0 = *first.get().context("no delivery")?;
     let t1 = *last.get().context("no last delivery")?;
@@ -296,12 +317,13 @@ mod raw_rabbit {
         fill(&ch, &queue, n).await
     }
 
-    pub async fn consume(n: usize) -> anyhow::Result<Rate> {
-        let (_conn, ch, queue) = channel().await?;
+    /// A queue filled with `n` messages and a consumer on it (prefetch [`PREFETCH`]).
+    async fn filled(n: usize) -> anyhow::Result<(Connection, Channel, String, lapin::Consumer)> {
+        let (conn, ch, queue) = channel().await?;
         fill(&ch, &queue, n).await?;
         ch.basic_qos(u16::try_from(PREFETCH)?, BasicQosOptions::default())
             .await?;
-        let mut consumer = ch
+        let consumer = ch
             .basic_consume(
                 queue.as_str().into(),
                 "raw".into(),
@@ -309,6 +331,11 @@ mod raw_rabbit {
                 FieldTable::default(),
             )
             .await?;
+        Ok((conn, ch, queue, consumer))
+    }
+
+    pub async fn consume(n: usize) -> anyhow::Result<Rate> {
+        let (_conn, _ch, _, mut consumer) = filled(n).await?;
         let cpu0 = cpu_time();
         let mut t0 = None;
         for _ in 0..n {
@@ -319,6 +346,110 @@ mod raw_rabbit {
         let t0 = t0.context("no delivery")?;
         Ok(Rate::since(n, t0, cpu0))
     }
+
+    /// The fastest safe consume lapin allows: each delivery handled, then acknowledged
+    /// with one `multiple` ack per 64 deliveries (and the rest at the end) instead of an
+    /// awaited ack each — the limit the runtime is measured against, beside the idiom.
+    pub async fn consume_fast(n: usize) -> anyhow::Result<Rate> {
+        let (_conn, ch, _, mut consumer) = filled(n).await?;
+        let cpu0 = cpu_time();
+        let mut t0 = None;
+        for i in 0..n {
+            let d = consumer.next().await.context("consumer ended")??;
+            t0.get_or_insert_with(Instant::now);
+            std::hint::black_box(&d.data);
+            if i % 64 == 63 || i + 1 == n {
+                ch.basic_ack(d.delivery_tag, BasicAckOptions { multiple: true })
+                    .await?;
+            }
+        }
+        let t0 = t0.context("no delivery")?;
+        Ok(Rate::since(n, t0, cpu0))
+    }
+
+    /// The dead-letter path's broker work: each message consumed, published to a second
+    /// quorum queue (persistent, mandatory, confirmed), then acked.
+    pub async fn forward(n: usize) -> anyhow::Result<Rate> {
+        let (conn, ch, queue, consumer) = filled(n).await?;
+        let dlq: Arc<str> = format!("{queue}.dlq").into();
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        ch.queue_declare(
+            (*dlq).into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await?;
+        let publisher = conn.create_channel().await?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let deliveries = consumer.map(|d| d.map_err(anyhow::Error::from));
+        forward_loop(
+            n,
+            deliveries,
+            |d: lapin::message::Delivery| {
+                let (publisher, dlq) = (publisher.clone(), dlq.clone());
+                async move {
+                    let confirm = publisher
+                        .basic_publish(
+                            "".into(),
+                            (*dlq).into(),
+                            BasicPublishOptions {
+                                mandatory: true,
+                                ..Default::default()
+                            },
+                            &d.data,
+                            d.properties.clone(),
+                        )
+                        .await?;
+                    ensure!(confirm.await?.is_ack(), "broker nacked a publish");
+                    d.ack(BasicAckOptions::default()).await?;
+                    anyhow::Ok(())
+                }
+            },
+            |()| Ok(()),
+        )
+        .await
+    }
+}
+
+/// Drive a raw forwarding loop: take the next message while fewer than [`PREFETCH`] are
+/// in flight, start its `forward` (publish, confirm, ack), and hand each finished one, in
+/// the order received, to `done`; timed from the first message to the n-th finished.
+async fn forward_loop<T, C, Fut>(
+    n: usize,
+    mut messages: impl futures::Stream<Item = anyhow::Result<T>> + Unpin,
+    mut forward: impl FnMut(T) -> Fut,
+    mut done: impl FnMut(C) -> anyhow::Result<()>,
+) -> anyhow::Result<Rate>
+where
+    Fut: Future<Output = anyhow::Result<C>>,
+{
+    let cpu0 = cpu_time();
+    let (mut received, mut finished, mut t0) = (0usize, 0usize, None);
+    let mut in_flight = FuturesOrdered::new();
+    while finished < n {
+        tokio::select! {
+            Some(r) = in_flight.next(), if !in_flight.is_empty() => {
+                done(r?)?;
+                finished += 1;
+            }
+            m = messages.next(), if received < n && in_flight.len() < PREFETCH as usize => {
+                let m = m.context("the consumer ended")??;
+                t0.get_or_insert_with(Instant::now);
+                received += 1;
+                in_flight.push_back(forward(m));
+            }
+        }
+    }
+    Ok(Rate::since(n, t0.context("no delivery")?, cpu0))
 }
 
 mod raw_nats {
@@ -357,8 +488,26 @@ mod raw_nats {
 
     pub async fn consume(n: usize) -> anyhow::Result<Rate> {
         let (js, name, _) = stream_with(n).await?;
+        let mut messages = messages_of(&js, &name).await?;
+        let cpu0 = cpu_time();
+        let mut t0 = None;
+        for _ in 0..n {
+            let m = messages.next().await.context("stream ended")??;
+            t0.get_or_insert_with(Instant::now);
+            m.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        let t0 = t0.context("no delivery")?;
+        Ok(Rate::since(n, t0, cpu0))
+    }
+
+    /// A pull consumer's messages on stream `name` (explicit acks, [`PREFETCH`] pending).
+    async fn messages_of(
+        js: &jetstream::Context,
+        name: &str,
+    ) -> anyhow::Result<impl futures::Stream<Item = anyhow::Result<jetstream::Message>> + Unpin>
+    {
         let consumer = js
-            .get_stream(&name)
+            .get_stream(name)
             .await?
             .create_consumer(pull::Config {
                 durable_name: Some("raw".into()),
@@ -367,20 +516,61 @@ mod raw_nats {
                 ..Default::default()
             })
             .await?;
-        let mut messages = consumer.messages().await?;
-        let cpu0 = cpu_time();
-        let mut t0 = None;
-        for _ in 0..n {
-            let m = messages
-                .next()
-                .await
-                .context("stream ended")?
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
-            t0.get_or_insert_with(Instant::now);
-            m.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
-        }
-        let t0 = t0.context("no delivery")?;
-        Ok(Rate::since(n, t0, cpu0))
+        Ok(consumer
+            .messages()
+            .await?
+            .map(|m| m.map_err(|e| anyhow::anyhow!("{e}"))))
+    }
+
+    /// The fastest safe consume async-nats allows with confirmed acks (reliq's NATS
+    /// default): each message handled, its `double_ack` started at once and up to the
+    /// prefetch of them awaited together instead of one after another.
+    pub async fn consume_fast(n: usize) -> anyhow::Result<Rate> {
+        let (js, name, _) = stream_with(n).await?;
+        let messages = messages_of(&js, &name).await?;
+        forward_loop(
+            n,
+            messages,
+            |m: jetstream::Message| async move {
+                std::hint::black_box(&m.payload);
+                m.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))
+            },
+            |()| Ok(()),
+        )
+        .await
+    }
+
+    /// The dead-letter path's broker work: each message consumed, published to a second
+    /// stream with its headers and a deduplication id (the server's ack awaited), then
+    /// acked with the server's confirmation (as reliq's NATS acks are).
+    pub async fn forward(n: usize) -> anyhow::Result<Rate> {
+        let (js, name, _) = stream_with(n).await?;
+        let dlq = format!("{name}-dlq");
+        js.create_stream(stream::Config {
+            name: dlq.clone(),
+            subjects: vec![dlq.clone()],
+            ..Default::default()
+        })
+        .await?;
+        let messages = messages_of(&js, &name).await?;
+        forward_loop(
+            n,
+            messages,
+            |m: jetstream::Message| {
+                let (js, dlq) = (js.clone(), dlq.clone());
+                async move {
+                    let mut headers = m.headers.clone().unwrap_or_default();
+                    headers.insert("Nats-Msg-Id", MessageId::generate().as_str());
+                    js.publish_with_headers(dlq, headers, m.payload.clone())
+                        .await?
+                        .await?;
+                    m.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                    anyhow::Ok(())
+                }
+            },
+            |()| Ok(()),
+        )
+        .await
     }
 }
 
@@ -482,12 +672,8 @@ mod raw_kafka {
         Ok(())
     }
 
-    /// Drain a topic of `n` records like reliq's (each with a message id header),
-    /// reading each payload, and each message id when `reads_id`.
-    pub async fn consume(n: usize, reads_id: bool) -> anyhow::Result<Rate> {
-        let topic = unique("bench-raw");
-        fill(&topic, n, FILL_IN_FLIGHT).await?;
-        settle_after_fill().await?;
+    /// A consumer of `topic` in a group of its own, committing by hand.
+    fn consumer_of(topic: &str) -> anyhow::Result<StreamConsumer> {
         let consumer: StreamConsumer = ClientConfig::new()
             .set("bootstrap.servers", bootstrap())
             .set("group.id", unique("bench-raw-group"))
@@ -503,7 +689,17 @@ mod raw_kafka {
             .set("fetch.error.backoff.ms", "20")
             .set("queued.max.messages.kbytes", "4096")
             .create()?;
-        consumer.subscribe(&[&topic])?;
+        consumer.subscribe(&[topic])?;
+        Ok(consumer)
+    }
+
+    /// Drain a topic of `n` records like reliq's (each with a message id header),
+    /// reading each payload, and each message id when `reads_id`.
+    pub async fn consume(n: usize, reads_id: bool) -> anyhow::Result<Rate> {
+        let topic = unique("bench-raw");
+        fill(&topic, n, FILL_IN_FLIGHT).await?;
+        settle_after_fill().await?;
+        let consumer = consumer_of(&topic)?;
         let cpu0 = cpu_time();
         let mut first = None;
         for i in 0..n {
@@ -529,6 +725,69 @@ mod raw_kafka {
         }
         let t0 = first.context("no record")?;
         Ok(Rate::since(n, t0, cpu0))
+    }
+
+    /// The dead-letter path's broker work: each record consumed, produced to a second
+    /// topic with its key and headers (acks=all, idempotent, the delivery report
+    /// awaited), and its offset committed (asynchronously, every 100 records) only once
+    /// it and every record before it are produced.
+    pub async fn forward(n: usize) -> anyhow::Result<Rate> {
+        use rdkafka::TopicPartitionList;
+        use rdkafka::message::OwnedMessage;
+        let topic = unique("bench-raw");
+        fill(&topic, n, FILL_IN_FLIGHT).await?;
+        let dlq = format!("{topic}-dlq");
+        create(&dlq).await?;
+        settle_after_fill().await?;
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap())
+            .set("acks", "all")
+            .set("enable.idempotence", "true")
+            .create()?;
+        let consumer = consumer_of(&topic)?;
+        let records = consumer
+            .stream()
+            .map(|m| m.map(|m| m.detach()).map_err(anyhow::Error::from));
+        let mut produced = TopicPartitionList::new();
+        let mut since_commit = 0;
+        let rate = forward_loop(
+            n,
+            records,
+            |m: OwnedMessage| {
+                let (producer, dlq) = (producer.clone(), dlq.clone());
+                async move {
+                    let mut record = FutureRecord::<[u8], [u8]>::to(&dlq)
+                        .payload(m.payload().unwrap_or_default());
+                    if let Some(key) = m.key() {
+                        record = record.key(key);
+                    }
+                    if let Some(headers) = m.headers() {
+                        record = record.headers(headers.clone());
+                    }
+                    producer
+                        .send(record, Duration::from_secs(30))
+                        .await
+                        .map_err(|(e, _)| anyhow::anyhow!("{e}"))?;
+                    anyhow::Ok((m.partition(), m.offset()))
+                }
+            },
+            |(partition, offset)| {
+                produced.set_partition_offset(
+                    &topic,
+                    partition,
+                    rdkafka::Offset::Offset(offset + 1),
+                )?;
+                since_commit += 1;
+                if since_commit == 100 {
+                    consumer.commit(&produced, CommitMode::Async)?;
+                    since_commit = 0;
+                }
+                Ok(())
+            },
+        )
+        .await?;
+        consumer.commit(&produced, CommitMode::Async)?;
+        Ok(rate)
     }
 }
 
@@ -586,6 +845,9 @@ struct Series {
     /// Kafka: the raw consumer that also reads each record's message id (see
     /// `raw_kafka::consume`), reported on a second line.
     raw_reading_id: Vec<Rate>,
+    /// RabbitMQ and NATS: the fastest safe raw consume (`consume_fast`), beside the
+    /// plain idiom: "vs the limit".
+    raw_limit: Vec<Rate>,
 }
 
 impl Series {
@@ -613,6 +875,18 @@ impl Series {
             reliq_cpu,
             median(&mut raw_cpu),
         );
+        if !self.raw_limit.is_empty() {
+            let mut limit = rates(&self.raw_limit);
+            let limit_median = median(&mut limit);
+            line += &format!(
+                "\n  {:<20} raw, fastest safe loop {:>9.0} msg/s ({}) | ratio of medians {:.2} | CPU {:.1} µs",
+                "",
+                limit_median,
+                range(&limit),
+                reliq_median / limit_median,
+                median(&mut cpus(&self.raw_limit)),
+            );
+        }
         if !self.raw_reading_id.is_empty() {
             let mut with_id = rates(&self.raw_reading_id);
             let with_id_median = median(&mut with_id);
@@ -635,6 +909,17 @@ async fn raw_publish(broker: &str, n: usize) -> anyhow::Result<Rate> {
         "nats" => raw_nats::publish(n).await,
         "sqs" => raw_sqs::publish(n).await,
         _ => raw_kafka::publish(n).await,
+    }
+}
+
+/// The raw client doing the dead-letter path's broker work (consume, confirmed publish
+/// to a second queue, ack).
+async fn raw_forward(broker: &str, n: usize) -> anyhow::Result<Rate> {
+    match broker {
+        "rabbit" => raw_rabbit::forward(n).await,
+        "nats" => raw_nats::forward(n).await,
+        "kafka" => raw_kafka::forward(n).await,
+        other => bail!("no raw dead-letter baseline for {other}"),
     }
 }
 
@@ -753,7 +1038,8 @@ async fn main() -> anyhow::Result<()> {
         None | Some("failure") => (true, true),
         Some("publish") => (true, false),
         Some("consume" | "batch") => (false, true),
-        Some(other) => bail!("--only publish|consume|batch|failure, not {other}"),
+        Some("dead-letter") => (false, false),
+        Some(other) => bail!("--only publish|consume|batch|failure|dead-letter, not {other}"),
     };
     let per_message = only.as_deref() != Some("batch");
     // `failure`: the failure path, beside one round of the raw client's publish and
@@ -773,6 +1059,8 @@ async fn main() -> anyhow::Result<()> {
     // growing log, a GC) weighs on both sides alike.
     let (mut publish, mut consume) = (Series::default(), Series::default());
     let mut batched = Series::default();
+    let mut dead_letter = Series::default();
+    let dead_letter_rounds = only.as_deref() == Some("dead-letter");
     for round in 0..rounds {
         if broker_name == "kafka" {
             raw_kafka::delete_bench_topics().await?;
@@ -787,6 +1075,20 @@ async fn main() -> anyhow::Result<()> {
             publish.raw.push(raw_publish(&broker_name, n).await?);
             if reliq_second {
                 publish.reliq.push(reliq_publish_fresh(&broker, n).await?);
+            }
+        }
+        if dead_letter_rounds {
+            let reliq_first = round.is_multiple_of(2);
+            if reliq_first {
+                dead_letter
+                    .reliq
+                    .push(reliq_consume(&broker, Handling::DeadLetter, n, fill).await?);
+            }
+            dead_letter.raw.push(raw_forward(&broker_name, n).await?);
+            if !reliq_first {
+                dead_letter
+                    .reliq
+                    .push(reliq_consume(&broker, Handling::DeadLetter, n, fill).await?);
             }
         }
         if do_consume {
@@ -808,6 +1110,15 @@ async fn main() -> anyhow::Result<()> {
                 consume.raw_reading_id.push(raw);
                 batched.raw_reading_id.push(raw);
             }
+            if reliq_rounds && matches!(broker_name.as_str(), "rabbit" | "nats") {
+                let raw = if broker_name == "rabbit" {
+                    raw_rabbit::consume_fast(n).await?
+                } else {
+                    raw_nats::consume_fast(n).await?
+                };
+                consume.raw_limit.push(raw);
+                batched.raw_limit.push(raw);
+            }
             if reliq_second {
                 batched
                     .reliq
@@ -825,6 +1136,9 @@ async fn main() -> anyhow::Result<()> {
     );
     if do_publish && reliq_rounds {
         println!("{}", publish.line("publish (confirmed):"));
+    }
+    if dead_letter_rounds {
+        println!("{}", dead_letter.line("dead-letter path:"));
     }
     if do_consume && reliq_rounds {
         if per_message {

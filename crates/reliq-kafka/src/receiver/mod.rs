@@ -23,7 +23,7 @@ mod token;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime};
 
@@ -40,6 +40,7 @@ use self::token::{GENERATION_MASK, MAX_CLIENTS, TokenInfo};
 use crate::broker::Inner;
 use crate::error::KafkaError;
 use crate::fetch::Fetched;
+use crate::lock;
 use crate::names::relay_group;
 use crate::options::RetryMode;
 use crate::relay::stale_tiers;
@@ -236,11 +237,6 @@ struct Inbound {
 pub(crate) struct KafkaReceiver {
     shared: Arc<Shared>,
     threads: Mutex<Vec<JoinHandle<()>>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Critical sections leave the state consistent; a poisoned lock is usable.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl KafkaReceiver {

@@ -118,13 +118,27 @@ impl Shared {
         lost: bool,
     ) {
         let revoked: Vec<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
+        // librdkafka keeps a partition's pause across a rebalance: paused here (flow
+        // control, a relay's hold, a blocking retry) and assigned to this consumer
+        // again, it would stay paused while its new `Part` says it is not — fetching
+        // nothing for good (a chaos run stalled so after a lost assignment). Resumed
+        // while still assigned; a new owner starts from the commit either way.
+        let mut paused = TopicPartitionList::new();
         {
             let mut s = lock(&self.state);
             for p in &revoked {
                 if let Some(part) = s.parts.get_mut(&(client, *p)) {
                     part.revoking = true;
+                    if part.paused {
+                        paused.add_partition(&self.clients[client].topic, *p);
+                    }
                 }
             }
+        }
+        if paused.count() > 0
+            && let Err(e) = consumer.resume(&paused)
+        {
+            tracing::warn!(error = %e, partitions = paused.count(), "resuming paused partitions on revoke failed; they may stay paused if assigned here again");
         }
         self.rebalances.fetch_add(1, Ordering::Release);
         let crashed = self.crashed.load(Ordering::SeqCst);
