@@ -748,7 +748,16 @@ mod raw_kafka {
         let records = consumer
             .stream()
             .map(|m| m.map(|m| m.detach()).map_err(anyhow::Error::from));
-        let mut produced = TopicPartitionList::new();
+        // Per partition, the offset after the last record produced in order.
+        let mut produced = std::collections::BTreeMap::<i32, i64>::new();
+        let commit = |produced: &std::collections::BTreeMap<i32, i64>| -> anyhow::Result<()> {
+            let mut tpl = TopicPartitionList::new();
+            for (partition, next) in produced {
+                tpl.add_partition_offset(&topic, *partition, rdkafka::Offset::Offset(*next))?;
+            }
+            consumer.commit(&tpl, CommitMode::Async)?;
+            Ok(())
+        };
         let mut since_commit = 0;
         let rate = forward_loop(
             n,
@@ -772,21 +781,17 @@ mod raw_kafka {
                 }
             },
             |(partition, offset)| {
-                produced.set_partition_offset(
-                    &topic,
-                    partition,
-                    rdkafka::Offset::Offset(offset + 1),
-                )?;
+                produced.insert(partition, offset + 1);
                 since_commit += 1;
                 if since_commit == 100 {
-                    consumer.commit(&produced, CommitMode::Async)?;
+                    commit(&produced)?;
                     since_commit = 0;
                 }
                 Ok(())
             },
         )
         .await?;
-        consumer.commit(&produced, CommitMode::Async)?;
+        commit(&produced)?;
         Ok(rate)
     }
 }
