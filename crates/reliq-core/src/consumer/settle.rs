@@ -371,7 +371,7 @@ impl<H> Shared<H> {
             return;
         }
         let wait = self.backoff.failed();
-        tracing::error!(operation = op.as_str(), error = %crate::ErrorChain(e), release_delay = ?wait,
+        tracing::error!(operation = op.as_str(), id = %d.id(), attempt = d.attempt(), error = %crate::ErrorChain(e), release_delay = ?wait,
             "settlement failed; the source message is released, not acknowledged");
         self.release(d, wait).await;
     }
