@@ -880,28 +880,23 @@ impl Series {
             reliq_cpu,
             median(&mut raw_cpu),
         );
-        if !self.raw_limit.is_empty() {
-            let mut limit = rates(&self.raw_limit);
-            let limit_median = median(&mut limit);
+        // The second raw consumers, each beside the same reliq median.
+        for (what, side) in [
+            ("raw, fastest safe loop", &self.raw_limit),
+            ("raw reading the id", &self.raw_reading_id),
+        ] {
+            if side.is_empty() {
+                continue;
+            }
+            let mut other = rates(side);
+            let other_median = median(&mut other);
             line += &format!(
-                "\n  {:<20} raw, fastest safe loop {:>9.0} msg/s ({}) | ratio of medians {:.2} | CPU {:.1} µs",
+                "\n  {:<20} {what} {:>9.0} msg/s ({}) | ratio of medians {:.2} | CPU {:.1} µs",
                 "",
-                limit_median,
-                range(&limit),
-                reliq_median / limit_median,
-                median(&mut cpus(&self.raw_limit)),
-            );
-        }
-        if !self.raw_reading_id.is_empty() {
-            let mut with_id = rates(&self.raw_reading_id);
-            let with_id_median = median(&mut with_id);
-            line += &format!(
-                "\n  {:<20} raw reading the id {:>9.0} msg/s ({}) | ratio of medians {:.2} | CPU {:.1} µs",
-                "",
-                with_id_median,
-                range(&with_id),
-                reliq_median / with_id_median,
-                median(&mut cpus(&self.raw_reading_id)),
+                other_median,
+                range(&other),
+                reliq_median / other_median,
+                median(&mut cpus(side)),
             );
         }
         line
