@@ -99,11 +99,11 @@ async fn replays_at_the_rate(backend: &str) -> anyhow::Result<()> {
     ensure!(done == n as u64, "{outcome}");
     ensure!(
         achieved >= 0.9 * f64::from(rate),
-        "achieved {achieved:.0}/s, asked {rate}/s"
+        "achieved {achieved:.0}/s, asked {rate}/s: {outcome}\n{err}"
     );
     ensure!(
         achieved <= 1.1 * f64::from(rate),
-        "achieved {achieved:.0}/s, over the {rate}/s asked"
+        "achieved {achieved:.0}/s, over the {rate}/s asked: {outcome}"
     );
     all_handled_once(&effects, &ids, &url, &name, &source).await?;
     handle.shutdown().await;

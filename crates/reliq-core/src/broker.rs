@@ -70,6 +70,11 @@ pub enum BrokerError {
     /// receiver that owns it.
     #[error("the delivery was handed out by another receiver; settle it on its own")]
     ForeignDelivery,
+    /// This receiver no longer holds the delivery (the channel it came on closed, its
+    /// lease ended, its partition was revoked): nothing was settled, and the broker
+    /// delivers it again. The runtime stops settling it and does not release it.
+    #[error("the delivery is no longer held by this receiver: {0}")]
+    NotHeld(String),
     /// The backend cannot do this.
     #[error("not supported by the {backend} backend: {what}")]
     Unsupported {
@@ -129,6 +134,7 @@ impl BrokerError {
             Self::Connection { .. } => "connection",
             Self::Closed => "closed",
             Self::ForeignDelivery => "foreign_delivery",
+            Self::NotHeld(_) => "not_held",
             Self::Unsupported { .. } => "unsupported",
             Self::Config { .. } => "config",
             Self::Other(_) => "other",
@@ -140,9 +146,11 @@ impl BrokerError {
         use crate::ErrorClass::{Permanent, Transient};
         match self {
             // Nothing was delivered: another try may reach a broker that is back.
-            Self::Timeout(_) | Self::Connection { .. } | Self::Closed | Self::Rejected { .. } => {
-                Some(Transient)
-            }
+            Self::Timeout(_)
+            | Self::Connection { .. }
+            | Self::Closed
+            | Self::Rejected { .. }
+            | Self::NotHeld(_) => Some(Transient),
             // No retry changes a missing route, a setting or a backend's abilities.
             Self::Unroutable(_)
             | Self::Config { .. }

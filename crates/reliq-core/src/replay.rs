@@ -370,10 +370,12 @@ impl Replay {
     /// removed before the error is returned, so nothing confirmed stays behind.
     async fn replay_matching(&self, dlq: &dyn DeadLetters) -> Result<ReplayReport, BrokerError> {
         let sub = &self.subscription;
-        // A burst of 1/100 of the rate (10 ms of it): paced evenly, yet reachable when
-        // the timer wakes the publishing lanes a millisecond late.
+        // A burst of 1/10 of the rate (100 ms of it): paced, yet a run held up for less
+        // than that (a slow confirm, the remover's batch on the same connection, a
+        // timer waking the lanes late) catches up rather than falling below the rate
+        // for good; it adds at most 100 ms of copies to any window.
         let limiter = self.per_second.map(|n| {
-            let burst = NonZeroU32::new(n.get() / 100).unwrap_or(NonZeroU32::MIN);
+            let burst = NonZeroU32::new(n.get() / 10).unwrap_or(NonZeroU32::MIN);
             RateLimiter::direct(Quota::per_second(n).allow_burst(burst))
         });
         let clock = Clock::new();

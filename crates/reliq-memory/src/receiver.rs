@@ -63,7 +63,7 @@ impl MemoryReceiver {
 
     fn take(&self, s: &mut QueueState, tag: u64) -> Result<Unacked, BrokerError> {
         let u = s.unacked.remove(&tag).ok_or_else(|| {
-            BrokerError::rejected(format!(
+            BrokerError::NotHeld(format!(
                 "delivery {tag} on `{}` is unknown or already settled (lease expired?)",
                 self.queue.name
             ))
@@ -288,8 +288,8 @@ impl Receiver for MemoryReceiver {
         {
             let s = self.queue.lock();
             if !s.unacked.contains_key(&self.tag(delivery)?) {
-                return Err(BrokerError::rejected(
-                    "delivery is unknown or already settled",
+                return Err(BrokerError::NotHeld(
+                    "delivery is unknown or already settled (its lease ended?)".into(),
                 ));
             }
         }

@@ -178,8 +178,8 @@ impl RabbitReceiver {
             {
                 Ok(ch.clone())
             }
-            _ => Err(BrokerError::connection(
-                "the channel this delivery came on is closed; RabbitMQ delivers it again",
+            _ => Err(BrokerError::NotHeld(
+                "the channel this delivery came on is closed; RabbitMQ delivers it again".into(),
             )),
         }
     }

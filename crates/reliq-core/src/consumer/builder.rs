@@ -202,7 +202,9 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Back-off bounds after a failed settlement (default 100 ms doubling to 10 s).
+    /// Back-off bounds after a failed settlement (default 100 ms doubling to 10 s): how
+    /// long a held delivery waits before its retry or dead-letter copy is sent again, and
+    /// how long a released one waits before it comes back.
     pub fn settle_backoff(mut self, initial: Duration, max: Duration) -> Self {
         self.settle_backoff = (initial, max);
         self

@@ -4,9 +4,12 @@
 //!
 //! Guarantees:
 //! - The source delivery is settled only after the retry or dead-letter copy was
-//!   confirmed by the broker. If that publish fails, the delivery is *released* (the
-//!   broker delivers it again later) and the receive loop backs off — a message is never
-//!   dropped and never just logged.
+//!   confirmed by the broker. If that publish fails (the DLQ or retry route down, a node
+//!   lost), the delivery is *held* — still leased, its handler not called again, no
+//!   attempt spent — and the copy sent again after the settle back-off, until it is
+//!   confirmed; a hard stop releases it (the broker delivers it again later). A delivery
+//!   the receiver no longer holds (its channel closed, its partition revoked) is left to
+//!   the broker's redelivery. A message is never dropped and never just logged.
 //! - At most `max_in_flight` deliveries are held (received, not yet settled); the broker
 //!   is asked for the same prefetch bound. At most `concurrency` handlers run at once.
 //! - With [`DeliveryOrder::PerKey`], deliveries with the same key are handled one after the

@@ -10,6 +10,7 @@ use crate::inbox::{Claim, Duplicate};
 use crate::retry::{Decision, Failure};
 use crate::telemetry::SettleOp;
 use futures::FutureExt;
+use futures::future::BoxFuture;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
@@ -261,40 +262,35 @@ impl<H> Shared<H> {
                 tier,
                 next_attempt,
             } => {
-                let mut copy = d.message().clone();
-                let h = copy.headers_mut();
-                h.insert(headers::ATTEMPT, next_attempt.to_string());
-                h.insert(
-                    headers::FIRST_FAILURE_AT,
-                    headers::format_time(first_failure),
-                );
-                h.insert(headers::LAST_FAILURE_AT, headers::format_time(now));
-                h.insert(headers::LAST_ERROR, headers::sanitize_error(&text));
-                h.insert(headers::ERROR_CLASS, class.as_str());
-                tracing::info!(class = %class, error = %text, ?delay, next_attempt, "retrying");
-                let request = RetryRequest {
-                    message: copy,
-                    delay,
-                    tier,
+                let request = || {
+                    let mut copy = d.message().clone();
+                    let h = copy.headers_mut();
+                    h.insert(headers::ATTEMPT, next_attempt.to_string());
+                    h.insert(
+                        headers::FIRST_FAILURE_AT,
+                        headers::format_time(first_failure),
+                    );
+                    h.insert(headers::LAST_FAILURE_AT, headers::format_time(now));
+                    h.insert(headers::LAST_ERROR, headers::sanitize_error(&text));
+                    h.insert(headers::ERROR_CLASS, class.as_str());
+                    RetryRequest {
+                        message: copy,
+                        delay,
+                        tier,
+                    }
                 };
+                tracing::info!(class = %class, error = %text, ?delay, next_attempt, "retrying");
                 process.record("reliq.decision", "retry");
                 let span = self.settle_span("retry");
                 span.record("messaging.message.id", d.id().as_str());
-                match self
-                    .receiver
-                    .retry(d, request)
-                    .instrument(span.clone())
-                    .await
-                {
-                    Ok(()) => {
-                        self.backoff.succeeded();
-                        Stats::bump(&self.stats.retried);
-                        self.metrics.retried(class).increment(1);
-                    }
-                    Err(e) => {
-                        span.record("error.type", e.kind());
-                        self.settle_failed(d, SettleOp::Retry, &e).await
-                    }
+                let sent = self
+                    .until_confirmed(d, SettleOp::Retry, &span, || {
+                        self.receiver.retry(d, request())
+                    })
+                    .await;
+                if sent {
+                    Stats::bump(&self.stats.retried);
+                    self.metrics.retried(class).increment(1);
                 }
             }
             Decision::DeadLetter(reason) => {
@@ -308,28 +304,24 @@ impl<H> Shared<H> {
                     consumer: self.name.to_string(),
                     origin: d.origin().clone(),
                 };
-                let mut copy = d.message().clone();
-                record.write(copy.headers_mut());
+                let dead = || {
+                    let mut copy = d.message().clone();
+                    record.write(copy.headers_mut());
+                    copy
+                };
                 tracing::warn!(%reason, class = %class, error = %text, "dead-lettering");
                 process.record("reliq.decision", "dead_letter");
                 process.record("reliq.dead_letter.reason", reason.as_str());
                 let span = self.settle_span("dead_letter");
                 span.record("messaging.message.id", d.id().as_str());
-                match self
-                    .receiver
-                    .dead_letter(d, copy)
-                    .instrument(span.clone())
-                    .await
-                {
-                    Ok(()) => {
-                        self.backoff.succeeded();
-                        Stats::bump(&self.stats.dead_lettered);
-                        self.metrics.dead_lettered(reason).increment(1);
-                    }
-                    Err(e) => {
-                        span.record("error.type", e.kind());
-                        self.settle_failed(d, SettleOp::DeadLetter, &e).await
-                    }
+                let sent = self
+                    .until_confirmed(d, SettleOp::DeadLetter, &span, || {
+                        self.receiver.dead_letter(d, dead())
+                    })
+                    .await;
+                if sent {
+                    Stats::bump(&self.stats.dead_lettered);
+                    self.metrics.dead_lettered(reason).increment(1);
                 }
             }
             Decision::Discard(reason) => {
@@ -361,19 +353,75 @@ impl<H> Shared<H> {
         tracing::warn!(error = %crate::ErrorChain(e), id, "ack failed; the message may be delivered again");
     }
 
-    pub(super) async fn settle_failed(&self, d: &Delivery, op: SettleOp, e: &BrokerError) {
-        Stats::bump(&self.stats.settle_failures);
-        self.metrics.settle_failures[op as usize].increment(1);
-        if let BrokerError::ForeignDelivery = e {
-            // Not a broker failure: nothing to back off from, and releasing on this
-            // receiver would be refused the same way. The owner's lease returns it.
-            tracing::error!(operation = op.as_str(), id = %d.id(), "a delivery of another receiver reached this consumer; left to its owner");
-            return;
+    /// Send a retry or dead-letter copy (`send`: the receiver's `retry` / `dead_letter`)
+    /// until the broker confirms it. The policy has decided; a copy the broker did not
+    /// confirm (the DLQ or retry route unavailable, a node lost) is sent again after the
+    /// settle back-off with the delivery *held* — still leased (the backends renew a
+    /// lease until the delivery is settled), its handler not called again. Releasing it
+    /// instead would run the handler once more per try and, where every delivery counts
+    /// as an attempt (NATS), spend the message's attempts on the outage: a message
+    /// decided `permanent` could end parked as `exhausted`.
+    ///
+    /// Stops without a copy when the receiver no longer holds the delivery (the broker
+    /// delivers it again), when the backend cannot ever send it (released), and at a
+    /// hard stop (released). True: confirmed and settled.
+    async fn until_confirmed<'a, F>(
+        &self,
+        d: &Delivery,
+        op: SettleOp,
+        span: &tracing::Span,
+        mut send: F,
+    ) -> bool
+    where
+        F: FnMut() -> BoxFuture<'a, Result<(), BrokerError>>,
+    {
+        loop {
+            let Err(e) = send().instrument(span.clone()).await else {
+                self.backoff.succeeded();
+                return true;
+            };
+            span.record("error.type", e.kind());
+            Stats::bump(&self.stats.settle_failures);
+            self.metrics.settle_failures[op as usize].increment(1);
+            let (op_name, id, attempt) = (op.as_str(), d.id(), d.attempt());
+            match &e {
+                BrokerError::ForeignDelivery => {
+                    // Not a broker failure: releasing on this receiver would be refused
+                    // the same way. The owner's lease returns it.
+                    tracing::error!(operation = op_name, %id, "a delivery of another receiver reached this consumer; left to its owner");
+                    return false;
+                }
+                BrokerError::NotHeld(_) => {
+                    tracing::warn!(operation = op_name, %id, attempt, error = %crate::ErrorChain(&e),
+                        "settlement failed; the delivery is no longer held here and the broker delivers it again");
+                    return false;
+                }
+                BrokerError::Closed
+                | BrokerError::Unsupported { .. }
+                | BrokerError::Config { .. } => {
+                    // No later try can succeed on this receiver.
+                    let wait = self.backoff.failed();
+                    tracing::error!(operation = op_name, %id, attempt, error = %crate::ErrorChain(&e), release_delay = ?wait,
+                        "settlement failed; the source message is released, not acknowledged");
+                    self.release(d, wait).await;
+                    return false;
+                }
+                _ => {}
+            }
+            let wait = self.backoff.failed();
+            tracing::error!(operation = op_name, %id, attempt, error = %crate::ErrorChain(&e), retry_in = ?wait,
+                "settlement failed; the delivery is held and its copy sent again");
+            if self
+                .hard_stop
+                .unless_fired(tokio::time::sleep(wait))
+                .await
+                .is_none()
+            {
+                tracing::warn!(operation = op_name, %id, "stopping: the held delivery is released unsettled");
+                self.release(d, Duration::ZERO).await;
+                return false;
+            }
         }
-        let wait = self.backoff.failed();
-        tracing::error!(operation = op.as_str(), id = %d.id(), attempt = d.attempt(), error = %crate::ErrorChain(e), release_delay = ?wait,
-            "settlement failed; the source message is released, not acknowledged");
-        self.release(d, wait).await;
     }
 
     pub(super) async fn release(&self, d: &Delivery, delay: Duration) {

@@ -236,3 +236,51 @@ async fn shutdown_releases_what_a_cut_short_receive_took() {
         "released at shutdown, not left leased"
     );
 }
+
+/// A dead letter the DLQ refuses is held and its copy sent again — not released, the
+/// handler not called again — until the receiver no longer holds it (here: its lease
+/// ended on the embedded broker, which does not renew leases) or a hard stop releases it.
+#[tokio::test(start_paused = true)]
+async fn a_refused_dead_letter_is_held_until_no_longer_held_or_stopped() {
+    use reliq_core::Broker;
+    let broker = Arc::new(MemoryBroker::new());
+    let calls = Arc::new(AtomicU32::new(0));
+    let builder = Consumer::builder(broker.clone(), "held")
+        .subscribe("t")
+        .lease(secs(5))
+        .settle_backoff(Duration::from_millis(100), secs(1))
+        .shutdown_timeout(secs(2));
+    let sub = builder.subscription().unwrap();
+    drop(broker.subscribe(&sub).await.unwrap());
+    broker.faults().set_dead_letter_available("held", false);
+    let c = calls.clone();
+    let h = builder
+        .start(move |_d: Delivery| {
+            c.fetch_add(1, Ordering::SeqCst);
+            async { Err::<(), BoxError>(reliq_core::Permanent::msg("bad order").into()) }
+        })
+        .await
+        .unwrap();
+    broker
+        .publish(&Destination::new("t"), Message::new("order"))
+        .await
+        .unwrap();
+    // Held for its whole lease: copies sent again, the handler not called again.
+    tokio::time::sleep(secs(4)).await;
+    let s = h.stats();
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "{s:?}");
+    assert!(s.settle_failures >= 4, "{s:?}");
+    assert_eq!((s.released, s.dead_lettered), (0, 0), "{s:?}");
+    assert_eq!(broker.depth(&sub), (0, 1), "held, leased");
+    // The lease ends: the broker hands it out again, and the first holder lets go
+    // rather than dead-letter a delivery it no longer holds.
+    wait_for("handled again after the lease", || {
+        calls.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    // Stopping releases the delivery held now; the DLQ never got a copy.
+    let s = h.shutdown().await.stats;
+    assert_eq!((s.released, s.dead_lettered), (1, 0), "{s:?}");
+    assert_eq!(broker.depth(&sub), (1, 0), "released at the stop");
+    assert_eq!(broker.dead_letter_depth(&sub), 0);
+}

@@ -42,6 +42,7 @@ impl Shared {
         {
             return self.retry_in_place(delivery, info, retry);
         }
+        self.still_held(delivery)?;
         let tiers = &self.sub.retry_tiers;
         let delay = tiers
             .get(retry.tier)
@@ -68,6 +69,7 @@ impl Shared {
         dead: Message,
     ) -> Result<(), BrokerError> {
         delivery.token().check(self.owner)?;
+        self.still_held(delivery)?;
         let topic = self.sub.dead_letter_name();
         route_produce(&self.inner, &topic, &dead, &[]).await?;
         self.finish(delivery);
@@ -106,6 +108,23 @@ impl Shared {
     }
 
     /// Settle: the record is done (acked, retried or dead-lettered).
+    /// A copy is produced only for a record whose partition this receiver still owns:
+    /// after a revoke its new owner delivers it again, and a copy made here as well
+    /// would be a second one. (The runtime sends a copy again while a retry or DLQ topic
+    /// is unavailable; the partition can move meanwhile.)
+    fn still_held(&self, d: &Delivery) -> Result<(), BrokerError> {
+        let Some(info) = TokenInfo::of(d) else {
+            return Err(BrokerError::ForeignDelivery);
+        };
+        match lock(&self.state).parts.get(&(info.client, info.partition)) {
+            Some(part) if part.generation == info.generation => Ok(()),
+            _ => Err(BrokerError::NotHeld(format!(
+                "partition {} was revoked; its new owner delivers offset {}",
+                info.partition, info.offset
+            ))),
+        }
+    }
+
     fn finish(&self, d: &Delivery) {
         self.finish_locked(&mut lock(&self.state), d);
     }
