@@ -255,27 +255,30 @@ async fn dlq_outage(backend: Backend, topic: &str, t0: Instant) -> anyhow::Resul
                     .map(|h| format!("nats://{h}").parse())
                     .collect::<Result<_, _>>()?;
             let js = async_nats::jetstream::new(async_nats::connect(servers).await?);
-            let mut stream = js.get_stream(&name).await?;
             // A cap of 0 means no cap: wait until something is parked.
-            let held = loop {
-                let held = stream.info().await?.state.messages;
-                if held > 0 {
-                    break held;
+            let (held, open) = loop {
+                // Getting a stream reads its info (`STREAM.INFO`).
+                let info = through_election("DLQ stream info", || async {
+                    let stream = js.get_stream(&name).await?;
+                    anyhow::Ok(stream.cached_info().clone())
+                })
+                .await?;
+                if info.state.messages > 0 {
+                    break (info.state.messages, info.config);
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             };
-            let open = stream.cached_info().config.clone();
             let capped = async_nats::jetstream::stream::Config {
                 max_messages: i64::try_from(held)?,
                 discard: async_nats::jetstream::stream::DiscardPolicy::New,
                 ..open.clone()
             };
-            js.update_stream(&capped).await?;
+            through_election("capping the DLQ stream", || js.update_stream(&capped)).await?;
             let blocked = t0.elapsed();
             let start = count().await;
             tokio::time::sleep(DLQ_OUTAGE).await;
             let end = count().await;
-            js.update_stream(&open).await?;
+            through_election("uncapping the DLQ stream", || js.update_stream(&open)).await?;
             (
                 format!("stream {name}"),
                 format!(
@@ -329,6 +332,28 @@ async fn dlq_outage(backend: Backend, topic: &str, t0: Instant) -> anyhow::Resul
 /// node, through the first node that answers; that node's name. The suspension is held
 /// by a process spawned there (a suspension ends with the process that made it), which
 /// resumes the writer when the time is up, whatever happens to this test.
+/// A JetStream API call, tried again while it fails for up to 30 s: the injector runs
+/// beside the node loss, and until a new meta leader is elected JetStream API requests
+/// time out. (The calls here are idempotent: setting a stream's config twice is once.)
+async fn through_election<T, E, F, Fut>(what: &str, mut call: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+    E: Into<anyhow::Error>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match call().await {
+            Ok(v) => return Ok(v),
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("{what}: {}; trying again", e.into());
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => return Err(e.into().context(format!("{what} (tried for 30 s)"))),
+        }
+    }
+}
+
 async fn suspend_rabbit_stream_writer(stream: &str, outage: Duration) -> anyhow::Result<String> {
     // The writer the queue record names may be on a node just killed (its leader
     // moving): refused at once (`not_running`), and asked again until a live one is
