@@ -821,9 +821,11 @@ async fn check(
         .keys()
         .filter(|id| !dlq.contains_key(*id))
         .collect();
+    // With the reasons they were parked for (a valid order parked `max-deliveries` was
+    // delivered more often than the broker's delivery limit).
     let unexpected: Vec<_> = dlq
-        .keys()
-        .filter(|id| !expected.dead.contains_key(*id))
+        .iter()
+        .filter(|(id, _)| !expected.dead.contains_key(*id))
         .collect();
     ensure!(
         missing.is_empty() && unexpected.is_empty(),
