@@ -71,8 +71,12 @@ pub async fn dead_letter_unavailable_source_kept_nothing_lost(
     let sub = ctx.subscription("c");
     let calls = Arc::new(AtomicU32::new(0));
     let c = calls.clone();
+    // The lease crash scenarios use: short where the broker hands a delivery out again
+    // when its lease runs out (NATS, SQS), so the outage below outlasts it.
+    let lease = b.crash_lease();
     let h = ctx
         .consumer("c")
+        .lease(lease)
         .start(move |_d: Delivery| {
             let c = c.clone();
             async move {
@@ -90,6 +94,11 @@ pub async fn dead_letter_unavailable_source_kept_nothing_lost(
         h.stats().settle_failures >= 2
     })
     .await?;
+    // Held past two leases where leases run out: kept leased meanwhile, not handed out
+    // again (the handler count below).
+    if lease <= Duration::from_secs(5) {
+        tokio::time::sleep(lease * 2).await;
+    }
     let s = h.stats();
     ensure!(
         s.dead_lettered == 0 && s.processed == 0 && s.released == 0,

@@ -87,6 +87,20 @@ impl SqsToken {
     }
 
     /// Stop the extender and wait for a renewal in progress.
+    /// Settle with `op` under the lease's lock (no renewal runs meanwhile, none follows a
+    /// settlement with a stale receipt); renewals stop only if `op` succeeded. A retry or
+    /// dead-letter that failed leaves the delivery leased: the runtime holds it and tries
+    /// again (a stopped renewal would let SQS hand it out again meanwhile).
+    async fn settle_leased(
+        &self,
+        op: impl std::future::Future<Output = Result<(), BrokerError>>,
+    ) -> Result<(), BrokerError> {
+        let _guard = self.lease.lock.lock().await;
+        op.await?;
+        self.lease.settled.cancel();
+        Ok(())
+    }
+
     async fn stop_extending(&self) -> tokio::sync::MutexGuard<'_, ()> {
         self.lease.settled.cancel();
         self.lease.lock.lock().await
@@ -579,10 +593,11 @@ impl Receiver for SqsReceiver {
                 "retry route broken (fault injection)",
             ));
         }
-        let _guard = t.stop_extending().await;
-        self.shared
-            .change_visibility_all(t, whole_seconds(retry.delay))
-            .await?;
+        t.settle_leased(
+            self.shared
+                .change_visibility_all(t, whole_seconds(retry.delay)),
+        )
+        .await?;
         t.finish();
         self.shared.group_returned(t).await;
         Ok(())
@@ -605,8 +620,7 @@ impl Receiver for SqsReceiver {
                 &format!("{}-dlq-{}", dead.id(), unique_suffix()),
             )
             .await?;
-        let _guard = t.stop_extending().await;
-        self.shared.delete_all(t).await?;
+        t.settle_leased(self.shared.delete_all(t)).await?;
         t.finish();
         self.shared.group_done(t);
         Ok(())

@@ -8,7 +8,8 @@ use crate::batch::{Batch, BatchError, Failed};
 use crate::broker::{BrokerError, Delivery};
 use crate::classify::BoxError;
 use crate::telemetry::TraceParent;
-use futures::stream::{FuturesUnordered, StreamExt as _};
+use futures::stream::StreamExt as _;
+use futures_buffered::FuturesUnorderedBounded;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::Arc;
@@ -227,13 +228,14 @@ pub(super) fn spawn_group<F, Fut>(
 {
     let shared = shared.clone();
     shared.tracker.clone().spawn(async move {
-        // Built here, not by the receive loop: each delivery's task node is allocated
-        // and freed on the thread that runs the group, and the receive loop — the
-        // serial stage — only hands the deliveries over.
-        let mut running: FuturesUnordered<_> = group
-            .into_iter()
-            .map(|delivery| handle_one(shared.clone(), delivery))
-            .collect();
+        // Built here, not by the receive loop: the group's slots are allocated and freed
+        // on the thread that runs it, and the receive loop — the serial stage — only
+        // hands the deliveries over. One allocation for the whole group's futures (a
+        // `FuturesUnordered` allocates a task node per future: one per message).
+        let mut running = FuturesUnorderedBounded::new(group.len());
+        for delivery in group {
+            running.push(handle_one(shared.clone(), delivery));
+        }
         let mut handled = Vec::new();
         loop {
             let mut settled = 0;
