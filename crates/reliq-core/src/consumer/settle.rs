@@ -281,12 +281,8 @@ impl<H> Shared<H> {
                 };
                 tracing::info!(class = %class, error = %text, ?delay, next_attempt, "retrying");
                 process.record("reliq.decision", "retry");
-                let span = self.settle_span("retry");
-                span.record("messaging.message.id", d.id().as_str());
                 let sent = self
-                    .until_confirmed(d, SettleOp::Retry, &span, || {
-                        self.receiver.retry(d, request())
-                    })
+                    .until_confirmed(d, SettleOp::Retry, || self.receiver.retry(d, request()))
                     .await;
                 if sent {
                     Stats::bump(&self.stats.retried);
@@ -312,10 +308,8 @@ impl<H> Shared<H> {
                 tracing::warn!(%reason, class = %class, error = %text, "dead-lettering");
                 process.record("reliq.decision", "dead_letter");
                 process.record("reliq.dead_letter.reason", reason.as_str());
-                let span = self.settle_span("dead_letter");
-                span.record("messaging.message.id", d.id().as_str());
                 let sent = self
-                    .until_confirmed(d, SettleOp::DeadLetter, &span, || {
+                    .until_confirmed(d, SettleOp::DeadLetter, || {
                         self.receiver.dead_letter(d, dead())
                     })
                     .await;
@@ -364,17 +358,14 @@ impl<H> Shared<H> {
     ///
     /// Stops without a copy when the receiver no longer holds the delivery (the broker
     /// delivers it again), when the backend cannot ever send it (released), and at a
-    /// hard stop (released). True: confirmed and settled.
-    async fn until_confirmed<'a, F>(
-        &self,
-        d: &Delivery,
-        op: SettleOp,
-        span: &tracing::Span,
-        mut send: F,
-    ) -> bool
+    /// hard stop (released). True: confirmed and settled. Each try runs in the
+    /// operation's settle span.
+    async fn until_confirmed<'a, F>(&self, d: &Delivery, op: SettleOp, mut send: F) -> bool
     where
         F: FnMut() -> BoxFuture<'a, Result<(), BrokerError>>,
     {
+        let span = &self.settle_span(op.as_str());
+        span.record("messaging.message.id", d.id().as_str());
         loop {
             let Err(e) = send().instrument(span.clone()).await else {
                 self.backoff.succeeded();
