@@ -429,6 +429,8 @@ pub trait RawMessage: Send + Sync + 'static {
 enum Body {
     Decoded(Message),
     Raw(Box<dyn RawMessage>),
+    /// A recycled delivery waiting in its [`DeliveryPool`]: never seen outside it.
+    Vacant,
 }
 
 struct DeliveryInner {
@@ -438,12 +440,122 @@ struct DeliveryInner {
     origin: Origin,
     token: DeliveryToken,
     published_at: Option<std::time::SystemTime>,
+    /// Where the allocation goes when the last clone drops (pooled deliveries only).
+    pool: Option<DeliveryPool>,
 }
 
 /// One delivery of a message to a consumer: the message, its attempt number, where it
 /// came from, and the backend's settlement token. Cheap to clone (shared).
 #[derive(Clone)]
 pub struct Delivery(Arc<DeliveryInner>);
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        if self.0.pool.is_none() {
+            return;
+        }
+        // Only the last clone recycles (`get_mut` is `None` while another exists).
+        let Some(inner) = Arc::get_mut(&mut self.0) else {
+            return;
+        };
+        let Some(pool) = inner.pool.take() else {
+            return;
+        };
+        // The message's memory goes now, not when the slot is reused; the pool holds
+        // empty slots only (and, without `pool`, no reference back to itself).
+        inner.body = Body::Vacant;
+        inner.token.extra = None;
+        inner.origin.route = None;
+        pool.put(Arc::clone(&self.0));
+    }
+}
+
+/// Recycles the allocations of one receiver's deliveries, so that a steady stream of
+/// them allocates nothing: a delivery made by [`DeliveryPool::delivery`] returns to the
+/// pool, emptied of its message, when its last clone drops, and the next one reuses it.
+/// Holds at most `capacity` free slots (about the receiver's prefetch; more are freed).
+#[derive(Clone)]
+pub struct DeliveryPool(Arc<PoolShared>);
+
+struct PoolShared {
+    free: std::sync::Mutex<Vec<Arc<DeliveryInner>>>,
+    capacity: usize,
+}
+
+impl fmt::Debug for DeliveryPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeliveryPool")
+            .field("capacity", &self.0.capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DeliveryPool {
+    /// A pool keeping up to `capacity` free delivery slots.
+    pub fn new(capacity: usize) -> Self {
+        Self(Arc::new(PoolShared {
+            free: std::sync::Mutex::new(Vec::with_capacity(capacity)),
+            capacity,
+        }))
+    }
+
+    /// [`Delivery::new`] in a recycled slot when one is free.
+    pub fn delivery(
+        &self,
+        message: Message,
+        attempt: u32,
+        origin: Origin,
+        token: DeliveryToken,
+    ) -> Delivery {
+        let fields = DeliveryInner {
+            body: Body::Decoded(message),
+            attempt: std::sync::OnceLock::from(attempt.max(1)),
+            origin,
+            token,
+            published_at: None,
+            pool: Some(self.clone()),
+        };
+        let recycled = self.lock().pop();
+        match recycled {
+            Some(mut slot) => match Arc::get_mut(&mut slot) {
+                Some(vacant) => {
+                    *vacant = fields;
+                    Delivery(slot)
+                }
+                None => Delivery(Arc::new(fields)),
+            },
+            None => Delivery(Arc::new(fields)),
+        }
+    }
+
+    /// Free slots held now.
+    pub fn free(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn put(&self, slot: Arc<DeliveryInner>) {
+        let mut free = self.lock();
+        if free.len() < self.0.capacity {
+            free.push(slot);
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Arc<DeliveryInner>>> {
+        // A panic while the lock was held cannot leave the list inconsistent.
+        self.0
+            .free
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// What a vacant slot's accessors return; never reached (a vacant slot is only in its
+/// pool), but total rather than a panic.
+fn vacant_message() -> &'static Message {
+    static VACANT: std::sync::LazyLock<Message> =
+        std::sync::LazyLock::new(|| Message::with_id_and_payload("", bytes::Bytes::new()));
+    &VACANT
+}
 
 impl fmt::Debug for Delivery {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -464,6 +576,7 @@ impl Delivery {
             origin,
             token,
             published_at: None,
+            pool: None,
         }))
     }
 
@@ -476,6 +589,7 @@ impl Delivery {
             origin,
             token,
             published_at: None,
+            pool: None,
         }))
     }
 
@@ -496,6 +610,7 @@ impl Delivery {
             origin,
             token,
             published_at: Some(published_at),
+            pool: None,
         }))
     }
 
@@ -509,6 +624,7 @@ impl Delivery {
         match &self.0.body {
             Body::Decoded(m) => m,
             Body::Raw(raw) => raw.message(),
+            Body::Vacant => vacant_message(),
         }
     }
 
@@ -527,6 +643,7 @@ impl Delivery {
                 Some(Ok(key)) => Some(key),
                 Some(Err(_)) => raw.message().key(),
             },
+            Body::Vacant => None,
         }
     }
 
@@ -535,6 +652,7 @@ impl Delivery {
         match &self.0.body {
             Body::Decoded(m) => m.payload(),
             Body::Raw(raw) => raw.payload(),
+            Body::Vacant => &[],
         }
     }
 
@@ -708,6 +826,16 @@ pub trait Receiver: Send + Sync {
         Ok(())
     }
 
+    /// [`Receiver::receive_batch`] when deliveries are ready now: appends up to `max` of
+    /// them to `into` without waiting and returns `true` if it took any. `false` (the
+    /// default): nothing ready, or no such shortcut — the runtime then waits in
+    /// `receive_batch`. For a backend that hands out what is ready without I/O (the
+    /// embedded broker, under its lock), so that the busy path awaits no boxed future.
+    fn try_receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> bool {
+        let _ = (max, into);
+        false
+    }
+
     /// The work is done: remove/commit.
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError>;
 
@@ -722,6 +850,14 @@ pub trait Receiver: Send + Sync {
             .enumerate()
             .filter_map(|(i, r)| r.err().map(|e| (i, e)))
             .collect()
+    }
+
+    /// [`Receiver::ack_batch`] for a backend whose acknowledgement is a local step that
+    /// never waits (the embedded broker; Kafka's offset store): `Some(failures)` when it
+    /// acknowledged `deliveries`, `None` (the default) to go through `ack_batch`.
+    fn try_ack_batch(&self, deliveries: &[Delivery]) -> Option<Vec<(usize, BrokerError)>> {
+        let _ = deliveries;
+        None
     }
 
     /// Hold a copy for `retry.delay`, confirmed, *then* settle the source.

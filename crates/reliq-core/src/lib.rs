@@ -71,8 +71,8 @@ pub use backlog::{Backlog, TierBacklog};
 pub use batch::{Batch, BatchError};
 pub use breaker::{CircuitBreaker, CircuitState};
 pub use broker::{
-    Broker, BrokerError, Capabilities, Delivery, DeliveryToken, Destination, RawMessage, Receiver,
-    ReceiverId, RetryRequest, Subscription,
+    Broker, BrokerError, Capabilities, Delivery, DeliveryPool, DeliveryToken, Destination,
+    RawMessage, Receiver, ReceiverId, RetryRequest, Subscription,
 };
 pub use classify::{
     BoxError, Classifier, DecodeError, ErrorChain, ErrorClass, Permanent, Poison, Transient,

@@ -7,8 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 use reliq_core::{
-    BrokerError, Clock, Delivery, DeliveryToken, Message, Receiver, ReceiverId, RetryRequest,
-    Subscription,
+    BrokerError, Clock, Delivery, DeliveryPool, DeliveryToken, Message, Receiver, ReceiverId,
+    RetryRequest, Subscription,
 };
 use tokio::time::Instant;
 
@@ -24,13 +24,28 @@ pub(crate) struct MemoryReceiver {
     lease: Duration,
     consumer: String,
     clock: Clock,
+    /// Recycles the deliveries' allocations (see [`DeliveryPool`]).
+    pool: DeliveryPool,
     #[cfg_attr(not(feature = "test-util"), allow(dead_code))]
     switches: Switches,
+}
+
+/// What [`MemoryReceiver::take_ready`] found.
+enum Taken {
+    /// At least one delivery.
+    Some,
+    /// None ready; the instant something becomes due, if anything will.
+    NoneUntil(Option<Instant>),
 }
 
 impl MemoryReceiver {
     /// Receiver number `id` of `queue`, with `sub`'s prefetch and lease.
     pub(crate) fn new(queue: Arc<Queue>, id: u64, sub: &Subscription, switches: Switches) -> Self {
+        let prefetch = sub.prefetch.max(1) as usize;
+        // Room for twice what this receiver may hold: a hash table whose settled entries
+        // (tombstones) fill it past half grows — allocates — instead of rehashing in
+        // place, which a steady stream of deliveries would otherwise hit now and then.
+        queue.lock().unacked.reserve(2 * prefetch);
         Self {
             queue,
             id,
@@ -39,6 +54,9 @@ impl MemoryReceiver {
             lease: sub.lease,
             consumer: sub.consumer.clone(),
             clock: Clock::new(),
+            // Twice the prefetch: a settled delivery's last clone may drop after the
+            // next one is handed out.
+            pool: DeliveryPool::new(2 * prefetch),
             switches,
         }
     }
@@ -119,6 +137,40 @@ impl MemoryReceiver {
         s.next_lease_due = s.unacked.values().map(|u| u.lease_until).min();
     }
 
+    /// Append up to `max` (at least one) ready deliveries to `into`, under one lock.
+    fn take_ready(&self, max: usize, into: &mut Vec<Delivery>) -> Taken {
+        let mut s = self.queue.lock();
+        let now = Instant::now();
+        let next_due = self.housekeeping(&mut s, now);
+        let before = into.len();
+        while into.len() - before < max.max(1) {
+            match self.try_deliver(&mut s, now) {
+                Some(d) => into.push(d),
+                None => break,
+            }
+        }
+        if into.len() > before {
+            Taken::Some
+        } else {
+            Taken::NoneUntil(next_due)
+        }
+    }
+
+    /// Acknowledge `deliveries` under one lock, with one wake-up; the failures by index.
+    fn ack_now(&self, deliveries: &[Delivery]) -> Vec<(usize, BrokerError)> {
+        let failed: Vec<(usize, BrokerError)> = {
+            let mut s = self.queue.lock();
+            (deliveries.iter().enumerate())
+                .filter_map(|(i, d)| {
+                    let taken = self.tag(d).and_then(|tag| self.take(&mut s, tag));
+                    taken.err().map(|e| (i, e))
+                })
+                .collect()
+        };
+        self.queue.notify.notify_waiters();
+        failed
+    }
+
     fn try_deliver(&self, s: &mut QueueState, now: Instant) -> Option<Delivery> {
         if s.held.get(&self.id).copied().unwrap_or(0) >= self.prefetch {
             return None;
@@ -164,7 +216,7 @@ impl MemoryReceiver {
             let tag = s.next_tag;
             s.next_tag += 1;
             let attempt = headers::attempt(entry.message.headers());
-            let delivery = Delivery::new(
+            let delivery = self.pool.delivery(
                 entry.message,
                 attempt,
                 Origin {
@@ -208,32 +260,21 @@ impl Receiver for MemoryReceiver {
             let notified = self.queue.notify.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let next_due = {
-                let mut s = self.queue.lock();
-                let now = Instant::now();
-                let next_due = self.housekeeping(&mut s, now);
-                let before = into.len();
-                while into.len() - before < max.max(1) {
-                    match self.try_deliver(&mut s, now) {
-                        Some(d) => into.push(d),
-                        None => break,
-                    }
-                }
-                if into.len() > before {
-                    return Ok(());
-                }
-                next_due
-            };
-            match next_due {
-                Some(due) => {
+            match self.take_ready(max, into) {
+                Taken::Some => return Ok(()),
+                Taken::NoneUntil(Some(due)) => {
                     tokio::select! {
                         _ = &mut notified => {}
                         _ = tokio::time::sleep_until(due) => {}
                     }
                 }
-                None => notified.await,
+                Taken::NoneUntil(None) => notified.await,
             }
         }
+    }
+
+    fn try_receive_batch(&self, max: usize, into: &mut Vec<Delivery>) -> bool {
+        matches!(self.take_ready(max, into), Taken::Some)
     }
 
     async fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {
@@ -242,19 +283,12 @@ impl Receiver for MemoryReceiver {
         Ok(())
     }
 
-    /// One lock and one wake-up for the whole batch.
     async fn ack_batch(&self, deliveries: &[Delivery]) -> Vec<(usize, BrokerError)> {
-        let failed: Vec<(usize, BrokerError)> = {
-            let mut s = self.queue.lock();
-            (deliveries.iter().enumerate())
-                .filter_map(|(i, d)| {
-                    let taken = self.tag(d).and_then(|tag| self.take(&mut s, tag));
-                    taken.err().map(|e| (i, e))
-                })
-                .collect()
-        };
-        self.queue.notify.notify_waiters();
-        failed
+        self.ack_now(deliveries)
+    }
+
+    fn try_ack_batch(&self, deliveries: &[Delivery]) -> Option<Vec<(usize, BrokerError)>> {
+        Some(self.ack_now(deliveries))
     }
 
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {

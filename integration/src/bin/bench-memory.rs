@@ -169,7 +169,7 @@ fn main() -> anyhow::Result<()> {
             let r = runtime(n).await?;
             let b = raw(n).await?;
             println!(
-                "run {i}: reliq runtime {:>10.0} msg/s ({:.2} allocs/msg) | raw baseline {:>10.0} msg/s ({:.2} allocs/msg) | ratio {:.3}",
+                "run {i}: reliq runtime {:>10.0} msg/s ({:.3} allocs/msg) | raw baseline {:>10.0} msg/s ({:.3} allocs/msg) | ratio {:.3}",
                 r.msgs_per_sec,
                 r.allocs_per_msg,
                 b.msgs_per_sec,

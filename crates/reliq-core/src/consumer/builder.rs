@@ -412,6 +412,7 @@ impl ConsumerBuilder {
                     .num_workers()
                     .max(1)))
             .clamp(1, RECEIVE_BATCH),
+            runners: Default::default(),
             ordering: self.ordering,
             backoff: SettleBackoff {
                 failures: AtomicU32::new(0),

@@ -12,10 +12,10 @@ use futures::stream::StreamExt as _;
 use futures_buffered::FuturesUnorderedBounded;
 use std::collections::VecDeque;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -98,9 +98,14 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
         }
         // Cancelled by the stop signal, a receive keeps in `batch` whatever it took from
         // the broker (the `receive_batch` cancel-safety contract); it is released below.
-        let received = tokio::select! {
-            r = shared.receiver.receive_batch(permits.num_permits(), &mut batch) => r,
-            _ = &mut stopped => break,
+        let want = permits.num_permits();
+        let received = if shared.receiver.try_receive_batch(want, &mut batch) {
+            Ok(())
+        } else {
+            tokio::select! {
+                r = shared.receiver.receive_batch(want, &mut batch) => r,
+                _ = &mut stopped => break,
+            }
         };
         // A receive the broker made wait: its cells are stale (see `rate`).
         if let (Some(rate), Some(taken)) = (&shared.rate, cells_taken)
@@ -142,6 +147,8 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
             }
         }
     }
+    // No group comes after this one: the parked runners end.
+    shared.runners.close();
     // Taken from the broker by a receive the stop cut short: never handed to a handler,
     // so give them back now rather than leave them leased until their lease runs out.
     // (A crash settles and releases nothing, as when the process dies.)
@@ -160,7 +167,8 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
 /// (each completes, settles and frees its permit on its own). A tokio task per delivery
 /// cost more than the rest of a cheap handler's path (spawn, a wake-up of another worker,
 /// the runtime's task list locked twice); groups stay small enough to spread a CPU-heavy
-/// handler's work over every worker.
+/// handler's work over every worker. The group tasks are [`GroupRunners`], kept between
+/// groups, so a steady stream spawns and allocates nothing.
 pub(super) fn dispatch_each<F, Fut>(
     shared: &Arc<Shared<F>>,
     in_flight: &Arc<Semaphore>,
@@ -179,26 +187,25 @@ pub(super) fn dispatch_each<F, Fut>(
         // handle the extra deliveries anyway (without a permit) rather than drop them.
         tracing::error!(consumer = %shared.name, "receive_batch returned more deliveries than asked for");
     }
-    let mut group = Vec::new();
-    for delivery in batch.drain(..) {
-        match (shared.ordering, delivery.key()) {
-            (DeliveryOrder::PerKey, Some(key)) => {
-                let key = key.to_owned();
-                let permit = take_permits(&mut permits, in_flight, 1);
-                dispatch_keyed(shared, key, (delivery, permit));
-            }
-            _ => {
-                group.push(delivery);
-                if group.len() == shared.group_size {
-                    let room = take_permits(&mut permits, in_flight, group.len());
-                    spawn_group(shared, std::mem::take(&mut group), room);
-                }
-            }
+    if shared.ordering == DeliveryOrder::PerKey {
+        for delivery in batch.extract_if(.., |d| d.key().is_some()) {
+            let key = delivery.key().unwrap_or_default().to_owned();
+            let permit = take_permits(&mut permits, in_flight, 1);
+            dispatch_keyed(shared, key, (delivery, permit));
         }
     }
-    if !group.is_empty() {
-        let room = take_permits(&mut permits, in_flight, group.len());
-        spawn_group(shared, group, room);
+    while !batch.is_empty() {
+        let n = batch.len().min(shared.group_size);
+        let room = take_permits(&mut permits, in_flight, n);
+        let (runner, parked) = shared.runners.take(shared.group_size);
+        runner.hand_over(batch.drain(..n), room);
+        if parked {
+            runner.wake.notify_one();
+        } else {
+            shared
+                .tracker
+                .spawn(run_groups(shared.clone(), runner.clone()));
+        }
     }
 }
 
@@ -214,59 +221,168 @@ pub(super) fn take_permits(
         .or_else(|| in_flight.clone().try_acquire_many_owned(0).ok())
 }
 
-/// Run `group`'s deliveries concurrently in one task; `room` holds their in-flight
-/// permits. After each pass over the group, the successes of the pass are acknowledged
-/// together (one `ack_batch`: one lock for Kafka offsets) and the permits of every
-/// delivery settled in it are freed at once (one semaphore lock).
-pub(super) fn spawn_group<F, Fut>(
-    shared: &Arc<Shared<F>>,
-    group: Vec<Delivery>,
+/// The tasks that run per-message groups, parked between groups instead of ending, so
+/// that a group costs no spawn and no allocation: each keeps its group's buffers. There
+/// are as many as groups were ever in flight at once (about two per runtime worker when
+/// `max_in_flight` deliveries are held); they end when the receive loop does.
+#[derive(Default)]
+pub(super) struct GroupRunners {
+    idle: Mutex<Idle>,
+}
+
+#[derive(Default)]
+struct Idle {
+    parked: Vec<Arc<GroupRunner>>,
+    closed: bool,
+}
+
+/// One group task's mailbox: the next group and a wake-up.
+pub(super) struct GroupRunner {
+    next: Mutex<NextGroup>,
+    wake: Notify,
+}
+
+struct NextGroup {
+    deliveries: Vec<Delivery>,
+    /// The group's in-flight permits.
+    room: Option<OwnedSemaphorePermit>,
+}
+
+impl GroupRunners {
+    /// A parked runner (`true`: wake it) or a new one (`false`: spawn [`run_groups`]).
+    fn take(&self, group_size: usize) -> (Arc<GroupRunner>, bool) {
+        match lock(&self.idle).parked.pop() {
+            Some(runner) => (runner, true),
+            None => (
+                Arc::new(GroupRunner {
+                    next: Mutex::new(NextGroup {
+                        deliveries: Vec::with_capacity(group_size),
+                        room: None,
+                    }),
+                    wake: Notify::new(),
+                }),
+                false,
+            ),
+        }
+    }
+
+    /// Park `runner` until its next group; `false` once closed (the runner ends).
+    fn park(&self, runner: &Arc<GroupRunner>) -> bool {
+        let mut idle = lock(&self.idle);
+        if !idle.closed {
+            idle.parked.push(runner.clone());
+        }
+        !idle.closed
+    }
+
+    /// No more groups: wake the parked runners to end.
+    pub(super) fn close(&self) {
+        let parked = {
+            let mut idle = lock(&self.idle);
+            idle.closed = true;
+            std::mem::take(&mut idle.parked)
+        };
+        for runner in parked {
+            runner.wake.notify_one();
+        }
+    }
+}
+
+impl GroupRunner {
+    fn hand_over(
+        &self,
+        deliveries: impl Iterator<Item = Delivery>,
+        room: Option<OwnedSemaphorePermit>,
+    ) {
+        let mut next = lock(&self.next);
+        next.deliveries.extend(deliveries);
+        next.room = room;
+    }
+
+    /// The group handed over, swapped into `group` (both keep their capacity).
+    fn take_group(&self, group: &mut Vec<Delivery>) -> Option<OwnedSemaphorePermit> {
+        let mut next = lock(&self.next);
+        std::mem::swap(&mut next.deliveries, group);
+        next.room.take()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Nothing panics while these locks are held; a poisoned one is still consistent.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A group runner: run the group handed over, park, repeat until the runners close.
+async fn run_groups<F, Fut>(shared: Arc<Shared<F>>, me: Arc<GroupRunner>)
+where
+    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    // Allocated here, once per runner, on the thread that runs it.
+    let mut running = FuturesUnorderedBounded::new(shared.group_size);
+    let mut group = Vec::with_capacity(shared.group_size);
+    let mut handled = Vec::with_capacity(shared.group_size);
+    loop {
+        let room = me.take_group(&mut group);
+        if group.is_empty() {
+            // Woken by `close` with nothing handed over.
+            return;
+        }
+        // A group never exceeds `group_size` (`dispatch_each` splits by it).
+        for delivery in group.drain(..) {
+            running.push(handle_one(shared.clone(), delivery));
+        }
+        run_group(&shared, &mut running, &mut handled, room).await;
+        if !shared.runners.park(&me) {
+            return;
+        }
+        me.wake.notified().await;
+    }
+}
+
+/// Drive a group's deliveries to the end. After each pass over the group, the successes
+/// of the pass are acknowledged together (one `ack_batch`: one lock for Kafka offsets)
+/// and the permits of every delivery settled in it are freed at once (one semaphore
+/// lock).
+async fn run_group<F, Fut, G>(
+    shared: &Shared<F>,
+    running: &mut FuturesUnorderedBounded<G>,
+    handled: &mut Vec<Delivery>,
     mut room: Option<OwnedSemaphorePermit>,
 ) where
     F: Fn(Delivery) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+    G: Future<Output = Option<Delivery>>,
 {
-    let shared = shared.clone();
-    shared.tracker.clone().spawn(async move {
-        // Built here, not by the receive loop: the group's slots are allocated and freed
-        // on the thread that runs it, and the receive loop — the serial stage — only
-        // hands the deliveries over. One allocation for the whole group's futures (a
-        // `FuturesUnordered` allocates a task node per future: one per message).
-        let mut running = FuturesUnorderedBounded::new(group.len());
-        for delivery in group {
-            running.push(handle_one(shared.clone(), delivery));
-        }
-        let mut handled = Vec::new();
-        loop {
-            let mut settled = 0;
-            let finished = std::future::poll_fn(|cx| {
-                loop {
-                    match running.poll_next_unpin(cx) {
-                        Poll::Ready(Some(success)) => {
-                            settled += 1;
-                            handled.extend(success);
-                        }
-                        Poll::Ready(None) => return Poll::Ready(true),
-                        Poll::Pending if settled > 0 => return Poll::Ready(false),
-                        Poll::Pending => return Poll::Pending,
+    loop {
+        let mut settled = 0;
+        let finished = std::future::poll_fn(|cx| {
+            loop {
+                match running.poll_next_unpin(cx) {
+                    Poll::Ready(Some(success)) => {
+                        settled += 1;
+                        handled.extend(success);
                     }
+                    Poll::Ready(None) => return Poll::Ready(true),
+                    Poll::Pending if settled > 0 => return Poll::Ready(false),
+                    Poll::Pending => return Poll::Pending,
                 }
-            })
-            .await;
-            if !handled.is_empty() {
-                ack_handled(&shared, &handled).await;
-                handled.clear();
             }
-            if let Some(room) = room.as_mut()
-                && settled > 0
-            {
-                drop(room.split(settled.min(room.num_permits())));
-            }
-            if finished {
-                break;
-            }
+        })
+        .await;
+        if !handled.is_empty() {
+            ack_handled(shared, handled).await;
+            handled.clear();
         }
-    });
+        if let Some(room) = room.as_mut()
+            && settled > 0
+        {
+            drop(room.split(settled.min(room.num_permits())));
+        }
+        if finished {
+            break;
+        }
+    }
 }
 
 /// Per-key ordering: a delivery whose key is being handled queues behind it; otherwise

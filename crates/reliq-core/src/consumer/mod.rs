@@ -108,6 +108,8 @@ struct Shared<F> {
     /// Most deliveries one task handles together ([`dispatch_each`]): about two groups
     /// per runtime worker when `max_in_flight` deliveries are held.
     group_size: usize,
+    /// The tasks that run those groups, kept between groups.
+    runners: dispatch::GroupRunners,
     ordering: DeliveryOrder,
     backoff: SettleBackoff,
     tracker: TaskTracker,

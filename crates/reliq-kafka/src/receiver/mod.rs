@@ -421,6 +421,11 @@ impl Receiver for KafkaReceiver {
         self.shared.ack_batch(deliveries)
     }
 
+    /// Storing offsets is local (the commit runs in the background): never waits.
+    fn try_ack_batch(&self, deliveries: &[Delivery]) -> Option<Vec<(usize, BrokerError)>> {
+        Some(self.shared.ack_batch(deliveries))
+    }
+
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
         self.shared.retry(delivery, retry).await
     }
