@@ -27,7 +27,12 @@
 //!   each delivery is settled exactly once, by `ack` / `ack_batch`, `retry` (the copy
 //!   confirmed *before* the source is settled), `dead_letter` (likewise) or `release`;
 //!   `close` gives back what it holds and leaves nothing leased. A failed `retry` or
-//!   `dead_letter` leaves the delivery unsettled: the runtime releases it and backs off.
+//!   `dead_letter` leaves the delivery unsettled: the runtime holds it (keep it leased)
+//!   and sends the copy again after its back-off, until it is confirmed or the receiver
+//!   answers [`BrokerError::NotHeld`] (it no longer holds the delivery).
+//!   `try_receive_batch` / `try_ack_batch` are optional shortcuts for a backend that
+//!   hands out or acknowledges without waiting (the embedded broker; Kafka's acks): the
+//!   runtime calls them first and builds the boxed `async` call only when they decline.
 //! - [`DeadLetters`]: `browse` from a [`Cursor`] without removing, reordering,
 //!   redelivering or counting an attempt; `get`, a confirmed `remove` (one entry per id,
 //!   the oldest), `count` with the oldest entry's `reliq-dead-lettered-at`
@@ -44,7 +49,9 @@
 //!   [`DeliveryToken::extra_of`] or [`DeliveryToken::check`], which refuse another
 //!   receiver's delivery with [`BrokerError::ForeignDelivery`]); a backend whose client
 //!   hands out records it can read in place gives a [`RawMessage`] instead of a decoded
-//!   [`Message`](crate::Message) (`Delivery::raw`), decoded on first read.
+//!   [`Message`](crate::Message) (`Delivery::raw`), decoded on first read. A backend
+//!   that builds deliveries in memory at a high rate makes them from a [`DeliveryPool`],
+//!   which recycles each one's allocation when its last clone drops.
 //! - [`RetryRequest`]: the copy to hold, its delay and its tier.
 //! - [`headers`](crate::headers): the header names every backend writes and reads
 //!   (message id, attempt, the dead-letter record, the origin), and their time format.
@@ -55,8 +62,8 @@
 
 pub use crate::backlog::{Backlog, TierBacklog};
 pub use crate::broker::{
-    Broker, BrokerError, Capabilities, Delivery, DeliveryToken, RawMessage, Receiver, ReceiverId,
-    RetryRequest, Subscription,
+    Broker, BrokerError, Capabilities, Delivery, DeliveryPool, DeliveryToken, RawMessage, Receiver,
+    ReceiverId, RetryRequest, Subscription,
 };
 pub use crate::dead_letters::{
     Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, IdCounts,

@@ -11,7 +11,7 @@ use reliq_core::{
 };
 
 use crate::dead_letters::MemoryDeadLetters;
-use crate::queue::{Entry, Queue, Switches, lock};
+use crate::queue::{Entry, FastHash, Queue, Switches, lock};
 use crate::receiver::MemoryReceiver;
 
 /// The in-process broker. Cheap to clone (shared state).
@@ -28,14 +28,14 @@ impl std::fmt::Debug for MemoryBroker {
 
 #[derive(Default)]
 struct BrokerInner {
-    topics: Mutex<HashMap<String, Topic>>,
+    topics: Mutex<HashMap<String, Topic, FastHash>>,
     next_receiver: AtomicU64,
     switches: Switches,
 }
 
 #[derive(Default)]
 struct Topic {
-    groups: HashMap<String, Arc<Queue>>,
+    groups: HashMap<String, Arc<Queue>, FastHash>,
 }
 
 impl MemoryBroker {
@@ -72,7 +72,7 @@ impl MemoryBroker {
         })
     }
 
-    fn topics(&self) -> MutexGuard<'_, HashMap<String, Topic>> {
+    fn topics(&self) -> MutexGuard<'_, HashMap<String, Topic, FastHash>> {
         lock(&self.inner.topics)
     }
 

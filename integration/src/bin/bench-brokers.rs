@@ -26,6 +26,13 @@
 //!   broker doing the same broker work — consume, a confirmed publish of the message to
 //!   a second queue/stream/topic, then the ack or commit — as fast as the client safely
 //!   allows (up to the prefetch in flight; on Kafka a commit only past what is produced).
+//! - **retry path** (`--only retry`): a pre-filled source whose every message fails once
+//!   (transient), waits in the broker's first tier ([`RETRY_TIER`]) and then succeeds,
+//!   timed from the first delivery to the N-th success; against the raw client doing that
+//!   broker work one step after the other at its rates of the same round — the
+//!   dead-letter path's raw loop (consume, confirmed publish of the copy, ack) and then
+//!   its fastest safe consume of N messages (RabbitMQ and NATS: `consume_fast`; Kafka:
+//!   the raw loop). The tier's wait is inside reliq's clock and not the raw side's.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -134,7 +141,13 @@ enum Handling {
     Batch,
     /// Every message fails permanently: each is dead-lettered. Done at its settlement.
     DeadLetter,
+    /// Every message fails once (transient), waits [`RETRY_TIER`] in the broker, then
+    /// succeeds: the retry path at the broker's limit.
+    RetryOnce,
 }
+
+/// The retry path's tier: short, so the run measures the path rather than the wait.
+const RETRY_TIER: Duration = Duration::from_millis(200);
 
 /// `batch_size` of the batch-handler runs: half the prefetch, so a second batch is
 /// received while the first is settled.
@@ -150,7 +163,14 @@ async fn reliq_consume(
     let topic = unique("bench");
     let builder = Consumer::builder(broker.clone(), "bench")
         .subscribe(topic.clone())
-        .retry(RetryPolicy::tiers([Duration::from_secs(1)]).max_attempts(3))
+        .retry(
+            RetryPolicy::tiers([if handling == Handling::RetryOnce {
+                RETRY_TIER
+            } else {
+                Duration::from_secs(1)
+            }])
+            .max_attempts(3),
+        )
         .max_in_flight(PREFETCH);
     drop(broker.subscribe(&builder.subscription()?).await?);
     reliq_publish_of(broker, &topic, n, fill_window).await?;
@@ -188,14 +208,16 @@ async fn reliq_consume(
                 })
                 .await?
         }
-        Handling::Each | Handling::FailOnce | Handling::DeadLetter => {
+        Handling::Each | Handling::FailOnce | Handling::DeadLetter | Handling::RetryOnce => {
             builder
                 .start(move |d: Delivery| {
                     seen.get_or_init(Instant::now);
                     std::hint::black_box(d.payload());
                     let result = if handling == Handling::DeadLetter {
                         Err(Permanent::msg("dead-letter path").into())
-                    } else if handling == Handling::FailOnce && d.attempt() == 1 {
+                    } else if matches!(handling, Handling::FailOnce | Handling::RetryOnce)
+                        && d.attempt() == 1
+                    {
                         Err(Transient::msg("fails once").into())
                     } else {
                         count(1);
@@ -856,6 +878,23 @@ struct Series {
 }
 
 impl Series {
+    /// One round of both sides, in the order given.
+    async fn measure(
+        &mut self,
+        reliq_first: bool,
+        reliq: impl Future<Output = anyhow::Result<Rate>>,
+        raw: impl Future<Output = anyhow::Result<Rate>>,
+    ) -> anyhow::Result<()> {
+        if reliq_first {
+            self.reliq.push(reliq.await?);
+            self.raw.push(raw.await?);
+        } else {
+            self.raw.push(raw.await?);
+            self.reliq.push(reliq.await?);
+        }
+        Ok(())
+    }
+
     fn line(&self, what: &str) -> String {
         let range = |xs: &[f64]| {
             let (lo, hi) = xs
@@ -920,6 +959,33 @@ async fn raw_forward(broker: &str, n: usize) -> anyhow::Result<Rate> {
         "nats" => raw_nats::forward(n).await,
         "kafka" => raw_kafka::forward(n).await,
         other => bail!("no raw dead-letter baseline for {other}"),
+    }
+}
+
+/// The raw client doing the retry path's broker work, one step after the other: the
+/// dead-letter path's loop (consume, confirmed publish of the copy, ack), then consuming
+/// N copies as fast as it safely can. Its rate is N over the two steps' times together.
+async fn raw_retry(broker: &str, n: usize) -> anyhow::Result<Rate> {
+    let forward = raw_forward(broker, n).await?;
+    let consume = match broker {
+        "rabbit" => raw_rabbit::consume_fast(n).await?,
+        "nats" => raw_nats::consume_fast(n).await?,
+        "kafka" => raw_kafka::consume(n, false).await?,
+        other => bail!("no raw retry baseline for {other}"),
+    };
+    Ok(Rate {
+        per_sec: 1.0 / (1.0 / forward.per_sec + 1.0 / consume.per_sec),
+        cpu_us: forward.cpu_us + consume.cpu_us,
+    })
+}
+
+/// The raw baseline of a failure path: [`raw_forward`] for dead letters, [`raw_retry`]
+/// for retries.
+async fn raw_failure_path(broker: &str, handling: Handling, n: usize) -> anyhow::Result<Rate> {
+    if handling == Handling::DeadLetter {
+        raw_forward(broker, n).await
+    } else {
+        raw_retry(broker, n).await
     }
 }
 
@@ -1038,8 +1104,10 @@ async fn main() -> anyhow::Result<()> {
         None | Some("failure") => (true, true),
         Some("publish") => (true, false),
         Some("consume" | "batch") => (false, true),
-        Some("dead-letter") => (false, false),
-        Some(other) => bail!("--only publish|consume|batch|failure|dead-letter, not {other}"),
+        Some("dead-letter" | "retry") => (false, false),
+        Some(other) => {
+            bail!("--only publish|consume|batch|failure|dead-letter|retry, not {other}")
+        }
     };
     let per_message = only.as_deref() != Some("batch");
     // `failure`: the failure path, beside one round of the raw client's publish and
@@ -1059,8 +1127,13 @@ async fn main() -> anyhow::Result<()> {
     // growing log, a GC) weighs on both sides alike.
     let (mut publish, mut consume) = (Series::default(), Series::default());
     let mut batched = Series::default();
-    let mut dead_letter = Series::default();
-    let dead_letter_rounds = only.as_deref() == Some("dead-letter");
+    // `dead-letter` and `retry`: a failure path against the raw loop doing its work.
+    let mut failure_path = Series::default();
+    let failure_handling = match only.as_deref() {
+        Some("dead-letter") => Some(Handling::DeadLetter),
+        Some("retry") => Some(Handling::RetryOnce),
+        _ => None,
+    };
     for round in 0..rounds {
         if broker_name == "kafka" {
             raw_kafka::delete_bench_topics().await?;
@@ -1077,19 +1150,15 @@ async fn main() -> anyhow::Result<()> {
                 publish.reliq.push(reliq_publish_fresh(&broker, n).await?);
             }
         }
-        if dead_letter_rounds {
-            let reliq_first = round.is_multiple_of(2);
-            if reliq_first {
-                dead_letter
-                    .reliq
-                    .push(reliq_consume(&broker, Handling::DeadLetter, n, fill).await?);
-            }
-            dead_letter.raw.push(raw_forward(&broker_name, n).await?);
-            if !reliq_first {
-                dead_letter
-                    .reliq
-                    .push(reliq_consume(&broker, Handling::DeadLetter, n, fill).await?);
-            }
+        // Reliq first in even rounds, the raw loop first in odd ones.
+        if let Some(handling) = failure_handling {
+            failure_path
+                .measure(
+                    round.is_multiple_of(2),
+                    reliq_consume(&broker, handling, n, fill),
+                    raw_failure_path(&broker_name, handling, n),
+                )
+                .await?;
         }
         if do_consume {
             if reliq_first && per_message {
@@ -1137,8 +1206,13 @@ async fn main() -> anyhow::Result<()> {
     if do_publish && reliq_rounds {
         println!("{}", publish.line("publish (confirmed):"));
     }
-    if dead_letter_rounds {
-        println!("{}", dead_letter.line("dead-letter path:"));
+    match failure_handling {
+        Some(Handling::DeadLetter) => println!("{}", failure_path.line("dead-letter path:")),
+        Some(_) => println!(
+            "{}",
+            failure_path.line(&format!("retry path ({} ms tier):", RETRY_TIER.as_millis()))
+        ),
+        None => {}
     }
     if do_consume && reliq_rounds {
         if per_message {

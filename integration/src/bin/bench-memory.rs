@@ -7,7 +7,9 @@
 //! scripts/bench-callgrind        # instructions per message (valgrind --tool=callgrind)
 //! ```
 //!
-//! `--only runtime|raw` runs one side (for callgrind); `--repeat` repeats the pair.
+//! `--only runtime|raw` runs one side (for callgrind); `--only publish` only builds and
+//! publishes the runtime side's messages (what callgrind subtracts to leave the consume
+//! path); `--repeat` repeats the pair.
 #![allow(unsafe_code)] // the counting allocator
 
 use reliq_integration::settings;
@@ -59,6 +61,15 @@ fn messages(n: usize) -> Vec<Message> {
 
 /// The full runtime: pre-published queue, consumer with a no-op handler.
 async fn runtime(n: usize) -> anyhow::Result<Run> {
+    consume(n, true).await
+}
+
+/// The runtime side's set-up alone: the queue declared and filled, no consumer.
+async fn publish_only(n: usize) -> anyhow::Result<()> {
+    consume(n, false).await.map(drop)
+}
+
+async fn consume(n: usize, run_consumer: bool) -> anyhow::Result<Run> {
     let broker = MemoryBroker::new();
     let shared: Arc<dyn Broker> = Arc::new(broker.clone());
     let topic = "bench";
@@ -76,6 +87,12 @@ async fn runtime(n: usize) -> anyhow::Result<Run> {
     let dest = Destination::new(topic);
     for m in messages(n) {
         shared.publish(&dest, m).await?;
+    }
+    if !run_consumer {
+        return Ok(Run {
+            msgs_per_sec: 0.0,
+            allocs_per_msg: 0.0,
+        });
     }
     let allocs0 = ALLOCS.load(Ordering::Relaxed);
     let t0 = Instant::now();
@@ -158,7 +175,8 @@ fn main() -> anyhow::Result<()> {
                 raw(n).await?;
                 return Ok(());
             }
-            Some(other) => anyhow::bail!("--only runtime|raw, not {other}"),
+            Some("publish") => return publish_only(n).await,
+            Some(other) => anyhow::bail!("--only runtime|raw|publish, not {other}"),
             None => {}
         }
         // warm-up

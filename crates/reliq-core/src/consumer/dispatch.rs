@@ -450,7 +450,7 @@ where
     }
     let s = shared;
     let d = delivery;
-    async move {
+    let handled = async move {
         // Graceful path: handle, then settle; a hard stop (shutdown deadline) releases
         // a delivery whose handler is still running. Settling itself is not cut short.
         let work = async {
@@ -485,9 +485,14 @@ where
             }
             Some(handled) => handled,
         }
+    };
+    // A span nobody records is not entered at every poll: with `tracing`'s `log`
+    // feature on (sqlx turns it on) entering even a disabled span asks the logger.
+    if span.is_disabled() {
+        handled.await
+    } else {
+        handled.instrument(span).await
     }
-    .instrument(span)
-    .await
 }
 
 /// Complete the inbox claims of successfully handled deliveries and acknowledge them

@@ -142,7 +142,12 @@ impl<H> Shared<H> {
             };
         }
         // A backend that acknowledges locally answers at once, without a boxed future.
-        let failed = match span.in_scope(|| self.receiver.try_ack_batch(done)) {
+        let tried = if span.is_disabled() {
+            self.receiver.try_ack_batch(done)
+        } else {
+            span.in_scope(|| self.receiver.try_ack_batch(done))
+        };
+        let failed = match tried {
             Some(failed) => failed,
             None => self.receiver.ack_batch(done).instrument(span.clone()).await,
         };
