@@ -29,10 +29,10 @@
 //! - **retry path** (`--only retry`): a pre-filled source whose every message fails once
 //!   (transient), waits in the broker's first tier ([`RETRY_TIER`]) and then succeeds,
 //!   timed from the first delivery to the N-th success; against the raw client doing that
-//!   broker work one step after the other at its rates of the same round — the
-//!   dead-letter path's raw loop (consume, confirmed publish of the copy, ack) and then
-//!   its fastest safe consume of N messages (RabbitMQ and NATS: `consume_fast`; Kafka:
-//!   the raw loop). The tier's wait is inside reliq's clock and not the raw side's.
+//!   broker work as reliq's backend does — RabbitMQ: a confirmed publish to a TTL queue
+//!   that dead-letters back, NATS: a confirmed `Nats-Schedule` message the server
+//!   publishes back when due, both in one loop that acks the second delivery; Kafka: the dead-letter path's raw loop, then a raw consume of N, one after
+//!   the other (no wait between: reliq's wait for the tier is inside its clock only).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -389,6 +389,84 @@ mod raw_rabbit {
         Ok(Rate::since(n, t0, cpu0))
     }
 
+    /// The retry path's broker work, as reliq's RabbitMQ topology does it: each message
+    /// consumed, published (confirmed) to a quorum TTL queue of [`RETRY_TIER`] whose
+    /// expired messages the broker dead-letters back to the source (at least once), and
+    /// acked; delivered again (it now has an `x-death` header), and acked. N messages,
+    /// 2N deliveries, timed from the first delivery to the N-th second one acked.
+    pub async fn retry(n: usize) -> anyhow::Result<Rate> {
+        let (conn, ch, queue, consumer) = filled(n).await?;
+        let retry_queue: Arc<str> = format!("{queue}.retry").into();
+        let mut args = FieldTable::default();
+        for (key, value) in [
+            ("x-queue-type", AMQPValue::LongString("quorum".into())),
+            ("x-dead-letter-exchange", AMQPValue::LongString("".into())),
+            (
+                "x-dead-letter-routing-key",
+                AMQPValue::LongString(queue.as_str().into()),
+            ),
+            ("x-overflow", AMQPValue::LongString("reject-publish".into())),
+            (
+                "x-dead-letter-strategy",
+                AMQPValue::LongString("at-least-once".into()),
+            ),
+            (
+                "x-message-ttl",
+                AMQPValue::LongLongInt(i64::try_from(RETRY_TIER.as_millis())?),
+            ),
+        ] {
+            args.insert(key.into(), value);
+        }
+        ch.queue_declare(
+            (*retry_queue).into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await?;
+        let publisher = conn.create_channel().await?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let deliveries = consumer.map(|d| d.map_err(anyhow::Error::from));
+        let both = forward_loop(
+            2 * n,
+            deliveries,
+            |d: lapin::message::Delivery| {
+                let (publisher, retry_queue) = (publisher.clone(), retry_queue.clone());
+                async move {
+                    let retried = d
+                        .properties
+                        .headers()
+                        .as_ref()
+                        .is_some_and(|h| h.inner().keys().any(|k| k.as_str() == "x-death"));
+                    if !retried {
+                        let confirm = publisher
+                            .basic_publish(
+                                "".into(),
+                                (*retry_queue).into(),
+                                BasicPublishOptions {
+                                    mandatory: true,
+                                    ..Default::default()
+                                },
+                                &d.data,
+                                d.properties.clone(),
+                            )
+                            .await?;
+                        ensure!(confirm.await?.is_ack(), "broker nacked a publish");
+                    }
+                    d.ack(BasicAckOptions::default()).await?;
+                    anyhow::Ok(())
+                }
+            },
+            |()| Ok(()),
+        )
+        .await?;
+        Ok(both.per_message_of_two())
+    }
+
     /// The dead-letter path's broker work: each message consumed, published to a second
     /// quorum queue (persistent, mandatory, confirmed), then acked.
     pub async fn forward(n: usize) -> anyhow::Result<Rate> {
@@ -560,6 +638,87 @@ mod raw_nats {
             |()| Ok(()),
         )
         .await
+    }
+
+    /// The retry path's broker work, as reliq's NATS backend does it: each message's
+    /// first delivery scheduled again on the server (a `Nats-Schedule: @at` message to a
+    /// subject of its own, targeting the stream's due subject; the `PubAck` awaited)
+    /// and double-acked; the copy, published by the server when due, double-acked. N
+    /// messages, 2N deliveries, timed from the first delivery to the N-th second one.
+    pub async fn retry(n: usize) -> anyhow::Result<Rate> {
+        let client = async_nats::connect(settings::get("RELIQ_NATS_URL")).await?;
+        let js = jetstream::new(client);
+        let name = unique("bench-raw");
+        let due: Arc<str> = format!("{name}.due").into();
+        js.create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![name.clone(), format!("{name}.at.>"), due.to_string()],
+            allow_message_schedules: true,
+            ..Default::default()
+        })
+        .await?;
+        publish_window(n, |i| {
+            let (js, subject) = (js.clone(), name.clone());
+            async move {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert("Nats-Msg-Id", MessageId::generate().as_str());
+                js.publish_with_headers(subject, headers, payload(i).into())
+                    .await?
+                    .await?;
+                Ok(())
+            }
+        })
+        .await?;
+        // Only the source and the due copies: the schedules themselves stay unread.
+        let consumer = js
+            .get_stream(&name)
+            .await?
+            .create_consumer(pull::Config {
+                durable_name: Some("raw".into()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                max_ack_pending: i64::from(PREFETCH),
+                filter_subjects: vec![name.clone(), due.to_string()],
+                ..Default::default()
+            })
+            .await?;
+        let messages = consumer
+            .messages()
+            .await?
+            .map(|m| m.map_err(|e| anyhow::anyhow!("{e}")));
+        let both = forward_loop(
+            2 * n,
+            messages,
+            |m: jetstream::Message| {
+                let (js, due, source) = (js.clone(), due.clone(), name.clone());
+                async move {
+                    if m.subject.as_str() == source {
+                        let seq = m
+                            .info()
+                            .map_err(|e| anyhow::anyhow!("{e}"))?
+                            .stream_sequence;
+                        let at = std::time::SystemTime::now() + RETRY_TIER;
+                        let mut headers = m.headers.clone().unwrap_or_default();
+                        headers.insert(
+                            "Nats-Schedule",
+                            format!("@at {}", reliq_core::headers::format_time(at)).as_str(),
+                        );
+                        headers.insert("Nats-Schedule-Target", &*due);
+                        headers.insert("Nats-Msg-Id", format!("retry:{seq}").as_str());
+                        js.publish_with_headers(
+                            format!("{source}.at.{seq}"),
+                            headers,
+                            m.payload.clone(),
+                        )
+                        .await?
+                        .await?;
+                    }
+                    m.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))
+                }
+            },
+            |()| Ok(()),
+        )
+        .await?;
+        Ok(both.per_message_of_two())
     }
 
     /// The dead-letter path's broker work: each message consumed, published to a second
@@ -829,6 +988,14 @@ struct Rate {
 }
 
 impl Rate {
+    /// The rate of messages handled in two deliveries each, from the rate of deliveries.
+    fn per_message_of_two(self) -> Self {
+        Self {
+            per_sec: self.per_sec / 2.0,
+            cpu_us: self.cpu_us * 2.0,
+        }
+    }
+
     /// `n` messages from `t0` (wall) and `cpu0` (CPU) to now.
     fn since(n: usize, t0: Instant, cpu0: Duration) -> Self {
         Self {
@@ -962,21 +1129,25 @@ async fn raw_forward(broker: &str, n: usize) -> anyhow::Result<Rate> {
     }
 }
 
-/// The raw client doing the retry path's broker work, one step after the other: the
-/// dead-letter path's loop (consume, confirmed publish of the copy, ack), then consuming
-/// N copies as fast as it safely can. Its rate is N over the two steps' times together.
+/// The raw client doing the retry path's broker work the way reliq's backend does it:
+/// RabbitMQ and NATS in one loop (a TTL queue dead-lettering back; a server schedule);
+/// Kafka one step after the other — the dead-letter path's loop (consume, produce the
+/// copy, commit) to a second topic, then consuming N records — its rate N over both
+/// steps' times together, without the tier's wait (reliq's relay holds each copy).
 async fn raw_retry(broker: &str, n: usize) -> anyhow::Result<Rate> {
-    let forward = raw_forward(broker, n).await?;
-    let consume = match broker {
-        "rabbit" => raw_rabbit::consume_fast(n).await?,
-        "nats" => raw_nats::consume_fast(n).await?,
-        "kafka" => raw_kafka::consume(n, false).await?,
+    match broker {
+        "rabbit" => raw_rabbit::retry(n).await,
+        "nats" => raw_nats::retry(n).await,
+        "kafka" => {
+            let forward = raw_kafka::forward(n).await?;
+            let consume = raw_kafka::consume(n, false).await?;
+            Ok(Rate {
+                per_sec: 1.0 / (1.0 / forward.per_sec + 1.0 / consume.per_sec),
+                cpu_us: forward.cpu_us + consume.cpu_us,
+            })
+        }
         other => bail!("no raw retry baseline for {other}"),
-    };
-    Ok(Rate {
-        per_sec: 1.0 / (1.0 / forward.per_sec + 1.0 / consume.per_sec),
-        cpu_us: forward.cpu_us + consume.cpu_us,
-    })
+    }
 }
 
 /// The raw baseline of a failure path: [`raw_forward`] for dead letters, [`raw_retry`]
