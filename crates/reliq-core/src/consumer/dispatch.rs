@@ -38,6 +38,9 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
     receive_max: usize,
     dispatch: Dispatch<H>,
 ) {
+    // However the loop ends — a panic in a backend's receive too — the parked group
+    // runners end with it; shutdown waits for them.
+    let _runners = CloseOnDrop(&shared.runners);
     let mut receive_errors: u32 = 0;
     let mut batch = Vec::with_capacity(receive_max);
     // One registration for the whole loop (a fresh `cancelled()` per message costs a
@@ -147,8 +150,6 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
             }
         }
     }
-    // No group comes after this one: the parked runners end.
-    shared.runners.close();
     // Taken from the broker by a receive the stop cut short: never handed to a handler,
     // so give them back now rather than leave them leased until their lease runs out.
     // (A crash settles and releases nothing, as when the process dies.)
@@ -304,6 +305,15 @@ impl GroupRunner {
         let mut next = lock(&self.next);
         std::mem::swap(&mut next.deliveries, group);
         next.room.take()
+    }
+}
+
+/// Closes the runners when dropped: at the receive loop's end, by return or by panic.
+struct CloseOnDrop<'a>(&'a GroupRunners);
+
+impl Drop for CloseOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.close();
     }
 }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 use reliq_core::{BoxError, Consumer, Delivery, Destination, Message, Subscription};
 use reliq_memory::MemoryBroker;
 
-use crate::support::{How, Misbehaving, secs, wait_for};
+use crate::support::{How, Misbehaving, filled_and_started, secs, wait_for};
 
 /// A backend that breaks the `receive_batch` contract (returns more deliveries than
 /// asked for): the runtime still handles and acknowledges every one — a delivery is never
@@ -17,11 +17,7 @@ use crate::support::{How, Misbehaving, secs, wait_for};
 #[tokio::test(start_paused = true)]
 async fn a_backend_returning_more_than_asked_loses_nothing() {
     use reliq_core::Broker;
-    let memory = Arc::new(MemoryBroker::new());
-    let broker = Arc::new(Misbehaving {
-        inner: memory.clone(),
-        how: How::Greedy,
-    });
+    let (_memory, broker) = Misbehaving::over_memory(How::Greedy);
     let builder = Consumer::builder(broker.clone(), "greedy")
         .subscribe("orders")
         .max_in_flight(4)
@@ -208,25 +204,11 @@ async fn a_success_ends_the_settle_back_off() {
 /// it would wait for the lease to run out, and on NATS spend a delivery attempt).
 #[tokio::test(start_paused = true)]
 async fn shutdown_releases_what_a_cut_short_receive_took() {
-    use reliq_core::Broker;
-    let memory = Arc::new(MemoryBroker::new());
-    let broker = Arc::new(Misbehaving {
-        inner: memory.clone(),
-        how: How::TakeOneThenHang,
-    });
+    let (memory, broker) = Misbehaving::over_memory(How::TakeOneThenHang);
     let builder = Consumer::builder(broker.clone(), "c")
         .subscribe("t")
         .lease(Duration::from_secs(3600));
-    let sub = builder.subscription().unwrap();
-    drop(memory.subscribe(&sub).await.unwrap());
-    memory
-        .publish(&Destination::new("t"), Message::new("taken"))
-        .await
-        .unwrap();
-    let h = builder
-        .start(|_d: Delivery| async { Ok::<(), BoxError>(()) })
-        .await
-        .unwrap();
+    let (sub, h) = filled_and_started(&memory, builder, "t", ["taken".to_owned()]).await;
     wait_for("the delivery taken", || memory.depth(&sub) == (0, 1)).await;
     let s = h.shutdown().await.stats;
     assert_eq!((s.received, s.processed, s.released), (0, 0, 1), "{s:?}");
@@ -235,6 +217,22 @@ async fn shutdown_releases_what_a_cut_short_receive_took() {
         (1, 0),
         "released at shutdown, not left leased"
     );
+}
+
+/// A receive loop that dies (a backend's receive panics) still lets shutdown finish: the
+/// group tasks parked for the next group end with the loop, and what was received before
+/// is handled and acknowledged.
+#[tokio::test(start_paused = true)]
+async fn shutdown_finishes_after_the_receive_loop_panicked() {
+    let (memory, broker) = Misbehaving::over_memory(How::PanicAfterFirst);
+    let builder = Consumer::builder(broker.clone(), "c").subscribe("t");
+    let (sub, h) = filled_and_started(&memory, builder, "t", (0..5).map(|i| format!("m{i}"))).await;
+    wait_for("the first receive handled", || h.stats().processed == 5).await;
+    let report = tokio::time::timeout(secs(120), h.shutdown())
+        .await
+        .expect("shutdown finishes although the receive loop panicked");
+    assert_eq!(report.stats.processed, 5, "{report:?}");
+    assert_eq!(memory.depth(&sub), (0, 0), "nothing left waiting or leased");
 }
 
 /// A dead letter the DLQ refuses is held and its copy sent again — not released, the

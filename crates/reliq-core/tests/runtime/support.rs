@@ -52,6 +52,8 @@ pub enum How {
     Greedy,
     /// Take one delivery, then wait for more forever (a receive the stop cuts short).
     TakeOneThenHang,
+    /// Receive as asked once, then panic in the next receive (a backend's bug).
+    PanicAfterFirst,
 }
 
 /// The memory broker, with receivers that misbehave as `how` says.
@@ -60,9 +62,44 @@ pub struct Misbehaving {
     pub how: How,
 }
 
+impl Misbehaving {
+    /// A fresh embedded broker, and the same broker behind receivers that misbehave as
+    /// `how` says.
+    pub fn over_memory(how: How) -> (Arc<MemoryBroker>, Arc<Self>) {
+        let memory = Arc::new(MemoryBroker::new());
+        let inner = memory.clone();
+        (memory, Arc::new(Self { inner, how }))
+    }
+}
+
+/// Declare `builder`'s queue on `memory`, publish `payloads` to its topic `topic`, then
+/// start the consumer with a handler that succeeds.
+pub async fn filled_and_started(
+    memory: &MemoryBroker,
+    builder: reliq_core::ConsumerBuilder,
+    topic: &str,
+    payloads: impl IntoIterator<Item = String>,
+) -> (Subscription, reliq_core::ConsumerHandle) {
+    use reliq_core::Broker;
+    let sub = builder.subscription().unwrap();
+    drop(memory.subscribe(&sub).await.unwrap());
+    for p in payloads {
+        memory
+            .publish(&Destination::new(topic), Message::new(p))
+            .await
+            .unwrap();
+    }
+    let handle = builder
+        .start(|_d: Delivery| async { Ok::<(), reliq_core::BoxError>(()) })
+        .await
+        .unwrap();
+    (sub, handle)
+}
+
 struct MisbehavingReceiver {
     inner: Box<dyn reliq_core::Receiver>,
     how: How,
+    receives: std::sync::atomic::AtomicU32,
 }
 
 #[async_trait::async_trait]
@@ -88,6 +125,7 @@ impl reliq_core::Broker for Misbehaving {
         Ok(Box::new(MisbehavingReceiver {
             inner: self.inner.subscribe(&s).await?,
             how: self.how,
+            receives: std::sync::atomic::AtomicU32::new(0),
         }))
     }
     async fn dead_letters(
@@ -132,6 +170,13 @@ impl reliq_core::Receiver for MisbehavingReceiver {
                 into.push(self.inner.receive().await?);
                 std::future::pending::<()>().await;
                 Ok(())
+            }
+            How::PanicAfterFirst => {
+                let before = self
+                    .receives
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                assert_eq!(before, 0, "receive_batch: a backend's bug");
+                self.inner.receive_batch(max, into).await
             }
         }
     }
