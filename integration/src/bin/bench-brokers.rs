@@ -389,6 +389,61 @@ mod raw_rabbit {
         Ok(Rate::since(n, t0, cpu0))
     }
 
+    /// Declare the durable quorum queue `name` (with `args` besides its type) and open a
+    /// channel with publisher confirms to copy deliveries into it.
+    async fn target_queue(
+        conn: &Connection,
+        ch: &Channel,
+        name: &str,
+        args: Vec<(&str, AMQPValue)>,
+    ) -> anyhow::Result<Channel> {
+        let mut table = FieldTable::default();
+        table.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        for (key, value) in args {
+            table.insert(key.into(), value);
+        }
+        ch.queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            table,
+        )
+        .await?;
+        let publisher = conn.create_channel().await?;
+        publisher
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(publisher)
+    }
+
+    /// Publish `d` (body and properties as they came) to `queue`, mandatory, and wait for
+    /// the broker's confirm.
+    async fn copy_to(
+        publisher: &Channel,
+        queue: &str,
+        d: &lapin::message::Delivery,
+    ) -> anyhow::Result<()> {
+        let confirm = publisher
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                &d.data,
+                d.properties.clone(),
+            )
+            .await?;
+        ensure!(confirm.await?.is_ack(), "broker nacked a publish");
+        Ok(())
+    }
+
     /// The retry path's broker work, as reliq's RabbitMQ topology does it: each message
     /// consumed, published (confirmed) to a quorum TTL queue of [`RETRY_TIER`] whose
     /// expired messages the broker dead-letters back to the source (at least once), and
@@ -397,39 +452,26 @@ mod raw_rabbit {
     pub async fn retry(n: usize) -> anyhow::Result<Rate> {
         let (conn, ch, queue, consumer) = filled(n).await?;
         let retry_queue: Arc<str> = format!("{queue}.retry").into();
-        let mut args = FieldTable::default();
-        for (key, value) in [
-            ("x-queue-type", AMQPValue::LongString("quorum".into())),
-            ("x-dead-letter-exchange", AMQPValue::LongString("".into())),
-            (
-                "x-dead-letter-routing-key",
-                AMQPValue::LongString(queue.as_str().into()),
-            ),
-            ("x-overflow", AMQPValue::LongString("reject-publish".into())),
-            (
-                "x-dead-letter-strategy",
-                AMQPValue::LongString("at-least-once".into()),
-            ),
-            (
-                "x-message-ttl",
-                AMQPValue::LongLongInt(i64::try_from(RETRY_TIER.as_millis())?),
-            ),
-        ] {
-            args.insert(key.into(), value);
-        }
-        ch.queue_declare(
-            (*retry_queue).into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            args,
+        let ttl = i64::try_from(RETRY_TIER.as_millis())?;
+        let publisher = target_queue(
+            &conn,
+            &ch,
+            &retry_queue,
+            vec![
+                ("x-dead-letter-exchange", AMQPValue::LongString("".into())),
+                (
+                    "x-dead-letter-routing-key",
+                    AMQPValue::LongString(queue.as_str().into()),
+                ),
+                ("x-overflow", AMQPValue::LongString("reject-publish".into())),
+                (
+                    "x-dead-letter-strategy",
+                    AMQPValue::LongString("at-least-once".into()),
+                ),
+                ("x-message-ttl", AMQPValue::LongLongInt(ttl)),
+            ],
         )
         .await?;
-        let publisher = conn.create_channel().await?;
-        publisher
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
         let deliveries = consumer.map(|d| d.map_err(anyhow::Error::from));
         let both = forward_loop(
             2 * n,
@@ -443,19 +485,7 @@ mod raw_rabbit {
                         .as_ref()
                         .is_some_and(|h| h.inner().keys().any(|k| k.as_str() == "x-death"));
                     if !retried {
-                        let confirm = publisher
-                            .basic_publish(
-                                "".into(),
-                                (*retry_queue).into(),
-                                BasicPublishOptions {
-                                    mandatory: true,
-                                    ..Default::default()
-                                },
-                                &d.data,
-                                d.properties.clone(),
-                            )
-                            .await?;
-                        ensure!(confirm.await?.is_ack(), "broker nacked a publish");
+                        copy_to(&publisher, &retry_queue, &d).await?;
                     }
                     d.ack(BasicAckOptions::default()).await?;
                     anyhow::Ok(())
@@ -472,24 +502,7 @@ mod raw_rabbit {
     pub async fn forward(n: usize) -> anyhow::Result<Rate> {
         let (conn, ch, queue, consumer) = filled(n).await?;
         let dlq: Arc<str> = format!("{queue}.dlq").into();
-        let mut args = FieldTable::default();
-        args.insert(
-            "x-queue-type".into(),
-            AMQPValue::LongString("quorum".into()),
-        );
-        ch.queue_declare(
-            (*dlq).into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            args,
-        )
-        .await?;
-        let publisher = conn.create_channel().await?;
-        publisher
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let publisher = target_queue(&conn, &ch, &dlq, Vec::new()).await?;
         let deliveries = consumer.map(|d| d.map_err(anyhow::Error::from));
         forward_loop(
             n,
@@ -497,19 +510,7 @@ mod raw_rabbit {
             |d: lapin::message::Delivery| {
                 let (publisher, dlq) = (publisher.clone(), dlq.clone());
                 async move {
-                    let confirm = publisher
-                        .basic_publish(
-                            "".into(),
-                            (*dlq).into(),
-                            BasicPublishOptions {
-                                mandatory: true,
-                                ..Default::default()
-                            },
-                            &d.data,
-                            d.properties.clone(),
-                        )
-                        .await?;
-                    ensure!(confirm.await?.is_ack(), "broker nacked a publish");
+                    copy_to(&publisher, &dlq, &d).await?;
                     d.ack(BasicAckOptions::default()).await?;
                     anyhow::Ok(())
                 }
