@@ -1,9 +1,8 @@
 //! The broker: its clients ([`Inner`]: two producers and an admin client), publishing,
 //! and the [`Broker`] seam.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use rdkafka::admin::AdminClient;
@@ -15,9 +14,9 @@ use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiv
 use crate::codec::{DUE_AT_HEADER, record_headers};
 use crate::dead_letters::KafkaDeadLetters;
 use crate::error::{KafkaError, client_error};
-use crate::lock;
 use crate::options::{BufferPolicy, KafkaConfig, RetryMode};
 use crate::receiver::KafkaReceiver;
+use crate::routes::{ROUTE_RECHECK, Routes};
 
 pub(crate) struct Inner {
     pub(crate) config: KafkaConfig,
@@ -26,9 +25,9 @@ pub(crate) struct Inner {
     /// Retry / DLQ copies (auto-create off; topics are declared at subscribe).
     pub(crate) route_producer: FutureProducer,
     pub(crate) admin: AdminClient<DefaultClientContext>,
-    /// Retry and DLQ topics seen to exist, and when: [`route_produce`] looks a topic up
-    /// again only after [`ROUTE_RECHECK`] or a failed produce to it.
-    pub(crate) routes_seen: Mutex<HashMap<String, Instant>>,
+    /// Retry and DLQ topics seen to exist: [`route_produce`] looks a topic up again only
+    /// after [`ROUTE_RECHECK`] or a failed produce to it, one lookup at a time.
+    pub(crate) routes: Routes,
     /// `reliq_producer_buffer_ratio`: the share of the publishing producer's bounded
     /// buffer in use, set after each publish.
     pub(crate) buffer_ratio: metrics::Gauge,
@@ -65,7 +64,7 @@ impl KafkaBroker {
                 producer,
                 route_producer,
                 admin,
-                routes_seen: Mutex::new(HashMap::new()),
+                routes: Routes::new(ROUTE_RECHECK),
                 buffer_ratio: metrics::gauge!(
                     reliq_core::telemetry::PRODUCER_BUFFER_RATIO,
                     "backend" => "kafka"
@@ -137,39 +136,26 @@ impl Inner {
     }
 }
 
-/// How long a retry or DLQ topic seen to exist is taken to exist without asking again.
-const ROUTE_RECHECK: Duration = Duration::from_secs(10);
-
 /// Produce a retry / DLQ copy: the topic must exist (never auto-created), then wait for
 /// the delivery report.
 ///
-/// Whether it exists is a metadata request (a broker round trip on the blocking pool),
-/// asked once per topic per [`ROUTE_RECHECK`], not per copy: asked per copy it was the
-/// dead-letter path's bottleneck (each dead letter waited for it before its produce).
-/// A topic deleted meanwhile is still caught: the route producer never auto-creates, so
-/// the produce fails (unknown topic), the source is released and the next copy looks
-/// the topic up again.
+/// Whether it exists is asked of the broker once per topic per [`ROUTE_RECHECK`], by one
+/// copy at a time ([`Routes`]). A topic deleted meanwhile is still caught: the route
+/// producer never auto-creates, so the produce fails (unknown topic), the source is
+/// released and the next copy looks the topic up again.
 pub(crate) async fn route_produce(
     inner: &Inner,
     topic: &str,
     message: &Message,
     extra: &[(&str, String)],
 ) -> Result<(), BrokerError> {
-    let seen = |routes: &HashMap<String, Instant>| {
-        routes
-            .get(topic)
-            .is_some_and(|at| at.elapsed() < ROUTE_RECHECK)
-    };
-    if !seen(&lock(&inner.routes_seen)) {
-        if !inner.topic_exists(topic).await.map_err(BrokerError::from)? {
-            lock(&inner.routes_seen).remove(topic);
-            return Err(BrokerError::Unroutable(topic.to_owned()));
-        }
-        lock(&inner.routes_seen).insert(topic.to_owned(), Instant::now());
+    let exists = inner.routes.exists(topic, inner.topic_exists(topic));
+    if !exists.await.map_err(BrokerError::from)? {
+        return Err(BrokerError::Unroutable(topic.to_owned()));
     }
     let sent = inner.produce(true, topic, message, extra).await.map(drop);
     if sent.is_err() {
-        lock(&inner.routes_seen).remove(topic);
+        inner.routes.forget(topic);
     }
     sent
 }

@@ -92,6 +92,7 @@ mod names;
 mod options;
 mod receiver;
 mod relay;
+mod routes;
 mod topology;
 mod tracker;
 
