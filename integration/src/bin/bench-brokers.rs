@@ -31,8 +31,13 @@
 //!   timed from the first delivery to the N-th success; against the raw client doing that
 //!   broker work as reliq's backend does — RabbitMQ: a confirmed publish to a TTL queue
 //!   that dead-letters back, NATS: a confirmed `Nats-Schedule` message the server
-//!   publishes back when due, both in one loop that acks the second delivery; Kafka: the dead-letter path's raw loop, then a raw consume of N, one after
-//!   the other (no wait between: reliq's wait for the tier is inside its clock only).
+//!   publishes back when due, both in one loop that acks the second delivery; Kafka: the
+//!   dead-letter path's raw loop to a retry topic, and beside it a relay consumer that
+//!   holds each copy until its timestamp plus the tier.
+//!
+//! `--timeline-ms W` (the per-message reliq rounds): after each round, reliq's handler calls
+//! per W ms since the first delivery by attempt, and the round's CPU per message by
+//! thread name — where a slow round's time goes.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -186,6 +191,17 @@ async fn reliq_consume(
     // The clock starts at the first delivery, failed or not: on the failure path the
     // first handler calls fail, and their retry publishes belong to what is timed.
     let seen = first.clone();
+    // `--timeline-ms W`: every handler call's time and attempt, printed after the run
+    // as counts per W ms since the first delivery (where a slow round's time goes).
+    let timeline_bucket = settings::arg("--timeline-ms")
+        .map(|v| v.parse::<u64>())
+        .transpose()?
+        .map(Duration::from_millis);
+    let calls = Arc::new(std::sync::Mutex::new(Vec::<(Instant, u32)>::with_capacity(
+        if timeline_bucket.is_some() { 2 * n } else { 0 },
+    )));
+    let record = timeline_bucket.map(|_| calls.clone());
+    let threads0 = timeline_bucket.map(|_| thread_cpu());
     let cpu0 = cpu_time();
     let count = move |handled: usize| {
         f2.get_or_init(Instant::now);
@@ -212,6 +228,12 @@ async fn reliq_consume(
             builder
                 .start(move |d: Delivery| {
                     seen.get_or_init(Instant::now);
+                    if let Some(calls) = &record {
+                        calls
+                            .lock()
+                            .expect("timeline")
+                            .push((Instant::now(), d.attempt()));
+                    }
                     std::hint::black_box(d.payload());
                     let result = if handling == Handling::DeadLetter {
                         Err(Permanent::msg("dead-letter path").into())
@@ -253,8 +275,33 @@ async fn reliq_consume(
         per_sec: n as f64 / t1.duration_since(t0).as_secs_f64(),
         cpu_us: (cpu_time() - cpu0).as_secs_f64() * 1e6 / n as f64,
     };
+    if let Some(threads0) = &threads0 {
+        print_thread_cpu(threads0, n);
+    }
     handle.shutdown().await;
+    if let Some(bucket) = timeline_bucket {
+        print_timeline(t0, bucket, &calls.lock().expect("timeline"));
+    }
     Ok(rate)
+}
+
+/// Handler calls per `bucket` since `t0`, by attempt: one line per bucket with any.
+fn print_timeline(t0: Instant, bucket: Duration, calls: &[(Instant, u32)]) {
+    let mut rows = std::collections::BTreeMap::<u128, [usize; 3]>::new();
+    for (at, attempt) in calls {
+        let slot = at.duration_since(t0).as_millis() / bucket.as_millis().max(1);
+        rows.entry(slot).or_default()[(*attempt as usize).clamp(1, 3) - 1] += 1;
+    }
+    println!(
+        "  timeline ({} ms buckets): from ms: attempt 1, 2, 3+",
+        bucket.as_millis()
+    );
+    for (slot, [a1, a2, a3]) in rows {
+        println!(
+            "    {:>6}: {a1:>6} {a2:>6} {a3:>6}",
+            slot * bucket.as_millis()
+        );
+    }
 }
 
 mod raw_rabbit {
@@ -914,6 +961,20 @@ mod raw_kafka {
     /// awaited), and its offset committed (asynchronously, every 100 records) only once
     /// it and every record before it are produced.
     pub async fn forward(n: usize) -> anyhow::Result<Rate> {
+        forward_then(n, None).await
+    }
+
+    /// The retry path's broker work as reliq's Kafka backend does it: [`forward`]'s loop
+    /// to a retry topic while a relay — a second consumer, in its own group — reads the
+    /// retry topic and holds each record until its timestamp plus the tier, then handles
+    /// it (commits every 100). Timed from the first source delivery to the n-th record
+    /// handled after its tier.
+    pub async fn retry(n: usize) -> anyhow::Result<Rate> {
+        forward_then(n, Some(RETRY_TIER)).await
+    }
+
+    /// [`forward`], and with `relay_after` the relay of [`retry`] on the second topic.
+    async fn forward_then(n: usize, relay_after: Option<Duration>) -> anyhow::Result<Rate> {
         use rdkafka::TopicPartitionList;
         use rdkafka::message::OwnedMessage;
         let topic = unique("bench-raw");
@@ -926,10 +987,17 @@ mod raw_kafka {
             .set("acks", "all")
             .set("enable.idempotence", "true")
             .create()?;
+        let cpu0 = cpu_time();
+        let relay = match relay_after {
+            Some(tier) => Some(tokio::spawn(relay(consumer_of(&dlq)?, n, tier))),
+            None => None,
+        };
         let consumer = consumer_of(&topic)?;
-        let records = consumer
-            .stream()
-            .map(|m| m.map(|m| m.detach()).map_err(anyhow::Error::from));
+        let first = std::sync::OnceLock::new();
+        let records = consumer.stream().map(|m| {
+            first.get_or_init(Instant::now);
+            m.map(|m| m.detach()).map_err(anyhow::Error::from)
+        });
         // Per partition, the offset after the last record produced in order.
         let mut produced = std::collections::BTreeMap::<i32, i64>::new();
         let commit = |produced: &std::collections::BTreeMap<i32, i64>| -> anyhow::Result<()> {
@@ -974,7 +1042,37 @@ mod raw_kafka {
         )
         .await?;
         commit(&produced)?;
-        Ok(rate)
+        let Some(relay) = relay else {
+            return Ok(rate);
+        };
+        let handled = relay.await??;
+        let t0 = *first.get().context("no delivery")?;
+        Ok(Rate {
+            per_sec: n as f64 / handled.duration_since(t0).as_secs_f64(),
+            cpu_us: (cpu_time() - cpu0).as_secs_f64() * 1e6 / n as f64,
+        })
+    }
+
+    /// Read `n` records of a retry topic, each handled (its payload read) once its
+    /// timestamp plus `tier` has passed, committing every 100; returns when the n-th was.
+    async fn relay(consumer: StreamConsumer, n: usize, tier: Duration) -> anyhow::Result<Instant> {
+        use std::time::{SystemTime, UNIX_EPOCH};
+        for i in 0..n {
+            let m = consumer.recv().await?;
+            let written = m
+                .timestamp()
+                .to_millis()
+                .context("a record without a timestamp")?;
+            let due = UNIX_EPOCH + Duration::from_millis(u64::try_from(written)?) + tier;
+            if let Ok(wait) = due.duration_since(SystemTime::now()) {
+                tokio::time::sleep(wait).await;
+            }
+            std::hint::black_box(m.payload());
+            if i % 100 == 99 || i + 1 == n {
+                consumer.commit_message(&m, CommitMode::Async)?;
+            }
+        }
+        Ok(Instant::now())
     }
 }
 
@@ -1007,6 +1105,53 @@ impl Rate {
 }
 
 /// CPU time (user + system) this process has used so far.
+/// CPU time per thread of this process so far (`/proc/self/task/*/schedstat`), keyed by
+/// thread id, with the thread's name: with `--timeline-ms`, which threads spent a
+/// round's CPU.
+fn thread_cpu() -> std::collections::BTreeMap<u64, (String, Duration)> {
+    let mut threads = std::collections::BTreeMap::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return threads;
+    };
+    for task in tasks.flatten() {
+        let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else {
+            continue;
+        };
+        let read = |file: &str| std::fs::read_to_string(task.path().join(file)).ok();
+        let ran = read("schedstat")
+            .and_then(|s| s.split_whitespace().next()?.parse().ok())
+            .map(Duration::from_nanos);
+        if let (Some(name), Some(ran)) = (read("comm"), ran) {
+            threads.insert(tid, (name.trim().to_owned(), ran));
+        }
+    }
+    threads
+}
+
+/// The threads that ran between two [`thread_cpu`] readings, most CPU first, grouped by
+/// name (with how many threads of that name ran).
+fn print_thread_cpu(before: &std::collections::BTreeMap<u64, (String, Duration)>, n: usize) {
+    let mut by_name = std::collections::BTreeMap::<String, (Duration, usize)>::new();
+    for (tid, (name, ran)) in thread_cpu() {
+        let start = before.get(&tid).map_or(Duration::ZERO, |(_, r)| *r);
+        let spent = ran.saturating_sub(start);
+        if !spent.is_zero() {
+            let entry = by_name.entry(name).or_default();
+            entry.0 += spent;
+            entry.1 += 1;
+        }
+    }
+    let mut rows: Vec<_> = by_name.into_iter().collect();
+    rows.sort_by_key(|(_, (spent, _))| std::cmp::Reverse(*spent));
+    println!("  CPU per message by thread name (threads):");
+    for (name, (spent, count)) in rows {
+        println!(
+            "    {name:<20} {:>6.1} µs ({count})",
+            spent.as_secs_f64() * 1e6 / n as f64
+        );
+    }
+}
+
 fn cpu_time() -> Duration {
     // SAFETY: `getrusage` only writes the struct it is given.
     let usage = unsafe {
@@ -1132,21 +1277,13 @@ async fn raw_forward(broker: &str, n: usize) -> anyhow::Result<Rate> {
 
 /// The raw client doing the retry path's broker work the way reliq's backend does it:
 /// RabbitMQ and NATS in one loop (a TTL queue dead-lettering back; a server schedule);
-/// Kafka one step after the other — the dead-letter path's loop (consume, produce the
-/// copy, commit) to a second topic, then consuming N records — its rate N over both
-/// steps' times together, without the tier's wait (reliq's relay holds each copy).
+/// Kafka the dead-letter path's loop (consume, produce the copy, commit) to a retry
+/// topic, and beside it a relay consumer holding each copy until its tier has passed.
 async fn raw_retry(broker: &str, n: usize) -> anyhow::Result<Rate> {
     match broker {
         "rabbit" => raw_rabbit::retry(n).await,
         "nats" => raw_nats::retry(n).await,
-        "kafka" => {
-            let forward = raw_kafka::forward(n).await?;
-            let consume = raw_kafka::consume(n, false).await?;
-            Ok(Rate {
-                per_sec: 1.0 / (1.0 / forward.per_sec + 1.0 / consume.per_sec),
-                cpu_us: forward.cpu_us + consume.cpu_us,
-            })
-        }
+        "kafka" => raw_kafka::retry(n).await,
         other => bail!("no raw retry baseline for {other}"),
     }
 }
