@@ -13,6 +13,39 @@ use reliq_core::{
 use reliq_integration::kafka::KafkaBackend;
 use reliq_kafka::KafkaBroker;
 
+/// A group's state and its members' (id, assignment), as the coordinator says.
+type GroupView = (String, Vec<(String, Vec<u8>)>);
+
+/// The group's members and their assignments, as the coordinator describes them.
+fn members(group: &str) -> anyhow::Result<GroupView> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let bootstrap = reliq_integration::settings::authority(&reliq_integration::settings::get(
+        "RELIQ_KAFKA_URL",
+    ))
+    .to_owned();
+    let client: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()?;
+    let list = client.fetch_group_list(Some(group), Duration::from_secs(10))?;
+    let info = list
+        .groups()
+        .iter()
+        .find(|g| g.name() == group)
+        .ok_or_else(|| anyhow::anyhow!("group {group} not described"))?;
+    let mut members: Vec<(String, Vec<u8>)> = info
+        .members()
+        .iter()
+        .map(|m| {
+            (
+                m.id().to_owned(),
+                m.assignment().unwrap_or_default().to_vec(),
+            )
+        })
+        .collect();
+    members.sort();
+    Ok((info.state().to_owned(), members))
+}
+
 mod kafka {
     use super::*;
 
@@ -76,6 +109,85 @@ mod kafka {
             "{s:?}"
         );
         ensure!(backend.name() == "kafka");
+        Ok(())
+    }
+
+    /// A relay holding more than its bound (1,024 records) on a tier longer than
+    /// `max.poll.interval.ms` (7 s here): it first stops taking records, then pauses the
+    /// partition at the bound and polls again, so its group does not rebalance while the
+    /// records wait; and every one comes back no earlier than the tier, within 2 s after
+    /// it (those behind the bound are fetched again after the resume).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_over_its_bound_on_a_long_tier_keeps_its_group_and_its_timing()
+    -> anyhow::Result<()> {
+        let backend = KafkaBackend::new();
+        let ctx = Ctx::new(&backend, "relay-bound").await?;
+        let prefix = unique("g");
+        let url = format!(
+            "{}&session.timeout.ms=6000&max.poll.interval.ms=7000&reliq.partitions=1",
+            reliq_integration::kafka::url_with_group_prefix(&prefix)
+        );
+        let broker: Arc<dyn Broker> = Arc::new(KafkaBroker::connect(&url)?);
+        let tier = Duration::from_secs(10);
+        let rec = Recorder::new();
+        let h = ctx
+            .consumer_on(broker, "c")
+            .retry(RetryPolicy::tiers([tier]).max_attempts(2))
+            .start(rec.failing_first_attempt())
+            .await?;
+        const N: usize = 1_500;
+        ctx.publish_all((0..N).map(|i| Message::new(format!("m-{i}"))).collect())
+            .await?;
+        wait_until(
+            "every first attempt retried",
+            Duration::from_secs(30),
+            || h.stats().retried == N as u64,
+        )
+        .await?;
+        let relay_group = format!("{prefix}.c.retry.10000ms");
+        let before = members(&relay_group)?;
+        ensure!(before.0 == "Stable" && before.1.len() == 1, "{before:?}");
+        // Past max.poll.interval.ms since the relay reached its bound, before the tier.
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        ensure!(rec.effect_count() == 0, "a retry came back before its tier");
+        let during = members(&relay_group)?;
+        ensure!(
+            during == before,
+            "the relay's group changed while it held its records: {before:?} → {during:?}"
+        );
+        wait_until("every retry handled", Duration::from_secs(30), || {
+            rec.effect_count() == N
+        })
+        .await?;
+        let calls = rec.calls();
+        let first: std::collections::HashMap<_, _> = calls
+            .iter()
+            .filter(|c| c.attempt == 1)
+            .map(|c| (c.id.clone(), c.at))
+            .collect();
+        let mut waits: Vec<Duration> = calls
+            .iter()
+            .filter(|c| c.attempt == 2)
+            .map(|c| first.get(&c.id).map(|at| c.at - *at))
+            .collect::<Option<_>>()
+            .ok_or_else(|| anyhow::anyhow!("a retry without its first attempt"))?;
+        ensure!(waits.len() == N, "{} retries handled", waits.len());
+        waits.sort();
+        let (shortest, longest) = (waits[0], waits[N - 1]);
+        ensure!(
+            shortest >= tier,
+            "a retry after {shortest:?}, before the tier"
+        );
+        ensure!(
+            longest <= tier + Duration::from_secs(2),
+            "a retry after {longest:?}, more than 2 s late"
+        );
+        ensure!(
+            members(&relay_group)? == before,
+            "the same relay member and assignment after"
+        );
+        let s = h.shutdown().await.stats;
+        ensure!(s.retried == N as u64 && s.processed == N as u64, "{s:?}");
         Ok(())
     }
 
@@ -338,20 +450,9 @@ mod kafka {
         let tier = Duration::from_secs(8);
         let rec = Recorder::new();
         let start = |rec: &Recorder| {
-            let r = rec.clone();
             ctx.consumer("c")
                 .retry(RetryPolicy::tiers([tier]).max_attempts(2))
-                .start(move |d: Delivery| {
-                    let r = r.clone();
-                    async move {
-                        r.call(&d);
-                        if d.attempt() == 1 {
-                            return Err(Transient::msg("downstream 503").into());
-                        }
-                        r.effect(d.id());
-                        Ok::<(), BoxError>(())
-                    }
-                })
+                .start(rec.failing_first_attempt())
         };
         let first = start(&rec).await?;
         let m = Message::new("flaky");
@@ -1000,39 +1101,6 @@ mod kafka_dead_letters {
 /// The circuit breaker on Kafka: paused without leaving the group.
 mod kafka_breaker {
     use super::*;
-
-    /// A group's state and its members' (id, assignment), as the coordinator says.
-    type GroupView = (String, Vec<(String, Vec<u8>)>);
-
-    /// The group's members and their assignments, as the coordinator describes them.
-    fn members(group: &str) -> anyhow::Result<GroupView> {
-        use rdkafka::consumer::{BaseConsumer, Consumer as _};
-        let bootstrap = reliq_integration::settings::authority(&reliq_integration::settings::get(
-            "RELIQ_KAFKA_URL",
-        ))
-        .to_owned();
-        let client: BaseConsumer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", bootstrap)
-            .create()?;
-        let list = client.fetch_group_list(Some(group), Duration::from_secs(10))?;
-        let info = list
-            .groups()
-            .iter()
-            .find(|g| g.name() == group)
-            .ok_or_else(|| anyhow::anyhow!("group {group} not described"))?;
-        let mut members: Vec<(String, Vec<u8>)> = info
-            .members()
-            .iter()
-            .map(|m| {
-                (
-                    m.id().to_owned(),
-                    m.assignment().unwrap_or_default().to_vec(),
-                )
-            })
-            .collect();
-        members.sort();
-        Ok((info.state().to_owned(), members))
-    }
 
     /// A circuit breaker held open for longer than `max.poll.interval.ms` (7 s here): the
     /// poll thread keeps polling with the partitions paused, so the group does not

@@ -10,7 +10,7 @@ use anyhow::{Context as _, bail, ensure};
 use async_trait::async_trait;
 use reliq_core::{
     Broker, Consumer, ConsumerBuilder, Cursor, DeadLetter, DeadLetterEntry, DeadLetters, Delivery,
-    Destination, Message, MessageId, RetryPolicy, Subscription,
+    Destination, Message, MessageId, RetryPolicy, Subscription, Transient,
 };
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
@@ -269,6 +269,23 @@ pub struct Call {
     pub headers: Vec<(String, String)>,
 }
 
+/// A per-message handler made by a [`Recorder`].
+pub trait RecordingHandler:
+    Fn(Delivery) -> futures::future::BoxFuture<'static, Result<(), reliq_core::BoxError>>
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<F> RecordingHandler for F where
+    F: Fn(Delivery) -> futures::future::BoxFuture<'static, Result<(), reliq_core::BoxError>>
+        + Send
+        + Sync
+        + 'static
+{
+}
+
 /// Records handler calls and effects, shared between a test and its handler.
 #[derive(Clone, Default)]
 pub struct Recorder {
@@ -346,20 +363,30 @@ impl Recorder {
     }
 
     /// A handler that records each call and its effect, and succeeds.
-    pub fn succeeding(
-        &self,
-    ) -> impl Fn(Delivery) -> futures::future::BoxFuture<'static, Result<(), reliq_core::BoxError>>
-    + Send
-    + Sync
-    + 'static {
+    pub fn succeeding(&self) -> impl RecordingHandler + use<> {
+        self.failing_attempts_below(1)
+    }
+
+    /// A handler that records each call, fails each message's first attempt
+    /// (transient: "fails once") and records the effect of the second.
+    pub fn failing_first_attempt(&self) -> impl RecordingHandler + use<> {
+        self.failing_attempts_below(2)
+    }
+
+    /// Records each call; attempts below `succeeds_at` fail (transient), the others
+    /// record their effect and succeed.
+    fn failing_attempts_below(&self, succeeds_at: u32) -> impl RecordingHandler + use<> {
         let rec = self.clone();
         move |d: Delivery| {
             let r = rec.clone();
             Box::pin(async move {
                 r.call(&d);
+                if d.attempt() < succeeds_at {
+                    return Err(Transient::msg("fails once").into());
+                }
                 r.effect(d.id());
                 Ok(())
-            })
+            }) as futures::future::BoxFuture<'static, Result<(), reliq_core::BoxError>>
         }
     }
 

@@ -12,7 +12,7 @@ use super::poll::POLL_BATCH;
 /// would discard that queue and cost a refetch (hundreds of milliseconds) on resume; only
 /// a buffer full for longer than this pauses the partitions, so the poll loop goes back
 /// to serving rebalances and `max.poll.interval.ms` while slow handlers catch up.
-const FLOW_PAUSE_AFTER: Duration = Duration::from_secs(1);
+pub(super) const FLOW_PAUSE_AFTER: Duration = Duration::from_secs(1);
 /// Longest a poll thread waits for room in a full buffer before it looks again (the
 /// runtime wakes it as soon as it takes records).
 pub(super) const FULL_RECHECK: Duration = Duration::from_millis(1);
@@ -71,9 +71,67 @@ impl Flow {
     }
 }
 
+/// A relay's intake while it holds its bound of records not due yet (`RELAY_HOLD`): its
+/// poll thread takes no records, which wait in librdkafka's bounded fetch queue, until
+/// every partition is down to half — no pause, so nothing fetched is discarded. Held
+/// back for [`FLOW_PAUSE_AFTER`] (a tier long enough that its heads are not due soon),
+/// the relay pauses the partitions at the bound instead and polls again, so rebalances
+/// and `max.poll.interval.ms` are served while they wait.
+#[derive(Default)]
+pub(super) struct RelayHold {
+    /// Since when the relay has held its bound.
+    since: Option<Instant>,
+    /// Held back too long: pause the partitions at the bound, take records again.
+    pub(super) pausing: bool,
+}
+
+impl RelayHold {
+    /// Update with whether the relay holds its bound (`over`); `true` = take no records
+    /// now.
+    pub(super) fn hold_back(&mut self, over: bool, now: Instant) -> bool {
+        if !over {
+            self.since = None;
+            self.pausing = false;
+            return false;
+        }
+        let since = *self.since.get_or_insert(now);
+        if now.duration_since(since) >= FLOW_PAUSE_AFTER {
+            self.pausing = true;
+        }
+        !self.pausing
+    }
+
+    /// Held back now (the caller's hysteresis: over the bound until down to half).
+    pub(super) fn holding(&self) -> bool {
+        self.since.is_some()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_relay_at_its_bound_holds_back_then_pauses_until_below_it() {
+        let mut hold = RelayHold::default();
+        let t0 = Instant::now();
+        assert!(!hold.hold_back(false, t0), "under the bound: take records");
+        assert!(
+            hold.hold_back(true, t0),
+            "at the bound: hold back, no pause"
+        );
+        assert!(hold.holding() && !hold.pausing);
+        assert!(hold.hold_back(true, t0 + FLOW_PAUSE_AFTER / 2));
+        // Held back for long: pause at the bound, take records again.
+        assert!(!hold.hold_back(true, t0 + FLOW_PAUSE_AFTER));
+        assert!(hold.pausing);
+        // Down to half: neither.
+        assert!(!hold.hold_back(false, t0 + FLOW_PAUSE_AFTER * 2));
+        assert!(!hold.holding() && !hold.pausing);
+        // Over again later: the clock starts again.
+        assert!(hold.hold_back(true, t0 + FLOW_PAUSE_AFTER * 3));
+        assert!(!hold.pausing);
+    }
 
     #[test]
     fn a_full_buffer_holds_records_back_then_pauses_until_a_quarter_is_left() {

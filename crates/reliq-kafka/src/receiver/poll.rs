@@ -13,7 +13,7 @@ use reliq_core::Delivery;
 use reliq_core::headers::{self, Origin};
 
 use super::consumer::ConsumerHandle;
-use super::flow::{FULL_RECHECK, Flow, buffer_bound, refill_room};
+use super::flow::{FULL_RECHECK, Flow, RelayHold, buffer_bound, refill_room};
 use super::rebalance::Ctx;
 use super::token::TokenInfo;
 use super::{Held, Polled, Record, Role, Shared, State, lock};
@@ -58,6 +58,9 @@ pub(super) struct Pass {
     pending: Vec<Polled>,
     /// The poll thread's consumer, for the records it hands out.
     owner: Arc<ConsumerHandle>,
+    /// A relay held back at its bound for long ([`RelayHold::pausing`]): a partition
+    /// reaching the bound is paused at once.
+    relay_pausing: bool,
 }
 
 impl Pass {
@@ -67,6 +70,7 @@ impl Pass {
             fast: Vec::new(),
             pending: Vec::with_capacity(POLL_BATCH),
             owner,
+            relay_pausing: false,
         }
     }
 
@@ -137,12 +141,14 @@ impl Shared {
         let mut pass = Pass::new(owned.clone());
         let mut fetched = Vec::with_capacity(POLL_BATCH);
         let mut next_route = Instant::now() + ROUTE_EVERY;
+        let relay = matches!(self.clients[client].role, Role::Relay(_));
+        let mut relay_hold = RelayHold::default();
         while !self.is_stopped() {
             let queued = lock(&self.state).queued;
             let now = Instant::now();
             let hold_back = flow.hold_back(queued, self.sub.prefetch, now);
             if now >= next_service {
-                timeout = self.service(client, consumer, flow.paused, &mut out);
+                timeout = self.service(client, consumer, flow.paused, relay_hold.pausing, &mut out);
                 self.flush(&mut out);
                 next_service = now + SERVICE_EVERY;
             }
@@ -160,6 +166,13 @@ impl Shared {
                 }
                 continue;
             }
+            // A relay holding its bound takes nothing until its heads fall due and the
+            // service hands them out (see `RelayHold`).
+            if relay && relay_hold.hold_back(self.relay_over(client, relay_hold.holding()), now) {
+                std::thread::sleep(next_service.saturating_duration_since(now));
+                continue;
+            }
+            pass.relay_pausing = relay_hold.pausing;
             // Events first (rebalances, errors, commit results), without waiting: they
             // wait at most one pass, at most `POLL_SLICE`.
             for _ in 0..EVENTS_PER_PASS {
@@ -219,6 +232,15 @@ impl Shared {
         drop(owned);
     }
 
+    /// Whether relay `client` holds its bound of records in a partition; with `already`
+    /// (it did), whether one is still above half of it.
+    fn relay_over(&self, client: usize, already: bool) -> bool {
+        lock(&self.state)
+            .parts
+            .iter()
+            .any(|((c, _), part)| *c == client && part.over_hold(already))
+    }
+
     /// Route `client`'s assigned partitions to its fetch queue again (see
     /// [`ROUTE_EVERY`]).
     fn route(&self, client: usize, fetch: &FetchQueue) {
@@ -233,14 +255,15 @@ impl Shared {
         }
     }
 
-    /// Commit what moved, hand out due relay records, pause/resume (relay heads not due
-    /// yet; every partition while `flow_paused`). Returns how long the next poll may
-    /// block.
+    /// Commit what moved, hand out due relay records, pause/resume (every partition
+    /// while `flow_paused`; a relay's partitions at their bound while `relay_pausing`).
+    /// Returns how long the next poll may block.
     fn service(
         &self,
         client: usize,
         consumer: &BaseConsumer<Ctx>,
         flow_paused: bool,
+        relay_pausing: bool,
         out: &mut Vec<Record>,
     ) -> Duration {
         let topic = self.clients[client].topic.as_str();
@@ -295,8 +318,8 @@ impl Shared {
             }
         }
         // Pause every partition while flow control says so, a relay partition while it
-        // holds its bound of records not due yet, and a blocking-mode partition while its
-        // failed record waits for its retry.
+        // holds its bound of records not due yet and holding back has lasted, and a
+        // blocking-mode partition while its failed record waits for its retry.
         let mut pause = TopicPartitionList::new();
         let mut resume = TopicPartitionList::new();
         let mut next_due: Option<Duration> = None;
@@ -313,7 +336,7 @@ impl Shared {
                 }
                 let want = flow_paused
                     || if relay {
-                        part.relay_full()
+                        relay_pausing && part.relay_full()
                     } else {
                         !part.held.is_empty()
                     };
@@ -428,7 +451,7 @@ impl Shared {
                     offset,
                     delivery,
                 });
-                if !part.paused && part.relay_full() {
+                if pass.relay_pausing && !part.paused && part.relay_full() {
                     // Stop fetching: the partition holds its bound of records not due.
                     part.paused = true;
                     let mut tpl = TopicPartitionList::new();
