@@ -37,7 +37,8 @@
 //!
 //! `--timeline-ms W` (the per-message reliq rounds): after each round, reliq's handler calls
 //! per W ms since the first delivery by attempt, and the round's CPU per message by
-//! thread name — where a slow round's time goes.
+//! thread name — where a slow round's time goes. `--thread-cpu`: only the CPU by thread
+//! (the timeline's recording costs a lock per call, too much for a consume round).
 
 use std::future::Future;
 use std::sync::Arc;
@@ -201,7 +202,8 @@ async fn reliq_consume(
         if timeline_bucket.is_some() { 2 * n } else { 0 },
     )));
     let record = timeline_bucket.map(|_| calls.clone());
-    let threads0 = timeline_bucket.map(|_| thread_cpu());
+    let by_thread = timeline_bucket.is_some() || std::env::args().any(|a| a == "--thread-cpu");
+    let threads0 = by_thread.then(thread_cpu);
     let cpu0 = cpu_time();
     let count = move |handled: usize| {
         f2.get_or_init(Instant::now);
