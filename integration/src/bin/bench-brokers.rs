@@ -1187,7 +1187,7 @@ struct Series {
     /// Kafka: the raw consumer that also reads each record's message id (see
     /// `raw_kafka::consume`), reported on a second line.
     raw_reading_id: Vec<Rate>,
-    /// RabbitMQ and NATS: the fastest safe raw consume (`consume_fast`), beside the
+    /// RabbitMQ, NATS and SQS: the fastest safe raw consume (`consume_fast`), beside the
     /// plain idiom: "vs the limit".
     raw_limit: Vec<Rate>,
 }
@@ -1390,6 +1390,20 @@ mod raw_sqs {
         Ok(Rate::since(n, t0, cpu0))
     }
 
+    /// The fastest safe consume: [`receive_and_settle`]'s loop, each batch deleted
+    /// (`DeleteMessageBatch`) while the next is received, up to the prefetch.
+    pub async fn consume_fast(n: usize) -> anyhow::Result<Rate> {
+        let (client, _) = queue().await?;
+        receive_and_settle(n, n, move |url, messages| {
+            let client = client.clone();
+            Box::pin(async move {
+                delete(&client, &url, &messages).await?;
+                Ok(messages.len())
+            })
+        })
+        .await
+    }
+
     /// `DeleteMessageBatch` of `messages` (at most 10), every entry confirmed.
     async fn delete(
         client: &aws_sdk_sqs::Client,
@@ -1418,7 +1432,7 @@ mod raw_sqs {
     /// (`SendMessageBatch`, every entry confirmed), then deleted.
     pub async fn forward(n: usize) -> anyhow::Result<Rate> {
         let (client, dlq) = queue().await?;
-        failure_path(n, n, move |url, messages| {
+        receive_and_settle(n, n, move |url, messages| {
             let (client, dlq) = (client.clone(), dlq.clone());
             Box::pin(async move {
                 let mut copy = client.send_message_batch().queue_url(&dlq);
@@ -1447,7 +1461,7 @@ mod raw_sqs {
         use aws_sdk_sqs::types::ChangeMessageVisibilityBatchRequestEntry;
         let seen = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
         let (client, _) = queue().await?;
-        failure_path(n, 2 * n, move |url, messages| {
+        receive_and_settle(n, 2 * n, move |url, messages| {
             let (client, seen) = (client.clone(), seen.clone());
             Box::pin(async move {
                 let (again, first): (Vec<Message>, Vec<Message>) = {
@@ -1483,12 +1497,12 @@ mod raw_sqs {
         .await
     }
 
-    /// A failure path's loop on a queue filled with `n`: one receive loop (10 at a time,
-    /// long poll) until `receipts` messages are received, each batch settled by `settle`
-    /// while the next is received — up to [`PREFETCH`] messages in flight, as reliq's
+    /// A pipelined receive loop on a queue filled with `n`: receives (10 at a time, long
+    /// poll) one after another until `receipts` messages are received, each batch settled
+    /// by `settle` while the next is received — up to [`PREFETCH`] messages in flight, as reliq's
     /// receiver holds them. `settle` returns how many of its messages are finished. Timed
     /// from the first receive that returns messages to the n-th finished.
-    async fn failure_path(
+    async fn receive_and_settle(
         n: usize,
         receipts: usize,
         settle: impl Fn(
@@ -1635,11 +1649,11 @@ async fn main() -> anyhow::Result<()> {
                 consume.raw_reading_id.push(raw);
                 batched.raw_reading_id.push(raw);
             }
-            if reliq_rounds && matches!(broker_name.as_str(), "rabbit" | "nats") {
-                let raw = if broker_name == "rabbit" {
-                    raw_rabbit::consume_fast(n).await?
-                } else {
-                    raw_nats::consume_fast(n).await?
+            if reliq_rounds && matches!(broker_name.as_str(), "rabbit" | "nats" | "sqs") {
+                let raw = match broker_name.as_str() {
+                    "rabbit" => raw_rabbit::consume_fast(n).await?,
+                    "nats" => raw_nats::consume_fast(n).await?,
+                    _ => raw_sqs::consume_fast(n).await?,
                 };
                 consume.raw_limit.push(raw);
                 batched.raw_limit.push(raw);
