@@ -16,6 +16,18 @@ use reliq_kafka::KafkaBroker;
 /// A group's state and its members' (id, assignment), as the coordinator says.
 type GroupView = (String, Vec<(String, Vec<u8>)>);
 
+/// A broker whose groups have a prefix of their own (returned, to name them) and a
+/// `max.poll.interval.ms` of 7 s (session 6 s), so a test can outlast it; `extra` is
+/// appended to the URL.
+fn broker_with_short_poll_interval(extra: &str) -> anyhow::Result<(String, Arc<dyn Broker>)> {
+    let prefix = unique("g");
+    let url = format!(
+        "{}&session.timeout.ms=6000&max.poll.interval.ms=7000{extra}",
+        reliq_integration::kafka::url_with_group_prefix(&prefix)
+    );
+    Ok((prefix, Arc::new(KafkaBroker::connect(&url)?)))
+}
+
 /// The group's members and their assignments, as the coordinator describes them.
 fn members(group: &str) -> anyhow::Result<GroupView> {
     use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -122,12 +134,7 @@ mod kafka {
     -> anyhow::Result<()> {
         let backend = KafkaBackend::new();
         let ctx = Ctx::new(&backend, "relay-bound").await?;
-        let prefix = unique("g");
-        let url = format!(
-            "{}&session.timeout.ms=6000&max.poll.interval.ms=7000&reliq.partitions=1",
-            reliq_integration::kafka::url_with_group_prefix(&prefix)
-        );
-        let broker: Arc<dyn Broker> = Arc::new(KafkaBroker::connect(&url)?);
+        let (prefix, broker) = broker_with_short_poll_interval("&reliq.partitions=1")?;
         let tier = Duration::from_secs(10);
         let rec = Recorder::new();
         let h = ctx
@@ -1113,12 +1120,7 @@ mod kafka_breaker {
         use std::sync::atomic::{AtomicBool, Ordering};
         let backend = KafkaBackend::new();
         let ctx = Ctx::new(&backend, "breaker-group").await?;
-        let prefix = unique("g");
-        let url = format!(
-            "{}&session.timeout.ms=6000&max.poll.interval.ms=7000",
-            reliq_integration::kafka::url_with_group_prefix(&prefix)
-        );
-        let broker: Arc<dyn Broker> = Arc::new(KafkaBroker::connect(&url)?);
+        let (prefix, broker) = broker_with_short_poll_interval("")?;
         let breaker = CircuitBreaker::new(unique("db"))
             .minimum_calls(3)
             .cool_down(Duration::from_secs(12))
