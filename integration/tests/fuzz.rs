@@ -254,6 +254,22 @@ trait RawPublisher {
 }
 
 async fn run(backend: &dyn Backend, raw: &impl RawPublisher) -> anyhow::Result<()> {
+    // The run's WARN and ERROR events, for the report of a failed run: its timing is part
+    // of it, and a seed alone does not repeat it.
+    let log = reliq_conformance::support::captured_log()?;
+    check(backend, raw).await.map_err(|e| {
+        let warnings = notable_warnings(&log);
+        if warnings.is_empty() {
+            e
+        } else {
+            e.context(format!(
+                "failed; the run's warnings but the dead-lettering ones (at most 60):\n{warnings}"
+            ))
+        }
+    })
+}
+
+async fn check(backend: &dyn Backend, raw: &impl RawPublisher) -> anyhow::Result<()> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let seed = env("RELIQ_FUZZ_SEED").map_or_else(|| Ok(fastrand::u64(..)), |v| v.parse())?;
     let n: usize = env("RELIQ_FUZZ_MESSAGES").map_or(Ok(raw.default_messages()), |v| v.parse())?;
@@ -411,10 +427,54 @@ async fn run(backend: &dyn Backend, raw: &impl RawPublisher) -> anyhow::Result<(
             (false, None) => missing.push(m.seq),
         }
     }
-    ensure!(
-        missing.is_empty(),
-        "lost (neither processed nor parked): {missing:?}"
-    );
+    if !missing.is_empty() {
+        // What the run knows of each lost message, to tell a loss before the handler
+        // from one after it (refused but not in the DLQ) on a run that cannot be repeated.
+        let seen: Vec<String> = missing
+            .iter()
+            .map(|seq| {
+                let m = &messages[*seq];
+                format!(
+                    "{seq}: refused by the handler {}, payload {} bytes{}, key {:?}, id {:?}, headers {:?}",
+                    refused.contains(seq),
+                    m.payload().len(),
+                    if m.payload.is_none() { " (none)" } else { "" },
+                    m.key.as_ref().map(Vec::len),
+                    m.id,
+                    m.headers.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>()
+                )
+            })
+            .collect();
+        // The DLQ's own count (watermarks, no read) beside what one page read of it, and
+        // what a second reader finds of the lost: a read that missed an entry, or no
+        // entry at all.
+        let counted = dlq.count().await.map(|c| c.count);
+        let again = match ctx.broker.dead_letters(&ctx.subscription("fuzz")).await {
+            Ok(second) => match second.browse(&Cursor::start(), 2 * n).await {
+                Ok(page) => {
+                    let found: Vec<usize> = page
+                        .entries
+                        .iter()
+                        .filter_map(|e| e.headers().get(SEQ)?.parse().ok())
+                        .filter(|seq| missing.contains(seq))
+                        .collect();
+                    format!(
+                        "{} entries, the lost among them: {found:?}",
+                        page.entries.len()
+                    )
+                }
+                Err(e) => format!("failed: {e}"),
+            },
+            Err(e) => format!("failed to open: {e}"),
+        };
+        bail!(
+            "lost (neither processed nor parked): {missing:?}; {} processed, {} refused, {} DLQ entries read, DLQ count {counted:?}, a second reader's read: {again}; stats {stats:?}\n{}",
+            processed.len(),
+            refused.len(),
+            entries.len(),
+            seen.join("\n")
+        );
+    }
     let by_reason = parked
         .values()
         .fold(BTreeMap::<&str, usize>::new(), |mut acc, r| {
@@ -447,6 +507,17 @@ async fn run(backend: &dyn Backend, raw: &impl RawPublisher) -> anyhow::Result<(
         slack >> 20
     );
     Ok(())
+}
+
+/// The run's WARN and ERROR events but the one per parked message, at most 60.
+fn notable_warnings(log: &reliq_conformance::support::CapturedLog) -> String {
+    log.warnings()
+        .iter()
+        .filter(|w| !w.contains("dead-lettering"))
+        .take(60)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// `fut`, or an error naming `what` after two minutes.

@@ -38,12 +38,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use rdkafka::ClientContext;
 use rdkafka::admin::AdminOptions;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError as RdError;
 use rdkafka::message::{BorrowedMessage, Message as _};
 use rdkafka::producer::FutureRecord;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::util::Timeout;
 use reliq_core::dead_letters::IdCounts;
 use reliq_core::{
@@ -126,9 +128,30 @@ impl Cache {
     }
 }
 
+/// The reader's consumer: assigned partitions only (its group is never joined).
+type ReaderConsumer = BaseConsumer<ReaderContext>;
+
+/// The reader consumer's context. A read ends by unassigning its partitions, and the
+/// end-of-partition events librdkafka still had on the way then reach its error
+/// callback, which by default logs each as an ERROR — one per DLQ partition on every
+/// browse, on a reader that did nothing wrong. They are dropped here; every other error
+/// is logged as before.
+struct ReaderContext;
+
+impl ClientContext for ReaderContext {
+    fn error(&self, error: RdError, reason: &str) {
+        if matches!(error, RdError::Global(RDKafkaErrorCode::PartitionEOF)) {
+            tracing::trace!(reason, "end of a DLQ partition after its read ended");
+        } else {
+            tracing::error!(error = %error, reason, "the Kafka dead-letter reader's client reports an error");
+        }
+    }
+}
+
+impl ConsumerContext for ReaderContext {}
+
 struct Reader {
-    /// Assigned partitions only (its group is never joined).
-    consumer: BaseConsumer,
+    consumer: ReaderConsumer,
     dlq: String,
     ledger: String,
     cache: Cache,
@@ -154,10 +177,10 @@ impl KafkaDeadLetters {
         let ledger = ledger_topic(&dlq);
         inner.ensure_dead_letter_topics(&dlq).await?;
         inner.wait_visible(&[dlq.clone(), ledger.clone()]).await?;
-        let consumer: BaseConsumer = inner
+        let consumer: ReaderConsumer = inner
             .config
             .reader(&browse_group(sub))
-            .create()
+            .create_with_context(ReaderContext)
             .map_err(|e| BrokerError::from(KafkaError::Client(e)))?;
         Ok(Self {
             inner,
@@ -304,7 +327,7 @@ impl KafkaDeadLetters {
 }
 
 /// `topic`'s partitions and their watermarks.
-fn partitions(consumer: &BaseConsumer, topic: &str) -> Result<Vec<Span>, BrokerError> {
+fn partitions(consumer: &ReaderConsumer, topic: &str) -> Result<Vec<Span>, BrokerError> {
     let metadata = consumer
         .fetch_metadata(Some(topic), META_TIMEOUT)
         .map_err(|e| read_error(e, &format!("the metadata of {topic}")))?;
@@ -334,7 +357,7 @@ fn partitions(consumer: &BaseConsumer, topic: &str) -> Result<Vec<Span>, BrokerE
 /// cluster fails requests until a new leader is elected: asked again until
 /// `META_TIMEOUT` has passed, on this blocking thread.
 fn watermarks(
-    consumer: &BaseConsumer,
+    consumer: &ReaderConsumer,
     topic: &str,
     partition: i32,
 ) -> Result<(i64, i64), BrokerError> {
@@ -360,7 +383,7 @@ fn watermarks(
 /// exclusive), handing each record to `visit`; each partition's next position after the
 /// scan (its first offset if nothing was taken, its end if it was read to the end).
 fn scan(
-    consumer: &BaseConsumer,
+    consumer: &ReaderConsumer,
     topic: &str,
     ranges: &[(i32, i64, i64)],
     mut visit: impl FnMut(&BorrowedMessage<'_>) -> Next,
