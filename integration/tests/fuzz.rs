@@ -372,6 +372,8 @@ async fn check(backend: &dyn Backend, raw: &impl RawPublisher) -> anyhow::Result
             .get(SEQ)
             .context("a DLQ entry lost its fuzz-seq header")?
             .parse()?;
+        // A fuzz-seq no message was sent with would be counted for none of them.
+        ensure!(seq < n, "a DLQ entry with fuzz-seq {seq}, sent were 0..{n}");
         ensure!(
             record.reason == reliq_core::headers::DeadLetterReason::MaxDeliveries
                 || record.error.as_deref().is_some_and(|e| !e.is_empty()),
@@ -399,6 +401,10 @@ async fn check(backend: &dyn Backend, raw: &impl RawPublisher) -> anyhow::Result
     ensure!(
         *unreadable.lock().expect("lock") == 0,
         "the handler saw a message without its fuzz-seq header"
+    );
+    ensure!(
+        processed_set.iter().chain(&refused).all(|seq| *seq < n),
+        "the handler saw a fuzz-seq no message was sent with"
     );
     let mut missing = Vec::new();
     for m in &messages {
