@@ -303,15 +303,9 @@ mod kafka {
         drop(ctx);
         drop(backend);
         // A record's last holder destroys its consumer on a thread of its own: give the
-        // destroys a moment to log (an absence can only be observed over a period).
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let lines = log.warnings();
-        ensure!(
-            lines.is_empty(),
-            "a clean run logged:\n{}",
-            lines.join("\n")
-        );
-        Ok(())
+        // destroys a moment to log.
+        log.ensure_quiet_after(Duration::from_secs(2), "a clean run")
+            .await
     }
 
     /// A member of group `c` on `topic` that records into `rec` (1 ms of work each).
@@ -912,14 +906,8 @@ mod kafka_dead_letters {
             );
         }
         // The reader's consumer is destroyed on drop; give late events a moment to log.
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let lines = log.warnings();
-        ensure!(
-            lines.is_empty(),
-            "reading the DLQ logged:\n{}",
-            lines.join("\n")
-        );
-        Ok(())
+        log.ensure_quiet_after(Duration::from_secs(2), "reading the DLQ")
+            .await
     }
 
     /// Pages of 7 over 40 dead letters on 3 partitions cover each entry exactly once; the

@@ -480,6 +480,21 @@ impl std::fmt::Debug for CapturedLog {
 }
 
 impl CapturedLog {
+    /// After `settle` (clients close and log on threads of their own: an absence can
+    /// only be observed over a period), fail naming `what` with every WARN and ERROR
+    /// event logged so far, if there is one.
+    pub async fn ensure_quiet_after(&self, settle: Duration, what: &str) -> anyhow::Result<()> {
+        tokio::time::sleep(settle).await;
+        let lines = self.warnings();
+        ensure!(
+            lines.is_empty(),
+            "{what} logged {} warnings or errors:\n{}",
+            lines.len(),
+            lines.join("\n")
+        );
+        Ok(())
+    }
+
     /// Every WARN and ERROR event so far, as `LEVEL target: message`.
     pub fn warnings(&self) -> Vec<String> {
         self.events
