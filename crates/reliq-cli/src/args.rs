@@ -45,9 +45,13 @@ pub struct BrokerArgs {
     /// Broker URL: kafka://…, amqp://…, nats://…, sqs://…, memory://.
     #[arg(long, env = "RELIQ_URL")]
     pub url: Option<String>,
+    /// Instead of --url: a file holding the URL (one line), so that a URL with a
+    /// password never shows in the process list (e.g. a mounted secret).
+    #[arg(long, env = "RELIQ_URL_FILE", conflicts_with = "url")]
+    pub url_file: Option<PathBuf>,
     /// Instead of --url: a backend name (kafka, rabbit, nats, sqs) whose URL is
     /// `RELIQ_<NAME>_URL` from the environment or ./brokers.env.
-    #[arg(long, env = "RELIQ_BACKEND", conflicts_with = "url")]
+    #[arg(long, env = "RELIQ_BACKEND", conflicts_with_all = ["url", "url_file"])]
     pub backend: Option<String>,
 }
 
@@ -57,9 +61,21 @@ impl BrokerArgs {
         if let Some(url) = &self.url {
             return Ok(url.clone());
         }
+        if let Some(path) = &self.url_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| crate::bad_input(format!("--url-file {}: {e}", path.display())))?;
+            let url = text.trim();
+            if url.is_empty() {
+                return Err(crate::bad_input(format!(
+                    "--url-file {}: the file is empty",
+                    path.display()
+                )));
+            }
+            return Ok(url.to_owned());
+        }
         let Some(backend) = &self.backend else {
             return Err(crate::bad_input(
-                "which broker? pass --url (or RELIQ_URL), or --backend kafka|rabbit|nats|sqs",
+                "which broker? pass --url (or RELIQ_URL), --url-file, or --backend kafka|rabbit|nats|sqs",
             ));
         };
         let key = format!("RELIQ_{}_URL", backend.to_ascii_uppercase());
@@ -313,6 +329,22 @@ pub enum TopologyCommand {
         /// Exit 5 on a breaking difference (default) or on any.
         #[arg(long, value_enum, default_value = "breaking")]
         fail_on: FailOn,
+    },
+    /// What the consumer's credentials must allow (Kafka ACLs as `kafka-acls.sh`
+    /// commands), from the same names as the plan; reads nothing from the broker.
+    Permissions {
+        #[command(flatten)]
+        subscription: SubscriptionArgs,
+        /// The principal to grant to, in the broker's form (Kafka: `User:orders-svc`).
+        #[arg(long)]
+        principal: Option<String>,
+        /// A topic the service also publishes to (repeat for several).
+        #[arg(long)]
+        publish: Vec<String>,
+        /// Also what the operator's tools need: `reliq dlq` (look, replay, edit, purge),
+        /// `reliq topology check`, the admin server.
+        #[arg(long)]
+        operator: bool,
     },
 }
 

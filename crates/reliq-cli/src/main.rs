@@ -153,16 +153,9 @@ fn metrics_recorder() -> Result<metrics_exporter_prometheus::PrometheusHandle, F
     Ok(handle)
 }
 
-/// The URL without its password, for messages.
+/// The URL without its secrets, for messages.
 fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => {
-            let userinfo = &url[scheme_end + 3..at];
-            let user = userinfo.split(':').next().unwrap_or("");
-            format!("{}{user}:***{}", &url[..scheme_end + 3], &url[at..])
-        }
-        _ => url.to_owned(),
-    }
+    reliq::secrets::redact_url(url)
 }
 
 fn print_json(value: &impl serde::Serialize) -> Result<(), Failure> {
@@ -224,6 +217,24 @@ async fn topology(command: TopologyCommand) -> Result<u8, Failure> {
                 FailOn::Any => !report.drift.is_empty(),
             };
             Ok(if fails { DRIFT } else { 0 })
+        }
+        TopologyCommand::Permissions {
+            subscription,
+            principal,
+            publish,
+            operator,
+        } => {
+            let broker = connect_broker(&subscription.target).await?;
+            let mut access = reliq::Access::consumer(subscription.subscription());
+            access.publishes = publish;
+            access.principal = principal;
+            access.operator = operator;
+            let permissions = broker.permissions(&access).await.map_err(|e| Failure {
+                message: format!("listing the permissions: {}", reliq::ErrorChain(&e)),
+                code: BAD_INPUT,
+            })?;
+            answer(subscription.target.json, &permissions, |p| print!("{p}"))?;
+            Ok(0)
         }
     }
 }

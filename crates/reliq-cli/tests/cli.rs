@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
 use reliq_core::{Broker, MessageId};
-use support::{consumer, dlq, json, park, reliq, run, unique, url, wait_for};
+use support::{consumer, dlq, json, park, reliq, run, unique, url, wait_as_planned, wait_for};
 
 fn ids_of(value: &serde_json::Value, field: &str) -> HashSet<String> {
     value[field]
@@ -267,25 +267,7 @@ async fn kafka_topology_plan_and_check() -> anyhow::Result<()> {
         "{plan}"
     );
     // Groups join shortly after start: wait until the check is clean.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let (code, text, err) = run(&mut topology(&[
-            "check",
-            "--retry-tiers",
-            "1s",
-            "--fail-on",
-            "any",
-        ]))?;
-        if code == 0 {
-            ensure!(text.contains("as planned"), "{text}");
-            break;
-        }
-        ensure!(
-            code == 5 && std::time::Instant::now() < deadline,
-            "exit {code}: {text}{err}"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    wait_as_planned(|| topology(&["check", "--retry-tiers", "1s", "--fail-on", "any"])).await?;
     let report = json(
         &mut topology(&["check", "--retry-tiers", "1s,2s", "--json"]),
         5,

@@ -84,6 +84,24 @@ pub trait Backend: Send + Sync + 'static {
 
 static UNIQUE: AtomicU64 = AtomicU64::new(0);
 
+/// The consumer builder every scenario starts from: `name` on `topic` with the backend's
+/// short tiers ([`Ctx::consumer`]). A backend that must prepare for a consumer before it
+/// starts (grant its permissions) builds the same subscription with it.
+pub fn test_consumer(
+    backend: &dyn Backend,
+    broker: Arc<dyn Broker>,
+    topic: &str,
+    name: &str,
+) -> ConsumerBuilder {
+    let [t1, t2] = backend.tiers();
+    Consumer::builder(broker, name)
+        .subscribe(topic.to_owned())
+        .retry(RetryPolicy::tiers([t1, t2]).max_attempts(3))
+        .max_in_flight(32)
+        .settle_backoff(Duration::from_millis(50), Duration::from_millis(500))
+        .shutdown_timeout(Duration::from_secs(10))
+}
+
 /// Per-test context: a connection and fresh names.
 pub struct Ctx<'a> {
     /// The backend.
@@ -126,13 +144,7 @@ impl<'a> Ctx<'a> {
 
     /// Same, on another connection.
     pub fn consumer_on(&self, broker: Arc<dyn Broker>, name: &str) -> ConsumerBuilder {
-        let [t1, t2] = self.backend.tiers();
-        Consumer::builder(broker, name)
-            .subscribe(self.topic.clone())
-            .retry(RetryPolicy::tiers([t1, t2]).max_attempts(3))
-            .max_in_flight(32)
-            .settle_backoff(Duration::from_millis(50), Duration::from_millis(500))
-            .shutdown_timeout(Duration::from_secs(10))
+        test_consumer(self.backend, broker, &self.topic, name)
     }
 
     /// The subscription a builder made by [`Ctx::consumer`] uses.

@@ -83,6 +83,19 @@ pub enum BrokerError {
         /// The operation.
         what: &'static str,
     },
+    /// The broker refused this principal an operation on a resource (a missing ACL or
+    /// permission). Another try is refused the same way until an operator grants it:
+    /// `reliq topology permissions` prints what the consumer needs.
+    #[error("not authorized: {resource}: {reason}")]
+    Unauthorized {
+        /// The resource the broker named (`topic orders.billing.dlq`, `group billing`).
+        resource: String,
+        /// What was being done, and what the broker said.
+        reason: String,
+        /// The client's error, if there was one.
+        #[source]
+        source: Option<BoxError>,
+    },
     /// Invalid configuration or URL; names the field.
     #[error("invalid configuration `{field}`: {reason}")]
     Config {
@@ -124,8 +137,8 @@ impl BrokerError {
 
     /// A short, stable name of the variant — the `kind` label of
     /// `reliq_publish_failures_total` and the spans' `error.type`: `unroutable`,
-    /// `rejected`, `timeout`, `connection`, `closed`, `foreign_delivery`, `unsupported`,
-    /// `config`, `other`.
+    /// `rejected`, `timeout`, `connection`, `closed`, `foreign_delivery`, `not_held`,
+    /// `unsupported`, `unauthorized`, `config`, `other`.
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Unroutable(_) => "unroutable",
@@ -136,6 +149,7 @@ impl BrokerError {
             Self::ForeignDelivery => "foreign_delivery",
             Self::NotHeld(_) => "not_held",
             Self::Unsupported { .. } => "unsupported",
+            Self::Unauthorized { .. } => "unauthorized",
             Self::Config { .. } => "config",
             Self::Other(_) => "other",
         }
@@ -154,6 +168,7 @@ impl BrokerError {
             // No retry changes a missing route, a setting or a backend's abilities.
             Self::Unroutable(_)
             | Self::Config { .. }
+            | Self::Unauthorized { .. }
             | Self::Unsupported { .. }
             | Self::ForeignDelivery => Some(Permanent),
             Self::Other(_) => None,
@@ -773,6 +788,21 @@ pub trait Broker: Send + Sync + 'static {
         let plan = self.plan(subscription).await?;
         let live = self.inspect(subscription, &plan).await?;
         Ok(TopologyReport::new(plan, &live))
+    }
+
+    /// What the credentials of a service with this `access` must allow at the broker —
+    /// derived from the same names as [`Broker::plan`], so least privilege is generated,
+    /// not guessed. Reads nothing from the broker. Backends that cannot say return
+    /// [`BrokerError::Unsupported`].
+    async fn permissions(
+        &self,
+        access: &crate::permissions::Access,
+    ) -> Result<crate::permissions::Permissions, BrokerError> {
+        let _ = access;
+        Err(BrokerError::Unsupported {
+            backend: self.kind(),
+            what: "permissions",
+        })
     }
 
     /// Deliver `message` to this consumer only (not to every consumer of its source),

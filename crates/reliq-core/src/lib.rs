@@ -61,9 +61,11 @@ pub mod lease;
 pub mod message;
 pub mod metered;
 pub mod outbox;
+pub mod permissions;
 pub mod replay;
 pub mod retry;
 pub mod seam;
+pub mod secrets;
 pub mod telemetry;
 pub mod topology;
 
@@ -93,6 +95,7 @@ pub use metered::MeteredBroker;
 pub use outbox::{
     OutboxBacklog, OutboxError, OutboxRecord, OutboxStore, Relay, RelayHandle, RelayStats,
 };
+pub use permissions::{Access, Grant, NamePattern, Permissions};
 pub use replay::{
     Corrected, Correction, Progress, PurgeReport, Replay, ReplayEntry, ReplayReport, ReplayTarget,
 };

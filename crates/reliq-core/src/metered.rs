@@ -171,6 +171,13 @@ impl Broker for MeteredBroker {
         self.inner.inspect(subscription, plan).await
     }
 
+    async fn permissions(
+        &self,
+        access: &crate::permissions::Access,
+    ) -> Result<crate::permissions::Permissions, BrokerError> {
+        self.inner.permissions(access).await
+    }
+
     async fn send_to_consumer(
         &self,
         subscription: &Subscription,

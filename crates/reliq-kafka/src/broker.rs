@@ -6,7 +6,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use rdkafka::admin::AdminClient;
-use rdkafka::client::DefaultClientContext;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::util::Timeout;
 use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription};
@@ -16,15 +15,18 @@ use crate::dead_letters::KafkaDeadLetters;
 use crate::error::{KafkaError, client_error};
 use crate::options::{BufferPolicy, KafkaConfig, RetryMode};
 use crate::receiver::KafkaReceiver;
+use crate::refusals::{Refusals, WatchingContext};
 use crate::routes::{ROUTE_RECHECK, Routes};
 
 pub(crate) struct Inner {
     pub(crate) config: KafkaConfig,
     /// Publishes (auto-create allowed where the broker allows it).
-    pub(crate) producer: FutureProducer,
+    pub(crate) producer: FutureProducer<WatchingContext>,
     /// Retry / DLQ copies (auto-create off; topics are declared at subscribe).
-    pub(crate) route_producer: FutureProducer,
-    pub(crate) admin: AdminClient<DefaultClientContext>,
+    pub(crate) route_producer: FutureProducer<WatchingContext>,
+    pub(crate) admin: AdminClient<WatchingContext>,
+    /// TLS / SASL refusals the clients above saw: requests end with them at once.
+    pub(crate) refusals: Refusals,
     /// Retry and DLQ topics seen to exist: [`route_produce`] looks a topic up again only
     /// after [`ROUTE_RECHECK`] or a failed produce to it, one lookup at a time.
     pub(crate) routes: Routes,
@@ -55,15 +57,21 @@ impl KafkaBroker {
 
     /// Connect with explicit settings.
     pub fn with_config(config: KafkaConfig) -> Result<Self, KafkaError> {
-        let producer = config.producer(true).create()?;
-        let route_producer = config.producer(false).create()?;
-        let admin = config.admin().create()?;
+        let refusals = Refusals::default();
+        let watching = || WatchingContext {
+            refusals: refusals.clone(),
+            plaintext: config.plaintext(),
+        };
+        let producer = config.producer(true).create_with_context(watching())?;
+        let route_producer = config.producer(false).create_with_context(watching())?;
+        let admin = config.admin().create_with_context(watching())?;
         Ok(Self {
             inner: Arc::new(Inner {
                 config,
                 producer,
                 route_producer,
                 admin,
+                refusals,
                 routes: Routes::new(ROUTE_RECHECK),
                 buffer_ratio: metrics::gauge!(
                     reliq_core::telemetry::PRODUCER_BUFFER_RATIO,
@@ -119,7 +127,15 @@ impl Inner {
             BufferPolicy::Block(d) => Timeout::After(d),
             BufferPolicy::FailFast => Timeout::After(Duration::ZERO),
         };
-        let sent = producer.send(record, queue_timeout).await;
+        let sent = self
+            .refusals
+            .or_refused(&self.config.bootstrap, async {
+                producer
+                    .send(record, queue_timeout)
+                    .await
+                    .map_err(|(e, _)| e)
+            })
+            .await?;
         if !route {
             // What is still queued when this one is done: the pressure on the buffer.
             let queued = f64::from(rdkafka::producer::Producer::in_flight_count(producer).max(0));
@@ -128,7 +144,7 @@ impl Inner {
         }
         match sent {
             Ok(delivery) => Ok((delivery.partition, delivery.offset)),
-            Err((e, _)) => Err(match client_error(e, "producing to", topic) {
+            Err(e) => Err(match client_error(e, "producing to", topic) {
                 BrokerError::Timeout(_) => BrokerError::Timeout(self.config.send_timeout),
                 other => other,
             }),
@@ -225,6 +241,13 @@ impl Broker for KafkaBroker {
     }
 
     /// The group's lag on the source and each relay group's on its retry topic.
+    async fn permissions(
+        &self,
+        access: &reliq_core::Access,
+    ) -> Result<reliq_core::Permissions, BrokerError> {
+        Ok(crate::permissions::permissions(&self.inner.config, access))
+    }
+
     async fn plan(&self, subscription: &Subscription) -> Result<reliq_core::Plan, BrokerError> {
         Ok(crate::topology::plan(subscription, &self.inner.config))
     }

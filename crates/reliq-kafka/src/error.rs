@@ -32,6 +32,9 @@ pub enum KafkaError {
         #[source]
         source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
+    /// The cluster refused the connection (TLS, SASL, protocol): see `refusals`.
+    #[error(transparent)]
+    Refused(Box<BrokerError>),
 }
 
 impl From<KafkaError> for BrokerError {
@@ -39,14 +42,58 @@ impl From<KafkaError> for BrokerError {
         match e {
             KafkaError::Config { field, reason } => BrokerError::Config { field, reason },
             KafkaError::Client(e) => client_error(e, "using the Kafka client for", "kafka"),
+            KafkaError::Refused(e) => *e,
+            KafkaError::Admin {
+                topic,
+                reason,
+                source: Some(code),
+            } if code
+                .downcast_ref::<RDKafkaErrorCode>()
+                .is_some_and(|c| authorization_resource(*c).is_some()) =>
+            {
+                let kind = code
+                    .downcast_ref::<RDKafkaErrorCode>()
+                    .and_then(|c| authorization_resource(*c))
+                    .unwrap_or("topic");
+                BrokerError::Unauthorized {
+                    resource: format!("{kind} {topic}"),
+                    reason,
+                    source: Some(code),
+                }
+            }
             other => BrokerError::Other(Box::new(other)),
         }
+    }
+}
+
+/// The kind of resource an authorization error code is about (`topic`, `group`,
+/// `cluster`, `transactional id`), or `None` when it is no authorization error.
+pub(crate) fn authorization_resource(code: RDKafkaErrorCode) -> Option<&'static str> {
+    match code {
+        RDKafkaErrorCode::TopicAuthorizationFailed => Some("topic"),
+        RDKafkaErrorCode::GroupAuthorizationFailed => Some("group"),
+        RDKafkaErrorCode::ClusterAuthorizationFailed => Some("cluster"),
+        RDKafkaErrorCode::TransactionalIdAuthorizationFailed => Some("transactional id"),
+        _ => None,
     }
 }
 
 /// Map a client error to the seam's error, keeping it as the source; `doing` and `topic`
 /// say what failed (`producing to`, `orders.billing.dlq`).
 pub(crate) fn client_error(e: RdError, doing: &str, topic: &str) -> BrokerError {
+    if let Some(kind) = e.rdkafka_error_code().and_then(authorization_resource) {
+        // Only a topic is named by the caller; a group or the cluster by its kind.
+        let resource = if kind == "topic" {
+            format!("topic {topic}")
+        } else {
+            kind.to_owned()
+        };
+        return BrokerError::Unauthorized {
+            resource,
+            reason: format!("{doing} {topic}: {e}"),
+            source: Some(Box::new(e)),
+        };
+    }
     match e.rdkafka_error_code() {
         Some(
             RDKafkaErrorCode::UnknownTopicOrPartition
@@ -148,6 +195,20 @@ mod tests {
                 }
             ),
             "{e:?}"
+        );
+        let denied = RdError::MessageProduction(RDKafkaErrorCode::TopicAuthorizationFailed);
+        let e = client_error(denied, "producing to", "orders");
+        assert!(
+            matches!(&e, BrokerError::Unauthorized { resource, .. } if resource == "topic orders"),
+            "{e:?}"
+        );
+        let admin = KafkaError::Admin {
+            topic: "orders.billing.dlq".into(),
+            reason: "creating the topic: Broker: Topic authorization failed".into(),
+            source: Some(Box::new(RDKafkaErrorCode::TopicAuthorizationFailed)),
+        };
+        assert!(
+            matches!(BrokerError::from(admin), BrokerError::Unauthorized { resource, .. } if resource == "topic orders.billing.dlq")
         );
         let gone = RdError::MessageProduction(RDKafkaErrorCode::UnknownTopicOrPartition);
         assert!(

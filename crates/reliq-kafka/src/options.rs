@@ -42,6 +42,23 @@ pub enum RetryMode {
 /// librdkafka (e.g. `security.protocol=ssl`, `session.timeout.ms=6000`) for every client
 /// reliq creates, overriding reliq's defaults.
 ///
+/// **Secured clusters** take librdkafka's own settings (this crate's librdkafka is built
+/// with OpenSSL, SCRAM, PLAIN, OAUTHBEARER and its OIDC client-credentials flow):
+///
+/// | cluster | settings |
+/// |---|---|
+/// | TLS, private CA | `security.protocol=ssl&ssl.ca.location=/etc/kafka/ca.pem` |
+/// | mutual TLS | the above and `ssl.certificate.location=…&ssl.key.location=…` (`ssl.key.password.file=…` for an encrypted key) |
+/// | SASL/SCRAM over TLS | `security.protocol=sasl_ssl&sasl.mechanism=SCRAM-SHA-512&sasl.username=svc&sasl.password.file=/run/secrets/kafka` |
+/// | SASL/PLAIN over TLS (Confluent Cloud, Event Hubs) | `security.protocol=sasl_ssl&sasl.mechanism=PLAIN&sasl.username=…&sasl.password.env=KAFKA_PASSWORD` |
+/// | OAUTHBEARER, OIDC | `security.protocol=sasl_ssl&sasl.mechanism=OAUTHBEARER&sasl.oauthbearer.method=oidc&sasl.oauthbearer.client.id=…&sasl.oauthbearer.client.secret.file=…&sasl.oauthbearer.token.endpoint.url=…` |
+///
+/// Any value may be percent-encoded; a secret may come from a file (`<key>.file=PATH`)
+/// or an environment variable (`<key>.env=VAR`) instead of the URL, so it never shows in
+/// a process list (see [`reliq_core::secrets`]). `Debug` of this config and every error
+/// show secret values as `***`. Set `client.id` per service: ACLs and quotas, and the
+/// broker's request logs, name clients by it.
+///
 /// | key | default | meaning |
 /// |---|---|---|
 /// | `reliq.partitions` | 3 | partitions of topics reliq creates (source, retry tiers, DLQ) |
@@ -52,7 +69,7 @@ pub enum RetryMode {
 /// | `reliq.rebalance.drain.ms` | 10000 | how long a revoke waits for in-flight records to settle |
 /// | `reliq.group.prefix` | (empty) | prepended to every consumer group id reliq joins (a namespace: environments, tenants, test runs) |
 /// | `reliq.retry` | `topics` | [`RetryMode`]: `topics` (non-blocking) or `blocking` (ordered, in place) |
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`.
     pub bootstrap: String,
@@ -74,6 +91,35 @@ pub struct KafkaConfig {
     pub group_prefix: String,
     /// Retry through retry topics or in place.
     pub retry_mode: RetryMode,
+}
+
+impl std::fmt::Debug for KafkaConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let client: BTreeMap<&str, &str> = self
+            .client
+            .iter()
+            .map(|(k, v)| {
+                let v = if reliq_core::secrets::is_secret_key(k) {
+                    "***"
+                } else {
+                    v.as_str()
+                };
+                (k.as_str(), v)
+            })
+            .collect();
+        f.debug_struct("KafkaConfig")
+            .field("bootstrap", &self.bootstrap)
+            .field("client", &client)
+            .field("partitions", &self.partitions)
+            .field("replication", &self.replication)
+            .field("buffer", &self.buffer)
+            .field("buffer_messages", &self.buffer_messages)
+            .field("send_timeout", &self.send_timeout)
+            .field("rebalance_drain", &self.rebalance_drain)
+            .field("group_prefix", &self.group_prefix)
+            .field("retry_mode", &self.retry_mode)
+            .finish()
+    }
 }
 
 impl KafkaConfig {
@@ -126,6 +172,10 @@ impl KafkaConfig {
             let (k, v) = pair
                 .split_once('=')
                 .ok_or_else(|| bad(pair, "expected key=value".into()))?;
+            let raw = reliq_core::secrets::percent_decode(v);
+            let (k, v) =
+                reliq_core::secrets::resolve_setting(k, &raw).map_err(|e| bad(k, e.to_string()))?;
+            let v = v.as_ref();
             let number = |v: &str| {
                 v.parse::<u64>()
                     .map_err(|_| bad(k, format!("`{v}` is not a number")))
@@ -227,7 +277,7 @@ impl KafkaConfig {
             // in memory by `queued.max.messages.kbytes`. It fetches again only once the
             // queue is below `queued.min.messages`, looking every
             // `fetch.queue.backoff.ms`: a threshold of a few prefetches starved fast
-            // consumers (BENCHMARKS.md), so it stays at librdkafka's default of 100,000
+            // consumers (docs/benchmarks-history.md), so it stays at librdkafka's default of 100,000
             // records (the memory bound is the one above), and the look is frequent (the
             // default 1 s back-off would stall refills).
             (
@@ -256,6 +306,14 @@ impl KafkaConfig {
             ("queued.max.messages.kbytes", "4096".into()),
             ("allow.auto.create.topics", "false".into()),
         ])
+    }
+
+    /// Whether the clients speak without TLS (`security.protocol` unset, `plaintext` or
+    /// `sasl_plaintext`).
+    pub(crate) fn plaintext(&self) -> bool {
+        self.client.get("security.protocol").is_none_or(|p| {
+            p.eq_ignore_ascii_case("plaintext") || p.eq_ignore_ascii_case("sasl_plaintext")
+        })
     }
 
     /// Configuration of the admin client.
@@ -287,6 +345,46 @@ mod tests {
         );
         let c = KafkaConfig::from_url("kafka://h:1?reliq.buffer=block:250").expect("valid URL");
         assert_eq!(c.buffer, BufferPolicy::Block(Duration::from_millis(250)));
+    }
+
+    #[test]
+    fn secrets_come_decoded_from_the_url_a_file_or_the_environment_and_never_show() {
+        let c = KafkaConfig::from_url(
+            "kafka://h:1?security.protocol=sasl_ssl&sasl.username=svc&sasl.password=p%26ss%3D1",
+        )
+        .expect("valid URL");
+        assert_eq!(
+            c.client.get("sasl.password").map(String::as_str),
+            Some("p&ss=1")
+        );
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("p&ss"), "{shown}");
+        assert!(shown.contains("\"sasl.password\": \"***\""), "{shown}");
+        assert!(shown.contains("\"sasl.username\": \"svc\""), "{shown}");
+
+        let file = std::env::temp_dir().join(format!("reliq-kafka-pw-{}", std::process::id()));
+        std::fs::write(&file, "from-a-file\n").expect("temp file");
+        let c = KafkaConfig::from_url(&format!(
+            "kafka://h:1?sasl.password.file={}",
+            file.display()
+        ))
+        .expect("valid URL");
+        assert_eq!(
+            c.client.get("sasl.password").map(String::as_str),
+            Some("from-a-file")
+        );
+        std::fs::remove_file(&file).expect("temp file");
+        match KafkaConfig::from_url("kafka://h:1?sasl.password.file=/nonexistent/pw") {
+            Err(KafkaError::Config { field, reason }) => {
+                assert_eq!(field, "sasl.password.file");
+                assert!(reason.contains("/nonexistent/pw"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        match KafkaConfig::from_url("kafka://h:1?sasl.password.env=RELIQ_TEST_UNSET_VARIABLE") {
+            Err(KafkaError::Config { field, .. }) => assert_eq!(field, "sasl.password.env"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

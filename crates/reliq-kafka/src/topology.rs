@@ -9,7 +9,7 @@ use rdkafka::producer::Producer as _;
 use reliq_core::BrokerError;
 
 use crate::broker::Inner;
-use crate::error::KafkaError;
+use crate::error::{KafkaError, authorization_resource};
 use crate::names::ledger_topic;
 
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -50,13 +50,15 @@ impl Inner {
     }
 
     async fn create_topics(&self, new: &[NewTopic<'_>]) -> Result<(), KafkaError> {
+        let options = AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT));
         let results = self
-            .admin
-            .create_topics(
-                new,
-                &AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT)),
+            .refusals
+            .or_refused(
+                &self.config.bootstrap,
+                self.admin.create_topics(new, &options),
             )
-            .await?;
+            .await
+            .map_err(|e| KafkaError::Refused(Box::new(e)))??;
         for r in results {
             if let Err((topic, code)) = r
                 && code != RDKafkaErrorCode::TopicAlreadyExists
@@ -74,13 +76,15 @@ impl Inner {
     /// Delete `topics` (missing topics are not an error).
     pub(crate) async fn delete_topics(&self, topics: &[String]) -> Result<(), KafkaError> {
         let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+        let options = AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT));
         let results = self
-            .admin
-            .delete_topics(
-                &names,
-                &AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT)),
+            .refusals
+            .or_refused(
+                &self.config.bootstrap,
+                self.admin.delete_topics(&names, &options),
             )
-            .await?;
+            .await
+            .map_err(|e| KafkaError::Refused(Box::new(e)))??;
         for r in results {
             if let Err((topic, code)) = r
                 && code != RDKafkaErrorCode::UnknownTopicOrPartition
@@ -112,21 +116,34 @@ impl Inner {
     pub(crate) async fn topic_exists(&self, topic: &str) -> Result<bool, KafkaError> {
         let producer = self.route_producer.clone();
         let name = topic.to_owned();
-        let metadata = tokio::task::spawn_blocking(move || {
+        let lookup = tokio::task::spawn_blocking(move || {
             producer
                 .client()
                 .fetch_metadata(Some(&name), Duration::from_secs(10))
-        })
-        .await
-        .map_err(|e| KafkaError::Admin {
-            topic: topic.to_owned(),
-            reason: format!("looking the topic up: the metadata task failed: {e}"),
-            source: Some(Box::new(e)),
-        })??;
-        Ok(metadata
-            .topics()
-            .iter()
-            .any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
+        });
+        let metadata = self
+            .refusals
+            .or_refused(&self.config.bootstrap, lookup)
+            .await
+            .map_err(|e| KafkaError::Refused(Box::new(e)))?
+            .map_err(|e| KafkaError::Admin {
+                topic: topic.to_owned(),
+                reason: format!("looking the topic up: the metadata task failed: {e}"),
+                source: Some(Box::new(e)),
+            })??;
+        let Some(found) = metadata.topics().iter().find(|t| t.name() == topic) else {
+            return Ok(false);
+        };
+        if let Some(code) = found.error().map(RDKafkaErrorCode::from)
+            && authorization_resource(code).is_some()
+        {
+            return Err(KafkaError::Admin {
+                topic: topic.to_owned(),
+                reason: format!("looking the topic up: {code}"),
+                source: Some(Box::new(code)),
+            });
+        }
+        Ok(found.error().is_none() && !found.partitions().is_empty())
     }
 }
 

@@ -53,16 +53,17 @@ use std::sync::Arc;
 // What an application uses, each item by one path. What a backend implements (the
 // `Receiver` seam, delivery tokens, raw messages) stays in `reliq-core`.
 pub use reliq_core::{
-    Aggregate, Backlog, BacklogGauges, Batch, BatchError, BoxError, Broker, BrokerError,
+    Access, Aggregate, Backlog, BacklogGauges, Batch, BatchError, BoxError, Broker, BrokerError,
     Capabilities, CircuitBreaker, CircuitState, Claim, Classifier, Clock, Consumer,
     ConsumerBuilder, ConsumerError, ConsumerHandle, Corrected, Correction, Cursor, DeadLetter,
     DeadLetterCount, DeadLetterEntry, DeadLetterFilter, DeadLetterPage, DeadLetterReason,
     DeadLetters, DecodeError, Delivery, DeliveryOrder, Destination, Duplicate, Envelope,
-    ErrorChain, ErrorClass, FinalRoute, Fingerprint, HeaderError, Headers, Inbox, InboxError,
-    MemoryInbox, Message, MessageId, MeteredBroker, Origin, OutboxError, OutboxRecord, OutboxStore,
-    PanicAction, Permanent, Poison, PolicyError, Progress, PurgeReport, Relay, RelayHandle,
-    RelayStats, Replay, ReplayEntry, ReplayReport, ReplayTarget, RetryPolicy, Schedule,
-    ShutdownReport, StartupCheck, Stats, StatsSnapshot, Subscription, TierBacklog, Transient,
+    ErrorChain, ErrorClass, FinalRoute, Fingerprint, Grant, HeaderError, Headers, Inbox,
+    InboxError, MemoryInbox, Message, MessageId, MeteredBroker, NamePattern, Origin, OutboxError,
+    OutboxRecord, OutboxStore, PanicAction, Permanent, Permissions, Poison, PolicyError, Progress,
+    PurgeReport, Relay, RelayHandle, RelayStats, Replay, ReplayEntry, ReplayReport, ReplayTarget,
+    RetryPolicy, Schedule, ShutdownReport, StartupCheck, Stats, StatsSnapshot, Subscription,
+    TierBacklog, Transient,
 };
 
 /// A consumer's topology as data: the plan ([`Broker::plan`]), the broker's objects
@@ -73,6 +74,9 @@ pub mod topology {
         PlannedObject, Setting, Severity, TopologyReport, Wanted, compare, duration_text,
     };
 }
+
+/// Secrets in broker URLs: `<key>.file` / `<key>.env` indirection and redaction.
+pub use reliq_core::secrets;
 
 /// The header names reliq reads and writes on every message.
 pub mod headers {
@@ -180,7 +184,7 @@ pub enum ConnectError {
     /// The URL has no `scheme://`.
     #[error("broker URL `{url}` has no scheme (expected one of {expected})")]
     NoScheme {
-        /// The URL.
+        /// The URL, its secrets redacted.
         url: String,
         /// Every scheme reliq knows.
         expected: String,
@@ -218,7 +222,7 @@ pub async fn connect(url: &str) -> Result<Arc<dyn Broker>, ConnectError> {
     let (scheme, _) = url
         .split_once("://")
         .ok_or_else(|| ConnectError::NoScheme {
-            url: url.to_owned(),
+            url: secrets::redact_url(url),
             expected: every_scheme(),
         })?;
     let scheme = scheme.to_ascii_lowercase();

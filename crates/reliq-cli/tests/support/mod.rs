@@ -189,3 +189,22 @@ pub fn json(cmd: &mut std::process::Command, code: i32) -> anyhow::Result<serde_
     );
     serde_json::from_str(&out).with_context(|| format!("stdout is not JSON: {out}\nstderr: {err}"))
 }
+
+/// Run `check` (a `reliq topology check … --fail-on any`) until it exits 0 saying the
+/// topology is as planned (groups join shortly after a consumer starts), for up to 30 s;
+/// any exit but 0 or 5 fails at once.
+pub async fn wait_as_planned(check: impl Fn() -> std::process::Command) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, text, err) = run(&mut check())?;
+        if code == 0 {
+            ensure!(text.contains("as planned"), "{text}");
+            return Ok(());
+        }
+        ensure!(
+            code == 5 && std::time::Instant::now() < deadline,
+            "exit {code}: {text}{err}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}

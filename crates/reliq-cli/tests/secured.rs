@@ -1,0 +1,127 @@
+//! The `reliq` command against the secured Kafka node (`scripts/brokers secure up`): the
+//! permissions it prints for a consumer, applied as the only ACLs of a SCRAM user, are
+//! enough for that consumer to run and for `reliq dlq` and `reliq topology check` — run
+//! with `--url-file`, so the password is never on the command line — to work on it.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::ensure;
+use reliq_core::Broker;
+use reliq_integration::secure::{admin_url, apply, scram_url};
+use reliq_integration::settings;
+use support::{consumer, json, park, reliq, run, unique, wait_as_planned};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn printed_permissions_are_enough_for_the_consumer_and_the_operator() -> anyhow::Result<()> {
+    let user = settings::get("KAFKA_SECURE_SCRAM_USER");
+    let password = settings::get("KAFKA_SECURE_SCRAM_PASSWORD");
+    // Per-test group ids, which the printed grants name.
+    let url = format!(
+        "{}&reliq.group.prefix={}.",
+        scram_url(&user, &password),
+        unique("cli")
+    );
+    let url_file = tempfile::NamedTempFile::new()?;
+    std::fs::write(url_file.path(), format!("{url}\n"))?;
+    let url_arg = url_file.path().to_string_lossy().into_owned();
+    let (name, source) = (unique("sec"), unique("sec-src"));
+    reliq::kafka::KafkaBroker::connect(&admin_url())?
+        .ensure_topics(std::slice::from_ref(&source))
+        .await?;
+
+    // Every command with the same credentials, from the file.
+    let target = |args: &[&str]| {
+        let mut cmd = reliq();
+        cmd.args(args).args([
+            "--url-file",
+            &url_arg,
+            "--consumer",
+            &name,
+            "--source",
+            &source,
+        ]);
+        cmd
+    };
+    // What the consumer and its operator need, printed; applied as printed.
+    let principal = format!("User:{user}");
+    let mut permissions = target(&["topology", "permissions", "--retry-tiers", "1s"]);
+    permissions.args([
+        "--principal",
+        &principal,
+        "--publish",
+        &source,
+        "--operator",
+    ]);
+    let (code, document, err) = run(&mut permissions)?;
+    ensure!(code == 0, "exit {code}: {err}");
+    ensure!(
+        !document.contains(&password) && !err.contains(&password),
+        "{document}{err}"
+    );
+    ensure!(
+        document.contains(&format!(
+            "--topic {source}.{name}.retry. --resource-pattern-type prefixed"
+        )),
+        "{document}"
+    );
+    apply(&document).await?;
+
+    // The consumer runs with those grants only: six dead letters parked.
+    let broker: Arc<dyn Broker> = reliq::connect(&url).await?;
+    let (handle, _) = consumer(broker.clone(), &name, &source).await?;
+    park(&broker, &handle, &source, 6, Duration::from_secs(60)).await?;
+
+    let stats = json(&mut target(&["dlq", "stats", "--json"]), 0)?;
+    ensure!(stats["count"] == 6, "{stats}");
+    let page = json(&mut target(&["dlq", "ls", "--json", "--max", "10"]), 0)?;
+    ensure!(
+        page["entries"].as_array().map(Vec::len) == Some(6),
+        "{page}"
+    );
+    wait_as_planned(|| {
+        target(&[
+            "topology",
+            "check",
+            "--retry-tiers",
+            "1s",
+            "--fail-on",
+            "any",
+        ])
+    })
+    .await?;
+    handle.shutdown().await;
+    Ok(())
+}
+
+/// A wrong password: the command fails fast (exit 1), names the cause, shows no secret.
+#[test]
+fn a_refused_login_fails_fast_and_shows_no_secret() -> anyhow::Result<()> {
+    let user = settings::get("KAFKA_SECURE_SCRAM_USER");
+    let url = scram_url(&user, "not-the-password");
+    let started = std::time::Instant::now();
+    let (code, out, err) = run(reliq().args([
+        "dlq",
+        "stats",
+        "--url",
+        &url,
+        "--consumer",
+        "c",
+        "--source",
+        &unique("none"),
+    ]))?;
+    ensure!(code == 1, "exit {code}: {out}{err}");
+    ensure!(
+        started.elapsed() < Duration::from_secs(15),
+        "took {:?}",
+        started.elapsed()
+    );
+    ensure!(err.contains("SASL authentication"), "{err}");
+    ensure!(
+        !err.contains("not-the-password") && !out.contains("not-the-password"),
+        "{err}"
+    );
+    Ok(())
+}

@@ -1,0 +1,195 @@
+//! Least privilege, generated: what a service's broker credentials must allow.
+//!
+//! A consumer's objects are named by its subscription (the source, the retry tiers, the
+//! dead-letter queue, the backend's own groups or consumers): the same names
+//! [`Broker::plan`](crate::Broker::plan) lists. [`Broker::permissions`](crate::Broker::permissions)
+//! turns an [`Access`] — the consumers a service runs and the destinations it publishes
+//! to — into [`Permissions`]: one [`Grant`] per resource with the operations reliq uses on
+//! it and why, and the same grants in the broker's own form ([`Permissions::document`]:
+//! Kafka ACL commands, RabbitMQ permission regexes, NATS permissions, an IAM policy).
+//!
+//! Nothing here reads the broker: the list is what reliq *will* do, so it can be applied
+//! before the first deployment.
+
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::broker::Subscription;
+
+/// What a service does at the broker: the consumers it runs and where it publishes.
+#[derive(Clone, Debug, Default)]
+pub struct Access {
+    /// The consumers (each with its retry tiers and dead-letter queue).
+    pub consumers: Vec<Subscription>,
+    /// Destinations the service publishes to (besides the copies its consumers make).
+    pub publishes: Vec<String>,
+    /// Also what an operator's tools do with these consumers' dead letters (`reliq dlq`
+    /// look, replay, edit, purge; `reliq topology check`; the admin server's gauges).
+    pub operator: bool,
+    /// The principal the grants are for, in the broker's form (`User:orders-svc` on
+    /// Kafka); `None` prints a placeholder.
+    pub principal: Option<String>,
+}
+
+impl Access {
+    /// One consumer's access.
+    pub fn consumer(subscription: Subscription) -> Self {
+        Self {
+            consumers: vec![subscription],
+            ..Self::default()
+        }
+    }
+
+    /// Also publishes to `destination`.
+    #[must_use]
+    pub fn publish(mut self, destination: impl Into<String>) -> Self {
+        self.publishes.push(destination.into());
+        self
+    }
+
+    /// Also the operator's reads, replays and removals of these consumers' dead letters.
+    #[must_use]
+    pub fn operator(mut self) -> Self {
+        self.operator = true;
+        self
+    }
+
+    /// The grants are for `principal`.
+    #[must_use]
+    pub fn principal(mut self, principal: impl Into<String>) -> Self {
+        self.principal = Some(principal.into());
+        self
+    }
+}
+
+/// How a grant's name matches resources.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NamePattern {
+    /// Exactly this name.
+    Literal,
+    /// Every name that starts with it (Kafka's `PREFIXED` resource pattern).
+    Prefixed,
+}
+
+impl NamePattern {
+    /// `literal` or `prefixed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Literal => "literal",
+            Self::Prefixed => "prefixed",
+        }
+    }
+}
+
+/// One resource and what reliq does with it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Grant {
+    /// The kind of resource in the broker's words (`topic`, `group`, `cluster`).
+    pub resource: &'static str,
+    /// The resource's name (or the prefix, by [`Grant::pattern`]).
+    pub name: String,
+    /// How `name` matches.
+    pub pattern: NamePattern,
+    /// The operations, in the broker's words (`Read`, `Write`, `Describe`, `Create`).
+    pub operations: Vec<&'static str>,
+    /// Why reliq needs them.
+    pub reason: String,
+}
+
+impl Grant {
+    /// A grant on exactly `name`.
+    pub fn literal(
+        resource: &'static str,
+        name: impl Into<String>,
+        operations: &[&'static str],
+        reason: impl Into<String>,
+    ) -> Self {
+        Self {
+            resource,
+            name: name.into(),
+            pattern: NamePattern::Literal,
+            operations: operations.to_vec(),
+            reason: reason.into(),
+        }
+    }
+
+    /// A grant on every name starting with `prefix`.
+    pub fn prefixed(
+        resource: &'static str,
+        prefix: impl Into<String>,
+        operations: &[&'static str],
+        reason: impl Into<String>,
+    ) -> Self {
+        Self {
+            pattern: NamePattern::Prefixed,
+            ..Self::literal(resource, prefix, operations, reason)
+        }
+    }
+}
+
+/// What a service's credentials must allow ([`Broker::permissions`](crate::Broker::permissions)).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Permissions {
+    /// The backend (`kafka`, `rabbit`, `nats`, `sqs`).
+    pub backend: &'static str,
+    /// The principal the grants are for (or the placeholder printed).
+    pub principal: String,
+    /// One entry per resource, merged: a resource named twice has the union of the
+    /// operations, in the order first asked.
+    pub grants: Vec<Grant>,
+    /// The grants in the broker's own form, ready to apply or to review (commands,
+    /// regexes, a policy document).
+    pub document: String,
+}
+
+impl Permissions {
+    /// Grants merged by resource, kind and pattern (the order of first mention kept).
+    pub fn merged(grants: impl IntoIterator<Item = Grant>) -> Vec<Grant> {
+        let mut out: Vec<Grant> = Vec::new();
+        for g in grants {
+            match out
+                .iter_mut()
+                .find(|o| o.resource == g.resource && o.name == g.name && o.pattern == g.pattern)
+            {
+                Some(o) => {
+                    for op in g.operations {
+                        if !o.operations.contains(&op) {
+                            o.operations.push(op);
+                        }
+                    }
+                    if !o.reason.contains(&g.reason) {
+                        o.reason = format!("{}; {}", o.reason, g.reason);
+                    }
+                }
+                None => out.push(g),
+            }
+        }
+        out
+    }
+}
+
+impl fmt::Display for Permissions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.document)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grants_on_one_resource_merge_their_operations_and_reasons() {
+        let merged = Permissions::merged([
+            Grant::literal("topic", "orders", &["Read", "Describe"], "consume"),
+            Grant::prefixed("topic", "orders", &["Write"], "retry tiers"),
+            Grant::literal("topic", "orders", &["Write", "Describe"], "publish"),
+        ]);
+        assert_eq!(merged.len(), 2, "{merged:?}");
+        assert_eq!(merged[0].operations, ["Read", "Describe", "Write"]);
+        assert_eq!(merged[0].reason, "consume; publish");
+        assert_eq!(merged[1].pattern, NamePattern::Prefixed);
+    }
+}

@@ -1,0 +1,255 @@
+# scripts/brokers.d/secure.sh - the secured broker set, sourced by scripts/brokers:
+#
+#   scripts/brokers secure up       a throwaway CA and certificates (openssl), then a
+#                                   Kafka KRaft node with TLS and SASL listeners and ACLs
+#                                   enforced, beside the plain brokers (idempotent)
+#   scripts/brokers secure down     stop it (data and certificates are kept)
+#   scripts/brokers secure status   its ports and process; exit 1 when it is down
+#   scripts/brokers secure acls ARGS...
+#                                   kafka-acls against it, as the super user `admin`
+#
+# Everything lives under DIR/secure: pki/ (the CA, server and client certificates, a
+# second "rogue" CA, an expired client certificate) and kafka/ (config, data, logs).
+# Ports and the test credentials are in brokers.env (KAFKA_SECURE_*): they are
+# throwaway values for loopback tests, never real secrets.
+#
+# Kafka's listeners (every principal is `User:<name>`):
+#   SASL_SSL        KAFKA_SECURE_SASL_SSL_PORT        SCRAM-SHA-512/256, PLAIN, OAUTHBEARER
+#                                                     (the broker's unsecured-JWT validator)
+#   MTLS (SSL)      KAFKA_SECURE_MTLS_PORT            client certificate required; the
+#                                                     principal is the certificate's CN
+#   SASL_PLAINTEXT  KAFKA_SECURE_SASL_PLAINTEXT_PORT  SCRAM-SHA-256/512 without TLS
+#   CONTROLLER      KAFKA_SECURE_CONTROLLER_PORT      TLS, the broker's own certificate
+# StandardAuthorizer with allow.everyone.if.no.acl.found=false: only `admin` (SCRAM, PLAIN,
+# OAUTHBEARER sub=admin) and `broker` (the node's certificate) are super users; any other
+# principal can do what ACLs allow and nothing else.
+
+SDIR=$DIR/secure
+PKI=$SDIR/pki
+KAFKA_SECURE_SASL_SSL_PORT=${KAFKA_SECURE_SASL_SSL_PORT:-9492}
+KAFKA_SECURE_MTLS_PORT=${KAFKA_SECURE_MTLS_PORT:-9493}
+KAFKA_SECURE_SASL_PLAINTEXT_PORT=${KAFKA_SECURE_SASL_PLAINTEXT_PORT:-9494}
+KAFKA_SECURE_CONTROLLER_PORT=${KAFKA_SECURE_CONTROLLER_PORT:-9495}
+KAFKA_SECURE_ADMIN_PASSWORD=${KAFKA_SECURE_ADMIN_PASSWORD:-admin-secret}
+KAFKA_SECURE_SCRAM_USER=${KAFKA_SECURE_SCRAM_USER:-reliq-scram}
+KAFKA_SECURE_SCRAM_PASSWORD=${KAFKA_SECURE_SCRAM_PASSWORD:-scram-secret}
+KAFKA_SECURE_CLUSTER_ID=${KAFKA_SECURE_CLUSTER_ID:-cmVsaXEtc2VjdXJlLWthZmthAA}  # fixed: local test node
+
+secure_ports() { echo "$KAFKA_SECURE_SASL_SSL_PORT $KAFKA_SECURE_MTLS_PORT $KAFKA_SECURE_SASL_PLAINTEXT_PORT $KAFKA_SECURE_CONTROLLER_PORT"; }
+
+# ---------------------------------------------------------------- certificates
+# pki_issue NAME CN DAYS EXT [CA]: NAME.key (PKCS#8) + NAME.crt signed by CA (default ca)
+pki_issue() {
+  local name=$1 cn=$2 days=$3 ext=$4 ca=${5:-ca}
+  openssl req -new -newkey rsa:2048 -nodes -keyout "$PKI/$name.key" -out "$PKI/$name.csr" \
+    -subj "/CN=$cn" 2> /dev/null || return 1
+  openssl x509 -req -in "$PKI/$name.csr" -CA "$PKI/$ca.crt" -CAkey "$PKI/$ca.key" \
+    -CAcreateserial -out "$PKI/$name.crt" -days "$days" -sha256 \
+    -extfile <(printf '%s\n' "$ext") 2> /dev/null || return 1
+  rm -f "$PKI/$name.csr"
+}
+
+# A CA's own self-signed certificate: NAME.key + NAME.crt
+pki_ca() {
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout "$PKI/$1.key" -out "$PKI/$1.crt" \
+    -days 3650 -sha256 -subj "/CN=$2" \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" 2> /dev/null
+}
+
+# An already expired client certificate (openssl x509 cannot date backwards: `openssl ca`).
+pki_expired() {
+  local db=$PKI/ca-db
+  mkdir -p "$db" && : > "$db/index.txt" && echo 1000 > "$db/serial"
+  cat > "$db/openssl.cnf" << CNF
+[ ca ]
+default_ca = test
+[ test ]
+database = $db/index.txt
+new_certs_dir = $db
+serial = $db/serial
+default_md = sha256
+policy = any
+copy_extensions = none
+x509_extensions = client
+[ any ]
+commonName = supplied
+[ client ]
+basicConstraints = CA:FALSE
+extendedKeyUsage = clientAuth
+CNF
+  openssl req -new -newkey rsa:2048 -nodes -keyout "$PKI/expired.key" -out "$PKI/expired.csr" \
+    -subj "/CN=$KAFKA_SECURE_MTLS_USER" 2> /dev/null &&
+  openssl ca -batch -config "$db/openssl.cnf" -cert "$PKI/ca.crt" -keyfile "$PKI/ca.key" \
+    -in "$PKI/expired.csr" -out "$PKI/expired.crt" -notext \
+    -startdate 20200101000000Z -enddate 20200201000000Z > "$db/ca.log" 2>&1
+}
+
+KAFKA_SECURE_MTLS_USER=${KAFKA_SECURE_MTLS_USER:-reliq-mtls}
+
+# Make the PKI once (kept across restarts: tests and clients keep trusting it).
+ensure_pki() {
+  [ -s "$PKI/.done" ] && return 0
+  command -v openssl > /dev/null 2>&1 || apt_install openssl || return 1
+  rm -rf "$PKI" && mkdir -p "$PKI" && chmod 700 "$PKI"
+  local server="basicConstraints=CA:FALSE
+extendedKeyUsage=serverAuth,clientAuth
+subjectAltName=IP:127.0.0.1,DNS:localhost" client="basicConstraints=CA:FALSE
+extendedKeyUsage=clientAuth"
+  pki_ca ca "reliq test CA" &&
+  pki_ca rogue-ca "reliq rogue CA" &&
+  pki_issue broker broker 3650 "$server" &&
+  pki_issue "$KAFKA_SECURE_MTLS_USER" "$KAFKA_SECURE_MTLS_USER" 3650 "$client" &&
+  pki_issue admin admin 3650 "$client" &&
+  pki_issue rogue "$KAFKA_SECURE_MTLS_USER" 3650 "$client" rogue-ca &&
+  pki_expired || { err "secure: making the test PKI failed (openssl)"; return 1; }
+  # Kafka's PEM key store: the private key and the certificate in one file.
+  cat "$PKI/broker.key" "$PKI/broker.crt" > "$PKI/broker.pem"
+  chmod 600 "$PKI"/*.key "$PKI/broker.pem"
+  date -u +%FT%TZ > "$PKI/.done"
+  log "secure: test PKI in $PKI (ca.crt; broker, admin, $KAFKA_SECURE_MTLS_USER, rogue, expired)"
+}
+
+# ---------------------------------------------------------------- Kafka
+start_secure_kafka() {
+  local d=$SDIR/kafka
+  mkdir -p "$d/data" "$d/logs"
+  if pid_alive "$d/pid" "$d/server.properties"; then log "secure kafka: already running (pid $(pid_of "$d/pid"))"; return 0; fi
+  local p
+  for p in $(secure_ports); do
+    if port_open "$p"; then err "secure kafka: port $HOST:$p is in use ($(port_owner "$p")); change KAFKA_SECURE_* in brokers.env"; return 1; fi
+  done
+  local scram="org.apache.kafka.common.security.scram.ScramLoginModule required;"
+  cat > "$d/server.properties" << PROPS
+# generated by scripts/brokers secure: one KRaft node, TLS and SASL only, ACLs enforced
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@$HOST:$KAFKA_SECURE_CONTROLLER_PORT
+listeners=SASL_SSL://$HOST:$KAFKA_SECURE_SASL_SSL_PORT,MTLS://$HOST:$KAFKA_SECURE_MTLS_PORT,SASL_PLAINTEXT://$HOST:$KAFKA_SECURE_SASL_PLAINTEXT_PORT,CONTROLLER://$HOST:$KAFKA_SECURE_CONTROLLER_PORT
+advertised.listeners=SASL_SSL://$HOST:$KAFKA_SECURE_SASL_SSL_PORT,MTLS://$HOST:$KAFKA_SECURE_MTLS_PORT,SASL_PLAINTEXT://$HOST:$KAFKA_SECURE_SASL_PLAINTEXT_PORT
+listener.security.protocol.map=SASL_SSL:SASL_SSL,MTLS:SSL,SASL_PLAINTEXT:SASL_PLAINTEXT,CONTROLLER:SSL
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=MTLS
+log.dirs=$d/data
+num.partitions=1
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+offsets.topic.num.partitions=1
+transaction.state.log.num.partitions=1
+group.initial.rebalance.delay.ms=0
+
+# TLS: the broker's certificate, and the test CA for clients and for itself
+ssl.keystore.type=PEM
+ssl.keystore.location=$PKI/broker.pem
+ssl.truststore.type=PEM
+ssl.truststore.location=$PKI/ca.crt
+listener.name.mtls.ssl.client.auth=required
+listener.name.controller.ssl.client.auth=required
+# a certificate's principal is its CN: User:reliq-mtls, User:broker
+ssl.principal.mapping.rules=RULE:^CN=([^,]+).*$/\$1/,DEFAULT
+
+# SASL
+listener.name.sasl_ssl.sasl.enabled.mechanisms=SCRAM-SHA-512,SCRAM-SHA-256,PLAIN,OAUTHBEARER
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=$scram
+listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config=$scram
+listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_admin="$KAFKA_SECURE_ADMIN_PASSWORD";
+listener.name.sasl_ssl.oauthbearer.sasl.jaas.config=org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule required unsecuredLoginStringClaim_sub="admin";
+listener.name.sasl_plaintext.sasl.enabled.mechanisms=SCRAM-SHA-256,SCRAM-SHA-512
+listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config=$scram
+listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config=$scram
+
+# ACLs
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+allow.everyone.if.no.acl.found=false
+super.users=User:admin;User:broker
+PROPS
+  kafka_log4j "$d"
+  kafka_tools_log4j
+  if [ ! -f "$d/data/meta.properties" ]; then
+    java -cp "$KAFKA_LIBS/*" -Dlog4j2.configurationFile="$DIR/kafka/tools-log4j2.properties" \
+      kafka.tools.StorageTool format -t "$KAFKA_SECURE_CLUSTER_ID" -c "$d/server.properties" \
+      --add-scram "SCRAM-SHA-512=[name=admin,password=$KAFKA_SECURE_ADMIN_PASSWORD]" \
+      --add-scram "SCRAM-SHA-256=[name=admin,password=$KAFKA_SECURE_ADMIN_PASSWORD]" \
+      --add-scram "SCRAM-SHA-512=[name=$KAFKA_SECURE_SCRAM_USER,password=$KAFKA_SECURE_SCRAM_PASSWORD]" \
+      --add-scram "SCRAM-SHA-256=[name=$KAFKA_SECURE_SCRAM_USER,password=$KAFKA_SECURE_SCRAM_PASSWORD]" \
+      > "$d/logs/format.log" 2>&1 \
+      || { err "secure kafka: StorageTool format failed"; show_logs "$d/logs/format.log"; return 1; }
+  fi
+  (cd "$d" && exec setsid java -Xms256m "-Xmx$KAFKA_HEAP" -XX:+UseG1GC -Djava.awt.headless=true \
+    -Dlog4j2.configurationFile="$d/log4j2.properties" -Dkafka.logs.dir="$d/logs" \
+    -cp "$KAFKA_LIBS/*" kafka.Kafka "$d/server.properties" > "$d/logs/kafka.out" 2>&1 < /dev/null) &
+  echo $! > "$d/pid"
+  log "secure kafka: starting (SASL_SSL $KAFKA_SECURE_SASL_SSL_PORT, mTLS $KAFKA_SECURE_MTLS_PORT, SASL_PLAINTEXT $KAFKA_SECURE_SASL_PLAINTEXT_PORT)"
+}
+
+# The admin's client properties for the Kafka CLI tools (SCRAM over TLS).
+secure_admin_props() {
+  cat > "$SDIR/kafka/admin.properties" << PROPS
+security.protocol=SASL_SSL
+sasl.mechanism=SCRAM-SHA-512
+sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="admin" password="$KAFKA_SECURE_ADMIN_PASSWORD";
+ssl.truststore.type=PEM
+ssl.truststore.location=$PKI/ca.crt
+PROPS
+  chmod 600 "$SDIR/kafka/admin.properties"
+}
+
+# Ready: every port open, and the admin can list topics over SASL_SSL.
+wait_secure_kafka() {
+  local d=$SDIR/kafka t0=$SECONDS p out
+  for p in $(secure_ports); do
+    until port_open "$p"; do
+      pid_alive "$d/pid" "$d/server.properties" || { err "secure kafka: exited while starting"; show_logs "$d/logs/kafka.out" "$d/logs/server.log"; return 1; }
+      if ((SECONDS - t0 >= WAIT_TIMEOUT)); then err "secure kafka: $HOST:$p not listening within ${WAIT_TIMEOUT}s"; show_logs "$d/logs/server.log"; return 1; fi
+      sleep 0.3
+    done
+  done
+  secure_admin_props
+  until out=$(timeout 60 "${KAFKA_TOOL[@]}" org.apache.kafka.tools.TopicCommand \
+      --bootstrap-server "$HOST:$KAFKA_SECURE_SASL_SSL_PORT" --command-config "$d/admin.properties" --list 2>&1); do
+    if ((SECONDS - t0 >= WAIT_TIMEOUT)); then err "secure kafka: the admin cannot list topics: $(tail -n 3 <<< "$out")"; show_logs "$d/logs/server.log"; return 1; fi
+    sleep 1
+  done
+}
+
+stop_secure_kafka() { stop_pid "secure kafka" "$SDIR/kafka/pid" "$SDIR/kafka/server.properties" 60; }
+
+cmd_secure_up() {
+  local t0=$SECONDS
+  mkdir -p "$SDIR" "$INSTALL_LOGS" || die "cannot create $SDIR"
+  ensure_kafka || return 1
+  ensure_pki || return 1
+  start_secure_kafka || return 1
+  wait_secure_kafka || return 1
+  log "secure: up in $((SECONDS - t0))s (certificates: $PKI)"
+  cmd_secure_status
+}
+
+cmd_secure_down() { stop_secure_kafka; }
+
+cmd_secure_status() {
+  local p closed=() state=up
+  for p in $(secure_ports); do port_open "$p" || closed+=("$p"); done
+  pid_alive "$SDIR/kafka/pid" "$SDIR/kafka/server.properties" || state=down
+  [ "$state" = up ] && [ ${#closed[@]} -gt 0 ] && state=starting
+  printf '%-13s %-20s %-8s %s\n' BROKER PORTS STATE NOTE
+  printf '%-13s %-20s %-8s %s\n' secure-kafka "$(secure_ports | tr ' ' ,)" "$state" "${closed[*]:+closed: ${closed[*]}}"
+  [ "$state" = up ]
+}
+
+cmd_secure() {
+  local sub=${1:-}
+  shift || true
+  case $sub in
+    up) cmd_secure_up ;;
+    down) cmd_secure_down ;;
+    status) cmd_secure_status ;;
+    acls)
+      [ -f "$SDIR/kafka/admin.properties" ] || secure_admin_props
+      "${KAFKA_TOOL[@]}" org.apache.kafka.tools.AclCommand \
+        --bootstrap-server "$HOST:$KAFKA_SECURE_SASL_SSL_PORT" --command-config "$SDIR/kafka/admin.properties" "$@" ;;
+    *) usage >&2; exit 2 ;;
+  esac
+}
