@@ -14,6 +14,8 @@ use crate::settings;
 #[derive(Default)]
 pub struct NatsBackend {
     faults: Arc<Faults>,
+    /// The server's URL (default: `RELIQ_NATS_URL`).
+    url: Option<String>,
 }
 
 impl NatsBackend {
@@ -22,9 +24,20 @@ impl NatsBackend {
         Self::default()
     }
 
+    /// A fresh backend on the server (and with the credentials) `url` names.
+    pub fn on(url: String) -> Self {
+        Self {
+            url: Some(url),
+            ..Self::default()
+        }
+    }
+
     /// A typed connection (for NATS-specific tests).
     pub async fn connect_nats(&self) -> anyhow::Result<NatsBroker> {
-        let url = settings::get("RELIQ_NATS_URL");
+        let url = self
+            .url
+            .clone()
+            .unwrap_or_else(|| settings::get("RELIQ_NATS_URL"));
         let options = NatsOptions {
             faults: Some(self.faults.clone()),
             ..NatsOptions::default()

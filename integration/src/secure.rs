@@ -61,6 +61,27 @@ pub fn mtls_url(cert: &str, ca: &str) -> String {
     )
 }
 
+/// `<repo>/.brokers/secure/nats-auth/NAME`: the NATS credentials file and nkeys.
+pub fn nats_auth_file(name: &str) -> String {
+    pki()
+        .with_file_name("nats-auth")
+        .join(name)
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// A secured NATS server (`users`, `mtls`, `jwt`: its port key in brokers.env) with the
+/// query `auth` (the way of signing in), trusting the test CA.
+pub fn nats_url(server: &str, auth: &str) -> String {
+    let key = format!("NATS_SECURE_{}_PORT", server.to_ascii_uppercase());
+    format!(
+        "tls://127.0.0.1:{}?tls.ca={}{}{auth}",
+        port(&key),
+        pki_file("ca.crt"),
+        if auth.is_empty() { "" } else { "&" },
+    )
+}
+
 /// The super user `admin` (SCRAM over TLS): creates topics, grants ACLs.
 pub fn admin_url() -> String {
     scram_url("admin", &settings::get("KAFKA_SECURE_ADMIN_PASSWORD"))
@@ -393,5 +414,180 @@ impl Backend for SecuredKafkaBackend {
 
     async fn unsettled(&self, broker: &Arc<dyn Broker>, sub: &Subscription) -> Option<usize> {
         self.kafka.unsettled(broker, sub).await
+    }
+}
+
+/// The conformance factory on the JWT-authenticated NATS server: each test's consumers run
+/// as a user minted for it (`scripts/brokers secure nats-user`) whose JWT allows only the
+/// subjects `reliq topology permissions` prints for them (consumer, operator, publishing
+/// to the source).
+pub struct SecuredNatsBackend {
+    consumers: &'static [&'static str],
+    /// The plain server's factory: the timings are the same.
+    plain: crate::nats::NatsBackend,
+    /// Which printed subjects the minted user gets (all but one: to show one is needed).
+    keep: fn(&str) -> bool,
+    /// The plain backend on the minted user's credentials, once [`Backend::prepare`] ran.
+    minted: std::sync::OnceLock<(crate::nats::NatsBackend, tempfile::NamedTempFile)>,
+}
+
+impl SecuredNatsBackend {
+    /// For the scenario's consumer names.
+    pub fn new(consumers: &'static [&'static str]) -> Self {
+        Self {
+            consumers,
+            plain: crate::nats::NatsBackend::new(),
+            keep: |_| true,
+            minted: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Mint the user with only the printed subjects `keep` accepts.
+    #[must_use]
+    pub fn keeping(mut self, keep: fn(&str) -> bool) -> Self {
+        self.keep = keep;
+        self
+    }
+
+    fn nats(&self) -> &crate::nats::NatsBackend {
+        &self
+            .minted
+            .get()
+            .expect("Ctx::new prepares the backend before it connects")
+            .0
+    }
+}
+
+/// `{"publish": [...], "subscribe": [...]}` of a NATS permissions' grants.
+pub fn nats_subjects(permissions: &Permissions) -> serde_json::Value {
+    let of = |op: &str| -> Vec<&str> {
+        permissions
+            .grants
+            .iter()
+            .filter(|g| g.operations.contains(&op))
+            .map(|g| g.name.as_str())
+            .collect()
+    };
+    serde_json::json!({ "publish": of("publish"), "subscribe": of("subscribe") })
+}
+
+/// The credentials file of a new user of the JWT server allowed only `subjects`.
+pub async fn mint_nats_user(
+    name: &str,
+    subjects: &serde_json::Value,
+) -> anyhow::Result<tempfile::NamedTempFile> {
+    use tokio::io::AsyncWriteExt as _;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/brokers");
+    let mut child = tokio::process::Command::new(script)
+        .args(["secure", "nats-user", name])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("running scripts/brokers secure nats-user")?;
+    let mut stdin = child.stdin.take().context("stdin")?;
+    stdin.write_all(subjects.to_string().as_bytes()).await?;
+    drop(stdin);
+    let out = child.wait_with_output().await?;
+    if !out.status.success() {
+        bail!("nats-user: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let file = tempfile::NamedTempFile::new()?;
+    std::fs::write(file.path(), &out.stdout)?;
+    Ok(file)
+}
+
+#[async_trait]
+impl Backend for SecuredNatsBackend {
+    fn name(&self) -> &'static str {
+        "nats"
+    }
+
+    async fn prepare(&self, topic: &str) -> anyhow::Result<()> {
+        // The permissions are computed by any connection: they read nothing.
+        let full = reliq_nats::NatsBroker::connect(&nats_url(
+            "jwt",
+            &format!("creds={}", nats_auth_file("reliq.creds")),
+        ))
+        .await?;
+        let [t1, t2] = self.tiers();
+        let consumers = self
+            .consumers
+            .iter()
+            .map(|name| {
+                let mut sub = Subscription::new(*name, topic);
+                sub.retry_tiers = vec![t1, t2];
+                sub
+            })
+            .collect();
+        let access = Access {
+            consumers,
+            publishes: vec![topic.to_owned()],
+            principal: Some(topic.to_owned()),
+            operator: true,
+        };
+        let mut permissions = full.permissions(&access).await?;
+        let keep = self.keep;
+        permissions.grants.retain(|g| keep(&g.name));
+        let creds = mint_nats_user(topic, &nats_subjects(&permissions)).await?;
+        let url = nats_url("jwt", &format!("creds={}", creds.path().display()));
+        if self
+            .minted
+            .set((crate::nats::NatsBackend::on(url), creds))
+            .is_err()
+        {
+            bail!("one backend per test: already prepared");
+        }
+        Ok(())
+    }
+
+    async fn connect(&self) -> anyhow::Result<Arc<dyn Broker>> {
+        self.nats().connect().await
+    }
+
+    fn tiers(&self) -> [Duration; 2] {
+        self.plain.tiers()
+    }
+
+    fn tolerance(&self) -> Duration {
+        self.plain.tolerance()
+    }
+
+    fn quiet_period(&self) -> Duration {
+        self.plain.quiet_period()
+    }
+
+    fn crash_lease(&self) -> Duration {
+        self.plain.crash_lease()
+    }
+
+    async fn declare_source(&self, broker: &Arc<dyn Broker>, topic: &str) -> anyhow::Result<()> {
+        self.nats().declare_source(broker, topic).await
+    }
+
+    async fn set_dead_letter_available(
+        &self,
+        broker: &Arc<dyn Broker>,
+        sub: &Subscription,
+        available: bool,
+    ) -> anyhow::Result<()> {
+        self.nats()
+            .set_dead_letter_available(broker, sub, available)
+            .await
+    }
+
+    async fn set_retry_available(
+        &self,
+        broker: &Arc<dyn Broker>,
+        sub: &Subscription,
+        available: bool,
+    ) -> anyhow::Result<()> {
+        self.nats()
+            .set_retry_available(broker, sub, available)
+            .await
+    }
+
+    async fn unsettled(&self, broker: &Arc<dyn Broker>, sub: &Subscription) -> Option<usize> {
+        self.nats().unsettled(broker, sub).await
     }
 }

@@ -21,6 +21,13 @@ pub trait Backend: Send + Sync + 'static {
     /// `memory`, `kafka`, `rabbit`, `nats` or `sqs`.
     fn name(&self) -> &'static str;
 
+    /// Get ready for a test on the source `topic`, before its first connection (a
+    /// backend whose credentials are fixed at sign-in issues them here). Default: nothing.
+    async fn prepare(&self, topic: &str) -> anyhow::Result<()> {
+        let _ = topic;
+        Ok(())
+    }
+
     /// A connection (a new one per call where the backend has connections).
     async fn connect(&self) -> anyhow::Result<Arc<dyn Broker>>;
 
@@ -124,11 +131,15 @@ impl std::fmt::Debug for Ctx<'_> {
 impl<'a> Ctx<'a> {
     /// Connect and pick fresh names.
     pub async fn new(backend: &'a dyn Backend, test: &str) -> anyhow::Result<Self> {
+        let topic = unique(test);
+        backend
+            .prepare(&topic)
+            .await
+            .context("preparing the backend")?;
         let broker = backend
             .connect()
             .await
             .context("connecting to the broker")?;
-        let topic = unique(test);
         backend.declare_source(&broker, &topic).await?;
         Ok(Self {
             backend,

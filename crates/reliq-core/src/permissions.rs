@@ -55,6 +55,31 @@ impl Access {
         self
     }
 
+    /// What this access covers, in words: ``consumer `billing` on `orders`; publishes to
+    /// invoices; with the operator's tools`` (the first line of a permissions document).
+    pub fn summary(&self) -> String {
+        let consumers: Vec<String> = self
+            .consumers
+            .iter()
+            .map(|s| format!("`{}` on `{}`", s.consumer, s.source))
+            .collect();
+        let mut text = format!(
+            "consumer {}",
+            if consumers.is_empty() {
+                "none".to_owned()
+            } else {
+                consumers.join(", ")
+            }
+        );
+        if !self.publishes.is_empty() {
+            text.push_str(&format!("; publishes to {}", self.publishes.join(", ")));
+        }
+        if self.operator {
+            text.push_str("; with the operator's tools");
+        }
+        text
+    }
+
     /// The grants are for `principal`.
     #[must_use]
     pub fn principal(mut self, principal: impl Into<String>) -> Self {

@@ -142,28 +142,9 @@ fn consumer(config: &KafkaConfig, sub: &Subscription, operator: bool, out: &mut 
 /// says why.
 fn document(config: &KafkaConfig, principal: &str, access: &Access, grants: &[Grant]) -> String {
     let mut doc = String::new();
-    let consumers: Vec<String> = access
-        .consumers
-        .iter()
-        .map(|s| format!("`{}` on `{}`", s.consumer, s.source))
-        .collect();
     doc.push_str(&format!(
-        "# Kafka ACLs for {principal}: consumer {}{}{}\n",
-        if consumers.is_empty() {
-            "none".to_owned()
-        } else {
-            consumers.join(", ")
-        },
-        if access.publishes.is_empty() {
-            String::new()
-        } else {
-            format!("; publishes to {}", access.publishes.join(", "))
-        },
-        if access.operator {
-            "; with the operator's tools"
-        } else {
-            ""
-        },
+        "# Kafka ACLs for {principal}: {}\n",
+        access.summary()
     ));
     doc.push_str("# Apply with an admin's client config (--command-config).\n");
     for g in grants {

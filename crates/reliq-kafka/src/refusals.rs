@@ -209,7 +209,7 @@ impl ClientContext for WatchingContext {
         if let Some(refusal) = Refusal::of(&error, reason) {
             self.refusals.last.send_replace(Some(refusal));
         }
-        tracing::error!("librdkafka: {error}: {reason}");
+        tracing::error!(target: "librdkafka", "librdkafka: {error}: {reason}");
     }
 }
 

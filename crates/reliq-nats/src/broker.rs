@@ -93,6 +93,14 @@ impl NatsBroker {
     /// `?reliq.ignore_discovered_servers=true` keeps it to the URL's servers (when the
     /// cluster is reached through a proxy, a load balancer or NAT). Credentials are never
     /// logged.
+    ///
+    /// Secured servers: `tls.ca=PATH` (a private CA), `tls.cert=PATH&tls.key=PATH` (a
+    /// client certificate), `user=…&password=…`, `token=…`, `nkey=SEED` (an nkey user's
+    /// seed), `creds=PATH` (a credentials file: user JWT + nkey seed, the decentralized
+    /// model); a secret may come from a file or the environment (`password.file=PATH`,
+    /// `nkey.env=VAR`, see [`reliq_core::secrets`]). A refused sign-in fails at once
+    /// with [`BrokerError::Unauthorized`], a refused TLS handshake with
+    /// [`BrokerError::Config`] naming `tls.*`.
     pub async fn connect(url: &str) -> Result<Self, BrokerError> {
         Self::connect_with(url, NatsOptions::default()).await
     }
@@ -103,19 +111,44 @@ impl NatsBroker {
         let (address, query) = url.split_once('?').unwrap_or((url, ""));
         let mut connect = async_nats::ConnectOptions::new()
             .name("reliq")
-            .connection_timeout(Duration::from_secs(10));
+            .connection_timeout(Duration::from_secs(10))
+            .event_callback(|event| async move { log_event(&event) });
+        let bad = |field: &str, reason: String| BrokerError::Config {
+            field: field.to_owned(),
+            reason,
+        };
+        let (mut user, mut password) = (None, None);
+        let (mut client_cert, mut client_key) = (None, None);
         for (k, v) in query.split('&').filter_map(|kv| kv.split_once('=')) {
+            let raw = reliq_core::secrets::percent_decode(v);
+            let (k, v) =
+                reliq_core::secrets::resolve_setting(k, &raw).map_err(|e| bad(k, e.to_string()))?;
+            let v = v.as_ref();
             match k {
                 "token" => connect = connect.token(v.to_owned()),
+                "user" => user = Some(v.to_owned()),
+                "password" => password = Some(v.to_owned()),
+                "nkey" => connect = connect.nkey(v.to_owned()),
+                "creds" => {
+                    connect = connect
+                        .credentials_file(v)
+                        .await
+                        .map_err(|e| bad("creds", format!("`{v}`: {e}")))?;
+                }
+                "tls.ca" => connect = connect.add_root_certificates(v.into()),
+                "tls.cert" => client_cert = Some(std::path::PathBuf::from(v)),
+                "tls.key" => client_key = Some(std::path::PathBuf::from(v)),
                 "name" => connect = connect.name(v),
                 "reliq.replicas" => {
                     options.replicas =
                         v.parse()
                             .ok()
                             .filter(|r| (1..=5).contains(r))
-                            .ok_or_else(|| BrokerError::Config {
-                                field: "reliq.replicas".into(),
-                                reason: format!("`{v}` is not a stream replica count (1 to 5)"),
+                            .ok_or_else(|| {
+                                bad(
+                                    "reliq.replicas",
+                                    format!("`{v}` is not a stream replica count (1 to 5)"),
+                                )
                             })?;
                 }
                 // Only the URL's servers, never the ones the cluster advertises (behind a
@@ -124,20 +157,37 @@ impl NatsBroker {
                     "true" => connect = connect.ignore_discovered_servers(),
                     "false" => {}
                     _ => {
-                        return Err(BrokerError::Config {
-                            field: "reliq.ignore_discovered_servers".into(),
-                            reason: format!("`{v}` is not true or false"),
-                        });
+                        return Err(bad(
+                            "reliq.ignore_discovered_servers",
+                            format!("`{v}` is not true or false"),
+                        ));
                     }
                 },
                 other => {
-                    return Err(BrokerError::Config {
-                        field: format!("url query `{other}`"),
-                        reason: "unknown NATS URL option (known: token, name, reliq.replicas, \
-                                 reliq.ignore_discovered_servers)"
+                    return Err(bad(
+                        &format!("url query `{other}`"),
+                        "unknown NATS URL option (known: token, user, password, nkey, creds, \
+                         tls.ca, tls.cert, tls.key, name, reliq.replicas, \
+                         reliq.ignore_discovered_servers; any of them as <key>.file or <key>.env)"
                             .into(),
-                    });
+                    ));
                 }
+            }
+        }
+        match (user, password) {
+            (Some(u), Some(p)) => connect = connect.user_and_password(u, p),
+            (None, None) => {}
+            (Some(_), None) => {
+                return Err(bad("password", "`user` is set without a password".into()));
+            }
+            (None, Some(_)) => return Err(bad("user", "`password` is set without a user".into())),
+        }
+        match (client_cert, client_key) {
+            (Some(cert), Some(key)) => connect = connect.add_client_certificate(cert, key),
+            (None, None) => {}
+            (Some(_), None) => return Err(bad("tls.key", "`tls.cert` needs its key".into())),
+            (None, Some(_)) => {
+                return Err(bad("tls.cert", "`tls.key` needs its certificate".into()));
             }
         }
         let (scheme, rest) = address
@@ -160,13 +210,11 @@ impl NatsBroker {
             }
         };
         let servers = server_addrs(&address)?;
+        let at = redact(&address);
         let client = connect
             .connect(servers.as_slice())
             .await
-            .map_err(connection(format!(
-                "connecting to NATS at {}",
-                redact(&address)
-            )))?;
+            .map_err(|e| connect_error(e, &at))?;
         let js = jetstream::new(client.clone());
         Ok(Self {
             inner: Arc::new(Inner {
@@ -531,6 +579,56 @@ where
     }
 }
 
+/// What the server tells the client outside any request's answer. A permissions
+/// violation is otherwise silent: the request it refused (a pull, a publish, a JetStream
+/// API call) just never gets its answer.
+fn log_event(event: &async_nats::Event) {
+    use async_nats::{Event, ServerError};
+    match event {
+        Event::ServerError(ServerError::Other(text)) if text.contains("Permissions Violation") => {
+            tracing::error!(server = %text, "NATS refused a subject this user is not allowed: \
+                grant what `reliq topology permissions` prints for the consumer");
+        }
+        Event::ServerError(e) => tracing::error!(server = %e, "NATS server error"),
+        Event::SlowConsumer(sid) => tracing::warn!(
+            sid,
+            "NATS: this client reads too slowly; messages were dropped by the server"
+        ),
+        Event::LameDuckMode => tracing::warn!(
+            "NATS: the server is shutting down (lame duck mode); reconnecting elsewhere"
+        ),
+        Event::ClientError(e) => tracing::warn!(error = %e, "NATS client error"),
+        other => tracing::debug!(event = %other, "NATS connection event"),
+    }
+}
+
+/// A failed first connection: a refused sign-in is permanent and says so, a refused TLS
+/// handshake is a setting to fix; the rest (down, unreachable) is a lost connection.
+fn connect_error(e: async_nats::ConnectError, at: &str) -> BrokerError {
+    use async_nats::ConnectErrorKind::{Authentication, AuthorizationViolation, Io, Tls};
+    let chain = reliq_core::ErrorChain(&e).to_string();
+    // async-nats reports a certificate the handshake refused (rustls: "invalid peer
+    // certificate", or the server's "received fatal alert") as an I/O error.
+    let refused_tls =
+        e.kind() == Io && (chain.contains("peer certificate") || chain.contains("fatal alert"));
+    match e.kind() {
+        AuthorizationViolation | Authentication => BrokerError::Unauthorized {
+            resource: format!("the NATS server at {at}"),
+            reason: format!("sign-in refused: {e}"),
+            source: Some(Box::new(e)),
+        },
+        Tls => BrokerError::Config {
+            field: "tls.*".into(),
+            reason: format!("TLS with the NATS server at {at} failed: {chain}"),
+        },
+        Io if refused_tls => BrokerError::Config {
+            field: "tls.*".into(),
+            reason: format!("TLS with the NATS server at {at} refused: {chain}"),
+        },
+        _ => connection(format!("connecting to NATS at {at}"))(e),
+    }
+}
+
 fn redact(address: &str) -> String {
     match address.split_once("://") {
         Some((scheme, rest)) => match rest.rsplit_once('@') {
@@ -585,6 +683,13 @@ impl Broker for NatsBroker {
         subscription: &Subscription,
     ) -> Result<reliq_core::Backlog, BrokerError> {
         self.read_backlog(subscription).await
+    }
+
+    async fn permissions(
+        &self,
+        access: &reliq_core::Access,
+    ) -> Result<reliq_core::Permissions, BrokerError> {
+        Ok(crate::permissions::permissions(access))
     }
 
     async fn plan(&self, subscription: &Subscription) -> Result<reliq_core::Plan, BrokerError> {

@@ -51,6 +51,7 @@ mod dead_letters;
 mod error;
 mod names;
 mod options;
+mod permissions;
 mod receiver;
 mod relay;
 mod topology;
