@@ -63,6 +63,11 @@ impl KafkaBackend {
         Self { admin, url }
     }
 
+    /// The URL consumers and publishes connect with.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
     /// The broker the fault hooks and declarations use.
     pub fn admin(&self) -> &KafkaBroker {
         &self.admin

@@ -12,6 +12,7 @@ use anyhow::{Context as _, bail};
 use async_trait::async_trait;
 use reliq_conformance::Backend;
 use reliq_core::{Access, Broker, Permissions, Subscription};
+use reliq_kafka::KafkaBroker;
 
 use crate::settings;
 
@@ -366,6 +367,27 @@ impl Backend for SecuredKafkaBackend {
         self.kafka.name()
     }
 
+    /// Grant before the first connection, as a deployment does: an idempotent producer
+    /// that starts before its principal may write anywhere is refused its producer id and
+    /// fails for good. Then wait until the node's authorizer holds the grants.
+    async fn prepare(&self, topic: &str) -> anyhow::Result<()> {
+        let admin: Arc<dyn Broker> = Arc::new(self.kafka.admin().clone());
+        self.kafka.declare_source(&admin, topic).await?;
+        let permissions = self.permissions_for(&admin, topic).await?;
+        apply(&permissions.document).await?;
+        let probe = KafkaBroker::connect(self.kafka.url())?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match probe.topic_exists(topic).await {
+                Ok(true) => return Ok(()),
+                other if tokio::time::Instant::now() >= deadline => {
+                    bail!("the grants on {topic} did not take effect within 30 s: {other:?}")
+                }
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+
     async fn connect(&self) -> anyhow::Result<Arc<dyn Broker>> {
         self.kafka.connect().await
     }
@@ -383,13 +405,7 @@ impl Backend for SecuredKafkaBackend {
     }
 
     async fn declare_source(&self, broker: &Arc<dyn Broker>, topic: &str) -> anyhow::Result<()> {
-        self.kafka.declare_source(broker, topic).await?;
-        let permissions = self.permissions_for(broker, topic).await?;
-        apply(&permissions.document).await?;
-        // The authorizer follows the metadata log at once on a single node; a client's
-        // first request may still race it by a few milliseconds.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        Ok(())
+        self.kafka.declare_source(broker, topic).await
     }
 
     async fn set_dead_letter_available(

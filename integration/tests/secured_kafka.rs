@@ -192,9 +192,9 @@ async fn scram_sha_256_without_tls_and_plain_and_oauthbearer_over_tls_connect() 
 async fn publishing_without_an_acl_is_refused_naming_the_topic_and_is_permanent()
 -> anyhow::Result<()> {
     let backend = SecuredKafkaBackend::scram(&["c"]);
-    let broker = reliq_conformance::Backend::connect(&backend).await?;
     let topic = unique("granted");
-    reliq_conformance::Backend::declare_source(&backend, &broker, &topic).await?;
+    reliq_conformance::Backend::prepare(&backend, &topic).await?;
+    let broker = reliq_conformance::Backend::connect(&backend).await?;
     let other = unique("not-granted");
     KafkaBroker::connect(&admin_url())?
         .ensure_topics(std::slice::from_ref(&other))

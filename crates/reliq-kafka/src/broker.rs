@@ -6,7 +6,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use rdkafka::admin::AdminClient;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
 use rdkafka::util::Timeout;
 use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription};
 
@@ -144,11 +145,41 @@ impl Inner {
         }
         match sent {
             Ok(delivery) => Ok((delivery.partition, delivery.offset)),
+            Err(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) => {
+                Err(fatal(producer, topic))
+            }
             Err(e) => Err(match client_error(e, "producing to", topic) {
                 BrokerError::Timeout(_) => BrokerError::Timeout(self.config.send_timeout),
                 other => other,
             }),
         }
+    }
+}
+
+/// What a producer's fatal error was. An idempotent producer refused its producer id (no
+/// Write on any topic yet: its ACLs were granted after it started) fails for good and
+/// every later send says only "Fatal": name the cause, as an authorization error where it
+/// is one. Recreating the connection (`KafkaBroker::connect`) starts a new producer.
+fn fatal<C: rdkafka::ClientContext>(producer: &FutureProducer<C>, topic: &str) -> BrokerError {
+    let Some((code, reason)) = producer.client().fatal_error() else {
+        return BrokerError::connection(format!(
+            "producing to {topic}: the producer failed for good"
+        ));
+    };
+    let reason = format!(
+        "producing to {topic}: the producer failed for good ({code}: {reason}); connect again once it is fixed"
+    );
+    match crate::error::authorization_resource(code) {
+        Some(kind) => BrokerError::Unauthorized {
+            resource: if kind == "topic" {
+                format!("topic {topic}")
+            } else {
+                kind.to_owned()
+            },
+            reason,
+            source: Some(Box::new(code)),
+        },
+        None => BrokerError::connection(reason),
     }
 }
 
