@@ -84,31 +84,10 @@ pub fn resolve_setting<'a>(
     Ok((key, Cow::Borrowed(value)))
 }
 
-/// `%XX` sequences decoded (`+` stays `+`); an invalid sequence is kept as written.
+/// `%XX` sequences decoded (`+` stays `+`); an invalid sequence is kept as written,
+/// bytes that are not UTF-8 become U+FFFD.
 pub fn percent_decode(s: &str) -> Cow<'_, str> {
-    if !s.contains('%') {
-        return Cow::Borrowed(s);
-    }
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        if bytes[i] == b'%'
-            && let (Some(h), Some(l)) = (
-                bytes.get(i + 1).copied().and_then(hex),
-                bytes.get(i + 2).copied().and_then(hex),
-            )
-        {
-            // Both digits are below 16: the byte fits.
-            out.push(u8::try_from(h * 16 + l).unwrap_or(b'?'));
-            i += 3;
-            continue;
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    Cow::Owned(String::from_utf8_lossy(&out).into_owned())
+    percent_encoding::percent_decode_str(s).decode_utf8_lossy()
 }
 
 /// `url` with its user-info password and every secret setting's value replaced by `***`
