@@ -24,13 +24,57 @@ use crate::settings;
 /// Fresh connections to the local RabbitMQ; names are made unique by the suite.
 #[derive(Default)]
 pub struct RabbitBackend {
-    admin: OnceCell<(RabbitBroker, Connection)>,
+    /// Another node or vhost than the plain node's `/` (the secured node).
+    on: Option<Endpoint>,
+    admin: OnceCell<(RabbitBroker, Option<Connection>)>,
+}
+
+/// Where a [`RabbitBackend`] made by [`RabbitBackend::on`] connects.
+struct Endpoint {
+    /// The admin's URL (declarations, fault hooks; with `reliq.management`).
+    admin_url: String,
+    /// What the scenario's consumers and publishes connect with.
+    client_url: String,
+    /// The vhost both URLs name.
+    vhost: String,
 }
 
 impl RabbitBackend {
     /// A backend for one test.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A backend whose admin connects with `admin_url` and whose scenario connects with
+    /// `client_url` (reliq URLs: `reliq.management`, TLS files and all), both on `vhost`.
+    /// Its queues get the test options of [`RabbitBackend::options`] but no management
+    /// API of their own on the client side, so no policy is needed.
+    pub fn on(admin_url: &str, client_url: &str, vhost: &str) -> Self {
+        Self {
+            on: Some(Endpoint {
+                admin_url: admin_url.to_owned(),
+                client_url: client_url.to_owned(),
+                vhost: vhost.to_owned(),
+            }),
+            admin: OnceCell::new(),
+        }
+    }
+
+    /// A reliq connection from a URL with its options, and the test settings on top.
+    pub async fn connect_url(url: &str) -> anyhow::Result<RabbitBroker> {
+        let (stripped, options) = RabbitOptions::from_url(url)?;
+        let options = RabbitOptions {
+            queue_settings: reliq_rabbit::QueueSettings::Arguments,
+            queue_expiry: Some(Duration::from_secs(600)),
+            ..options
+        };
+        RabbitBroker::connect_with(&stripped, options)
+            .await
+            .with_context(|| format!("RabbitMQ at {}", reliq_core::secrets::redact_url(url)))
+    }
+
+    fn vhost(&self) -> &str {
+        self.on.as_ref().map_or("/", |e| e.vhost.as_str())
     }
 
     /// The options every test connection uses: quorum queues, management API for the
@@ -73,11 +117,14 @@ impl RabbitBackend {
             .with_context(|| format!("RabbitMQ at {url} (run scripts/brokers up)"))
     }
 
-    /// A shared admin connection: a reliq broker (declarations) and a raw lapin
-    /// connection (deletions).
-    pub async fn admin(&self) -> anyhow::Result<&(RabbitBroker, Connection)> {
+    /// A shared admin connection: a reliq broker (declarations) and, on the plain node, a
+    /// raw lapin connection (deletions; elsewhere they go through the management API).
+    pub async fn admin(&self) -> anyhow::Result<&(RabbitBroker, Option<Connection>)> {
         self.admin
             .get_or_try_init(|| async {
+                if let Some(e) = &self.on {
+                    return Ok((Self::connect_url(&e.admin_url).await?, None));
+                }
                 let broker = Self::broker().await?;
                 if let Some(api) = broker.management()
                     && let Err(e) = sweep_orphan_streams(api).await
@@ -92,14 +139,33 @@ impl RabbitBackend {
                     ConnectionProperties::default(),
                 )
                 .await?;
-                Ok::<_, anyhow::Error>((broker, raw))
+                Ok::<_, anyhow::Error>((broker, Some(raw)))
             })
             .await
     }
 
+    /// The admin's raw lapin connection (the plain node only).
+    pub async fn raw(&self) -> anyhow::Result<&Connection> {
+        self.admin()
+            .await?
+            .1
+            .as_ref()
+            .context("no raw connection on this node")
+    }
+
     /// Delete a queue (whatever it holds).
     pub async fn delete_queue(&self, name: &str) -> anyhow::Result<()> {
-        let (_, raw) = self.admin().await?;
+        let (admin, raw) = self.admin().await?;
+        let Some(raw) = raw else {
+            let api = admin.management().context("no management URL")?;
+            api.delete(&format!(
+                "/api/queues/{}/{}",
+                reliq_rabbit::encode_segment(self.vhost()),
+                reliq_rabbit::encode_segment(name)
+            ))
+            .await?;
+            return Ok(());
+        };
         let ch = raw.create_channel().await?;
         ch.queue_delete(name.into(), QueueDeleteOptions::default())
             .await?;
@@ -111,7 +177,7 @@ impl RabbitBackend {
     pub async fn queue_stats(&self, name: &str) -> anyhow::Result<serde_json::Value> {
         let (admin, _) = self.admin().await?;
         let mgmt = admin.management().context("no management URL")?;
-        Ok(mgmt.queue("/", name).await?)
+        Ok(mgmt.queue(self.vhost(), name).await?)
     }
 }
 
@@ -122,7 +188,10 @@ impl Backend for RabbitBackend {
     }
 
     async fn connect(&self) -> anyhow::Result<Arc<dyn Broker>> {
-        Ok(Arc::new(Self::broker().await?))
+        match &self.on {
+            Some(e) => Ok(Arc::new(Self::connect_url(&e.client_url).await?)),
+            None => Ok(Arc::new(Self::broker().await?)),
+        }
     }
 
     fn tiers(&self) -> [Duration; 2] {

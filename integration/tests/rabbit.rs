@@ -748,7 +748,7 @@ async fn raw_stream(
     stream: &str,
 ) -> anyhow::Result<Vec<(i64, lapin::types::FieldTable)>> {
     use futures::StreamExt as _;
-    let (_, raw) = backend.admin().await?;
+    let raw = backend.raw().await?;
     let ch = raw.create_channel().await?;
     ch.basic_qos(100, lapin::options::BasicQosOptions::default())
         .await?;
@@ -783,7 +783,7 @@ async fn raw_stream(
 
 /// Ready messages in a queue (passive declare: exact for classic and quorum queues).
 async fn depth(backend: &RabbitBackend, queue: &str) -> anyhow::Result<u32> {
-    let (_, raw) = backend.admin().await?;
+    let raw = backend.raw().await?;
     let ch = raw.create_channel().await?;
     let q = ch
         .queue_declare(
@@ -984,7 +984,7 @@ async fn landed_dead_letters_are_moved_into_the_stream_by_the_reader() -> anyhow
     let topic = unique("dlq-landing");
     let s = sub("c", &topic);
     let names = broker.declare(&s).await?;
-    let (_, raw) = backend.admin().await?;
+    let raw = backend.raw().await?;
     let ch = raw.create_channel().await?;
     ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
         .await?;

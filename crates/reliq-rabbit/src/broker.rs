@@ -15,7 +15,7 @@ use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiv
 use tokio::sync::Mutex;
 
 use crate::dead_letters::RabbitDeadLetters;
-use crate::error::reply_code;
+use crate::error::{refused_connection, reply_code};
 use crate::management::Management;
 use crate::names::{Names, short};
 use crate::options::Nodes;
@@ -51,6 +51,8 @@ pub(crate) struct Inner {
     /// The node tried first: the one the last connection reached.
     preferred: AtomicUsize,
     pub(crate) opts: RabbitOptions,
+    /// [`RabbitOptions::tls`] read at connect time: every connection attempt presents it.
+    tls: lapin::tcp::OwnedTLSConfig,
     pub(crate) management: Option<Management>,
     pub(crate) store: topology::SettingsStore,
     pub(crate) conn: Mutex<Option<Arc<Connection>>>,
@@ -74,20 +76,24 @@ impl Inner {
     /// One connection attempt per node, from the preferred one on, until one succeeds
     /// (the error is the last node's). A cluster's clients move to a live node this way
     /// when theirs is lost: the receivers re-declare and resume on the new connection.
-    async fn connect_once(&self) -> Result<Connection, String> {
+    async fn connect_once(&self) -> Result<Connection, BrokerError> {
         let n = self.nodes.len().max(1);
         let start = self.preferred.load(Ordering::Relaxed) % n;
-        let mut last = String::from("no node in the URL");
+        let mut last = BrokerError::connection("no node in the URL");
         for k in (0..n).map(|i| (start + i) % n) {
             let Some(url) = self.nodes.get(k) else {
                 continue;
             };
             let props = ConnectionProperties::default()
                 .with_connection_name(self.opts.connection_name.clone().into());
+            let connecting = lapin::DefaultConnectionBuilder::new()
+                .map_err(|e| RabbitError::client("starting the AMQP client", e))?
+                .with_uri_str(url.clone())
+                .with_properties(props)
+                .with_tls_config(self.tls.clone());
             // Bounded: a node that accepts TCP but never answers must not hold the
             // reconnect loop (the others may be up).
-            match tokio::time::timeout(NODE_CONNECT_TIMEOUT, Connection::connect(url, props)).await
-            {
+            match tokio::time::timeout(NODE_CONNECT_TIMEOUT, connecting.connect()).await {
                 Ok(Ok(c)) => {
                     if k != start {
                         tracing::info!(node = k, "connected to another RabbitMQ node of the URL");
@@ -95,8 +101,12 @@ impl Inner {
                     self.preferred.store(k, Ordering::Relaxed);
                     return Ok(c);
                 }
-                Ok(Err(e)) => last = e.to_string(),
-                Err(_) => last = format!("no answer within {NODE_CONNECT_TIMEOUT:?}"),
+                Ok(Err(e)) => last = refused_connection(e),
+                Err(_) => {
+                    last = BrokerError::connection(format!(
+                        "no answer within {NODE_CONNECT_TIMEOUT:?}"
+                    ));
+                }
             }
             if n > 1 {
                 tracing::warn!(node = k, error = %last, "connecting to a RabbitMQ node failed; trying the next");
@@ -125,6 +135,10 @@ impl Inner {
                         tracing::info!(failures, "reconnected to RabbitMQ");
                     }
                     return Ok(c);
+                }
+                // A refused sign-in or certificate does not heal by waiting.
+                Err(e @ (BrokerError::Unauthorized { .. } | BrokerError::Config { .. })) => {
+                    return Err(e);
                 }
                 Err(e) => {
                     failures += 1;
@@ -370,10 +384,11 @@ impl RabbitBroker {
                 reason: "expected amqp://… or amqps://…".into(),
             });
         }
+        let tls = options.tls.load()?;
         let management = options
             .management_url
             .as_deref()
-            .map(Management::new)
+            .map(|url| Management::configured(url, &tls))
             .transpose()?;
         let nodes = Nodes::parse(url)?.urls();
         let first = nodes.first().cloned().unwrap_or_else(|| url.to_owned());
@@ -383,6 +398,7 @@ impl RabbitBroker {
             nodes,
             preferred: AtomicUsize::new(0),
             opts: options,
+            tls: tls.lapin(),
             management,
             store,
             conn: Mutex::new(None),
@@ -391,10 +407,30 @@ impl RabbitBroker {
             exchanges: StdMutex::new(HashSet::new()),
         });
         // The first connection fails fast: a wrong URL is a configuration error.
-        let conn = inner
-            .connect_once()
-            .await
-            .map_err(|e| BrokerError::connection(format!("connecting to RabbitMQ failed: {e}")))?;
+        let with_certificate = inner.opts.tls.cert.is_some();
+        let conn = inner.connect_once().await.map_err(|e| match e {
+            // Under TLS 1.3 a broker judges the client certificate after the client's
+            // handshake is done, and its alert often loses the race with the reset of
+            // the socket it closes. At the first connection that is the likely cause
+            // (a broker going down refuses the TCP connection instead); later, in the
+            // reconnect loop, a reset is retried like any lost connection.
+            BrokerError::Connection { .. }
+                if with_certificate && e.to_string().contains("reset by peer") =>
+            {
+                BrokerError::Config {
+                    field: "certfile".into(),
+                    reason: format!(
+                        "the broker reset the connection right after the TLS handshake, \
+                         before the AMQP sign-in: it most likely refused the client \
+                         certificate (another CA, expired, revoked; its log says which): {e}"
+                    ),
+                }
+            }
+            BrokerError::Connection { .. } => {
+                BrokerError::connection(format!("connecting to RabbitMQ failed: {e}"))
+            }
+            refused => refused,
+        })?;
         *inner.conn.lock().await = Some(Arc::new(conn));
         Ok(Self { inner })
     }
@@ -518,6 +554,28 @@ impl Broker for RabbitBroker {
     ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
         Ok(Box::new(
             RabbitDeadLetters::open(self.inner.clone(), subscription).await?,
+        ))
+    }
+
+    /// Configure / write / read regexes for the URL's vhost and user (see the crate's
+    /// `permissions` notes); the tag `policymaker` too when policies hold the queue
+    /// settings.
+    async fn permissions(
+        &self,
+        access: &reliq_core::Access,
+    ) -> Result<reliq_core::Permissions, BrokerError> {
+        let user = self
+            .inner
+            .url
+            .parse::<lapin::uri::AMQPUri>()
+            .ok()
+            .map(|u| u.authority.userinfo.username);
+        let policies = matches!(self.inner.store, topology::SettingsStore::Policies { .. });
+        Ok(crate::permissions::permissions(
+            access,
+            &self.inner.vhost(),
+            user.as_deref(),
+            policies,
         ))
     }
 

@@ -162,6 +162,7 @@ mod error;
 mod management;
 mod names;
 mod options;
+mod permissions;
 mod receiver;
 mod topology;
 
@@ -171,7 +172,7 @@ pub use dead_letters::RabbitDeadLetters;
 pub use error::RabbitError;
 pub use management::{Management, Policy, encode_segment};
 pub use names::{Names, queue_name};
-pub use options::{QueueSettings, QueueType, RabbitOptions, Reconnect};
+pub use options::{QueueSettings, QueueType, RabbitOptions, Reconnect, Tls};
 pub use topology::{knows_quorum_apply_to, plan_text, rabbit_delivery_limit};
 
 /// The URL schemes this backend serves (`reliq::connect` dispatches on them).

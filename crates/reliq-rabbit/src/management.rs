@@ -4,14 +4,15 @@
 //! `http://` and `https://` (rustls on ring, the platform's trust store) are accepted;
 //! credentials come from the URL's userinfo and are sent as HTTP basic auth, never logged.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use backon::{BackoffBuilder as _, ExponentialBuilder};
 use reliq_core::BrokerError;
+use reliq_core::secrets::percent_decode;
 use reqwest::{Method, StatusCode, Url};
-use rustls_platform_verifier::BuilderVerifierExt as _;
 use serde_json::Value;
+
+use crate::options::{LoadedTls, Tls};
 
 /// How long one management API request may take: it answers slowly on a busy broker
 /// with many queues and policies, and is only used at declaration time.
@@ -55,36 +56,6 @@ pub fn encode_segment(s: &str) -> String {
     out
 }
 
-fn percent_decode(s: &str) -> Result<String, BrokerError> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let v = s
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| config("bad percent-encoding in the credentials"))?;
-            out.push(v);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).map_err(|_| config("credentials are not UTF-8"))
-}
-
-/// A rustls configuration on the ring provider (the one lapin uses) with the platform's
-/// certificate verifier: no second crypto provider in the process.
-fn tls_config() -> Result<rustls::ClientConfig, BrokerError> {
-    rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .and_then(|b| b.with_platform_verifier())
-        .map(|b| b.with_no_client_auth())
-        .map_err(|e| config(format!("TLS setup failed: {e}")))
-}
-
 /// A policy as the management API stores it (`PUT /api/policies/<vhost>/<name>`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Policy {
@@ -101,8 +72,19 @@ pub struct Policy {
 }
 
 impl Management {
-    /// Parse `http[s]://[user:password@]host:port[/]`.
+    /// Parse `http[s]://[user:password@]host:port[/]`; `https` trusts the platform's
+    /// certificate store.
     pub fn new(url: &str) -> Result<Self, BrokerError> {
+        Self::with_tls(url, &Tls::default())
+    }
+
+    /// [`Management::new`] trusting `tls`'s CA bundle too, and presenting its client
+    /// certificate (a management listener with `ssl_options.verify = verify_peer`).
+    pub fn with_tls(url: &str, tls: &Tls) -> Result<Self, BrokerError> {
+        Self::configured(url, &tls.load()?)
+    }
+
+    pub(crate) fn configured(url: &str, tls: &LoadedTls) -> Result<Self, BrokerError> {
         let mut base = Url::parse(url).map_err(|e| config(format!("not a URL: {e}")))?;
         if !matches!(base.scheme(), "http" | "https") {
             return Err(config("expected http://… or https://…"));
@@ -110,8 +92,8 @@ impl Management {
         if base.host_str().is_none_or(str::is_empty) {
             return Err(config("expected http://user:password@host:port"));
         }
-        let user = percent_decode(base.username())?;
-        let password = percent_decode(base.password().unwrap_or(""))?;
+        let user = percent_decode(base.username()).into_owned();
+        let password = percent_decode(base.password().unwrap_or("")).into_owned();
         // Strip the credentials: they go in the Authorization header, and the URL may end
         // up in an error message.
         let _ = base.set_username("");
@@ -119,7 +101,7 @@ impl Management {
         base.set_path("/");
         let http = reqwest::Client::builder()
             .timeout(REQUEST_TIMEOUT)
-            .tls_backend_preconfigured(tls_config()?)
+            .tls_backend_preconfigured(tls.rustls()?)
             .build()
             .map_err(|e| config(format!("HTTP client setup failed: {e}")))?;
         Ok(Self {
@@ -163,10 +145,20 @@ impl Management {
     }
 
     fn refused(method: &str, path: &str, status: StatusCode, body: &str) -> BrokerError {
-        BrokerError::rejected(format!(
+        let said = format!(
             "management API {method} {path}: HTTP {status}: {}",
             body.chars().take(200).collect::<String>()
-        ))
+        );
+        match status {
+            // A wrong password, or a user without the tag (`policymaker`, `management`)
+            // or the vhost permission the call needs.
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => BrokerError::Unauthorized {
+                resource: format!("management API {path}"),
+                reason: said,
+                source: None,
+            },
+            _ => BrokerError::rejected(said),
+        }
     }
 
     /// `GET path`, tried again (up to three times, 100 ms backoff) on a server error or

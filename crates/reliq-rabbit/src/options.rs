@@ -1,9 +1,12 @@
 //! Settings of a [`RabbitBroker`](crate::RabbitBroker): queue type, confirm timeout,
-//! reconnect policy, where queue settings live (policies or arguments).
+//! reconnect policy, where queue settings live (policies or arguments), TLS trust and
+//! client certificate.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use reliq_core::BrokerError;
+use reliq_core::secrets::{redact_url, resolve_setting};
 
 #[cfg(doc)]
 use crate::{Management, RabbitBroker};
@@ -82,8 +85,162 @@ pub enum QueueSettings {
     Policies,
 }
 
+/// TLS beyond what `amqps://` alone gives (the platform's trust store, no client
+/// certificate), for the AMQP connection and the management API alike. The URL names
+/// them with the RabbitMQ URI spec's query parameters: `cacertfile`, `certfile`,
+/// `keyfile`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tls {
+    /// PEM file of CA certificates to trust besides the platform's (a private CA).
+    pub ca: Option<PathBuf>,
+    /// PEM file of the client certificate (chain) for mutual TLS; with
+    /// `auth_mechanism=external` the broker signs the connection in as the user the
+    /// certificate names (`ssl_cert_login_from`).
+    pub cert: Option<PathBuf>,
+    /// PEM file of the client certificate's private key.
+    pub key: Option<PathBuf>,
+}
+
+impl Tls {
+    /// Whether anything is set.
+    pub fn is_empty(&self) -> bool {
+        self == &Self::default()
+    }
+
+    /// The files read: a CA bundle and a client identity, each named by its setting
+    /// when it cannot be read or holds no PEM certificate (checked here, at connect time,
+    /// rather than as a TLS failure on every connection attempt).
+    pub(crate) fn load(&self) -> Result<LoadedTls, BrokerError> {
+        use rustls::pki_types::pem::PemObject as _;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let read = |field: &str, path: &PathBuf| {
+            std::fs::read(path).map_err(|e| BrokerError::Config {
+                field: field.to_owned(),
+                reason: format!("cannot read `{}`: {e}", path.display()),
+            })
+        };
+        let certs = |field: &str, pem: &[u8]| {
+            let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(pem)
+                .collect::<Result<_, _>>()
+                .map_err(|e| BrokerError::Config {
+                    field: field.to_owned(),
+                    reason: format!("not PEM certificates: {e}"),
+                })?;
+            if certs.is_empty() {
+                return Err(BrokerError::Config {
+                    field: field.to_owned(),
+                    reason: "no PEM certificate in the file".into(),
+                });
+            }
+            Ok(certs)
+        };
+        let ca = match &self.ca {
+            Some(path) => {
+                let pem = read("cacertfile", path)?;
+                Some((certs("cacertfile", &pem)?, pem))
+            }
+            None => None,
+        };
+        let identity = match (&self.cert, &self.key) {
+            (Some(cert), Some(key)) => {
+                let cert_pem = read("certfile", cert)?;
+                let key_pem = read("keyfile", key)?;
+                let chain = certs("certfile", &cert_pem)?;
+                let private =
+                    PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| BrokerError::Config {
+                        field: "keyfile".into(),
+                        reason: format!("no PEM private key: {e}"),
+                    })?;
+                Some(Identity {
+                    cert_pem,
+                    key_pem,
+                    chain,
+                    key: private,
+                })
+            }
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(BrokerError::Config {
+                    field: "keyfile".into(),
+                    reason: "a client certificate needs its key".into(),
+                });
+            }
+            (None, Some(_)) => {
+                return Err(BrokerError::Config {
+                    field: "certfile".into(),
+                    reason: "a private key needs its certificate".into(),
+                });
+            }
+        };
+        Ok(LoadedTls { ca, identity })
+    }
+}
+
+/// A client certificate chain and its key, as PEM (for lapin) and parsed (for rustls).
+pub(crate) struct Identity {
+    cert_pem: Vec<u8>,
+    key_pem: Vec<u8>,
+    chain: Vec<rustls::pki_types::CertificateDer<'static>>,
+    key: rustls::pki_types::PrivateKeyDer<'static>,
+}
+
+/// [`Tls`] with its files read.
+pub(crate) struct LoadedTls {
+    /// The CA certificates, parsed and as the PEM text.
+    ca: Option<(Vec<rustls::pki_types::CertificateDer<'static>>, Vec<u8>)>,
+    identity: Option<Identity>,
+}
+
+impl LoadedTls {
+    /// lapin's TLS settings: the CA bundle is added to the platform's roots.
+    pub(crate) fn lapin(&self) -> lapin::tcp::OwnedTLSConfig {
+        lapin::tcp::OwnedTLSConfig {
+            identity: self
+                .identity
+                .as_ref()
+                .map(|i| lapin::tcp::OwnedIdentity::PKCS8 {
+                    pem: i.cert_pem.clone(),
+                    key: i.key_pem.clone(),
+                }),
+            cert_chain: self
+                .ca
+                .as_ref()
+                .map(|(_, pem)| String::from_utf8_lossy(pem).into_owned()),
+        }
+    }
+
+    /// The management API's rustls configuration, on the ring provider lapin uses: the
+    /// platform's verifier with the CA bundle as extra roots (what lapin trusts too), and
+    /// the client certificate when there is one.
+    pub(crate) fn rustls(&self) -> Result<rustls::ClientConfig, BrokerError> {
+        let config = |reason: String| BrokerError::Config {
+            field: "management_url".into(),
+            reason,
+        };
+        let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+        let extra = self.ca.iter().flat_map(|(certs, _)| certs.iter().cloned());
+        let verifier =
+            rustls_platform_verifier::Verifier::new_with_extra_roots(extra, provider.clone())
+                .map_err(|e| config(format!("TLS setup failed: {e}")))?;
+        let builder = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| config(format!("TLS setup failed: {e}")))?
+            .dangerous() // only to install the platform verifier, which verifies fully
+            .with_custom_certificate_verifier(std::sync::Arc::new(verifier));
+        match &self.identity {
+            None => Ok(builder.with_no_client_auth()),
+            Some(i) => builder
+                .with_client_auth_cert(i.chain.clone(), i.key.clone_key())
+                .map_err(|e| BrokerError::Config {
+                    field: "certfile".into(),
+                    reason: format!("the client certificate and key do not fit: {e}"),
+                }),
+        }
+    }
+}
+
 /// Settings of a [`RabbitBroker`].
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct RabbitOptions {
     /// Queue type of every queue reliq declares (default quorum).
     pub queue_type: QueueType,
@@ -105,53 +262,76 @@ pub struct RabbitOptions {
     pub queue_expiry: Option<Duration>,
     /// The client-side connection name shown by RabbitMQ (default `reliq`).
     pub connection_name: String,
+    /// A private CA and a client certificate, for `amqps://` and an `https://`
+    /// management API.
+    pub tls: Tls,
+}
+
+impl std::fmt::Debug for RabbitOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The management URL carries the API's password: never print it.
+        f.debug_struct("RabbitOptions")
+            .field("queue_type", &self.queue_type)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("reconnect", &self.reconnect)
+            .field(
+                "management_url",
+                &self.management_url.as_deref().map(redact_url),
+            )
+            .field("queue_settings", &self.queue_settings)
+            .field("policy_priority", &self.policy_priority)
+            .field("queue_expiry", &self.queue_expiry)
+            .field("connection_name", &self.connection_name)
+            .field("tls", &self.tls)
+            .finish()
+    }
 }
 
 impl RabbitOptions {
-    /// The options a URL carries in `reliq.*` query parameters, and the URL without them
-    /// (what lapin connects to):
+    /// The options a URL carries in its query, and the URL without them (what lapin
+    /// connects to):
     ///
     /// | parameter | what |
     /// |---|---|
     /// | `reliq.management=15672` | the management API on this port of the URL's host, with its credentials (`https` for `amqps://`) |
     /// | `reliq.management=<URL>` | the management API at that (percent-encoded) URL |
+    /// | `cacertfile=<path>` | trust this PEM CA bundle besides the platform's ([`Tls::ca`]) |
+    /// | `certfile=<path>`, `keyfile=<path>` | the client certificate and its key, for mutual TLS ([`Tls::cert`], [`Tls::key`]) |
+    /// | `password.file=<path>`, `password.env=<VAR>` | the password of the URL's user, from a file or an environment variable (not in the process list) |
     ///
-    /// Any other `reliq.*` parameter is an error naming it; the rest (lapin's own,
-    /// `heartbeat`, `frame_max`, …) is left in the URL.
+    /// `cacertfile`, `certfile` and `keyfile` are the RabbitMQ URI spec's names. lapin's
+    /// own parameters stay in the URL: `heartbeat`, `connection_timeout`, `channel_max`,
+    /// `frame_max`, and `auth_mechanism=external` (sign in with the client certificate:
+    /// the broker's `rabbitmq_auth_mechanism_ssl` plugin). Any other `reliq.*` parameter
+    /// is an error naming it.
     pub fn from_url(url: &str) -> Result<(String, Self), BrokerError> {
         let bad = |field: &str, reason: String| BrokerError::Config {
             field: field.to_owned(),
             reason,
         };
         // A cluster's URL names several nodes; the query is read from the first node's.
-        let nodes = Nodes::parse(url)?;
+        let mut nodes = Nodes::parse(url)?;
         let mut parsed =
             reqwest::Url::parse(&nodes.url(0)).map_err(|e| bad("url", e.to_string()))?;
         let mut options = Self::default();
+        let mut management = None;
         let mut kept = Vec::new();
         for (k, v) in parsed.query_pairs() {
-            match k.as_ref() {
-                "reliq.management" => {
-                    options.management_url = Some(if let Ok(port) = v.parse::<u16>() {
-                        let scheme = if parsed.scheme() == "amqps" {
-                            "https"
-                        } else {
-                            "http"
-                        };
-                        let host = parsed
-                            .host_str()
-                            .ok_or_else(|| bad("url", "no host".into()))?;
-                        let userinfo = match parsed.password() {
-                            Some(password) => format!("{}:{password}@", parsed.username()),
-                            None if !parsed.username().is_empty() => {
-                                format!("{}@", parsed.username())
-                            }
-                            None => String::new(),
-                        };
-                        format!("{scheme}://{userinfo}{host}:{port}")
-                    } else {
-                        v.into_owned()
-                    });
+            let (key, value) =
+                resolve_setting(&k, &v).map_err(|e| bad(k.as_ref(), e.to_string()))?;
+            match key {
+                "reliq.management" => management = Some(value.into_owned()),
+                "cacertfile" => options.tls.ca = Some(PathBuf::from(value.as_ref())),
+                "certfile" => options.tls.cert = Some(PathBuf::from(value.as_ref())),
+                "keyfile" => options.tls.key = Some(PathBuf::from(value.as_ref())),
+                "password" => {
+                    if parsed.username().is_empty() {
+                        return Err(bad(
+                            &k,
+                            "a password needs a user: amqps://USER@host/…?password.file=…".into(),
+                        ));
+                    }
+                    nodes.set_password(&value);
                 }
                 other if other.starts_with("reliq.") => {
                     return Err(bad(
@@ -162,6 +342,43 @@ impl RabbitOptions {
                 _ => kept.push((k.into_owned(), v.into_owned())),
             }
         }
+        if options.tls.cert.is_some() != options.tls.key.is_some() {
+            let missing = if options.tls.cert.is_some() {
+                "keyfile"
+            } else {
+                "certfile"
+            };
+            return Err(bad(
+                missing,
+                "a client certificate needs both certfile and keyfile".into(),
+            ));
+        }
+        // The port form borrows the (possibly just read) credentials of the URL.
+        let with_password =
+            reqwest::Url::parse(&nodes.url(0)).map_err(|e| bad("url", e.to_string()))?;
+        options.management_url = management
+            .map(|v| -> Result<String, BrokerError> {
+                let Ok(port) = v.parse::<u16>() else {
+                    return Ok(v);
+                };
+                let scheme = if with_password.scheme() == "amqps" {
+                    "https"
+                } else {
+                    "http"
+                };
+                let host = with_password
+                    .host_str()
+                    .ok_or_else(|| bad("url", "no host".into()))?;
+                let userinfo = match with_password.password() {
+                    Some(password) => format!("{}:{password}@", with_password.username()),
+                    None if !with_password.username().is_empty() => {
+                        format!("{}@", with_password.username())
+                    }
+                    None => String::new(),
+                };
+                Ok(format!("{scheme}://{userinfo}{host}:{port}"))
+            })
+            .transpose()?;
         if kept.is_empty() {
             parsed.set_query(None);
         } else {
@@ -175,6 +392,13 @@ impl RabbitOptions {
         Ok((url, options))
     }
 }
+
+/// What a password may hold unencoded in a URL's user info (RFC 3986 `unreserved`).
+const USERINFO: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
 
 /// The nodes an AMQP URL names. A cluster's URL lists them in its authority, separated
 /// by commas — `amqp://user:password@host1:5672,host2:5672,host3:5672/vhost?query` — and
@@ -223,6 +447,15 @@ impl Nodes {
         format!("{}{host}{}", self.prefix, self.tail)
     }
 
+    /// Set the password of the URL's user (percent-encoded into the user info).
+    pub(crate) fn set_password(&mut self, password: &str) {
+        let (scheme, userinfo) = self.prefix.split_once("://").unwrap_or(("amqp", ""));
+        let userinfo = userinfo.strip_suffix('@').unwrap_or(userinfo);
+        let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+        let encoded: String = percent_encoding::utf8_percent_encode(password, USERINFO).collect();
+        self.prefix = format!("{scheme}://{user}:{encoded}@");
+    }
+
     /// Every node's single-host URL, in order.
     pub(crate) fn urls(&self) -> Vec<String> {
         (0..self.hosts.len()).map(|i| self.url(i)).collect()
@@ -246,6 +479,7 @@ impl Default for RabbitOptions {
             policy_priority: 10,
             queue_expiry: None,
             connection_name: "reliq".to_owned(),
+            tls: Tls::default(),
         }
     }
 }
