@@ -218,7 +218,22 @@ impl Pg {
 
     /// A fresh schema on the database of `RELIQ_POSTGRES_URL`, migrated.
     pub async fn isolated() -> anyhow::Result<Self> {
-        let url = settings::get("RELIQ_POSTGRES_URL");
+        Self::isolated_on(&settings::get("RELIQ_POSTGRES_URL")).await
+    }
+
+    /// [`Harness::new`] on the database of `url`: a fresh schema, migrated, with the
+    /// `effects` table.
+    pub async fn on(url: &str) -> anyhow::Result<Self> {
+        let pg = Self::isolated_on(url).await?;
+        sqlx::query("CREATE TABLE effects (id TEXT NOT NULL)")
+            .execute(&pg.pool)
+            .await?;
+        Ok(pg)
+    }
+
+    /// A fresh schema on the database of `url`, migrated.
+    pub async fn isolated_on(url: &str) -> anyhow::Result<Self> {
+        let url = url.to_owned();
         let schema = unique("reliq_test");
         let admin = PgPool::connect(&url)
             .await
@@ -245,11 +260,7 @@ impl_harness!(
     reliq_postgres::migrate,
     {
         async fn new() -> anyhow::Result<Self> {
-            let pg = Self::isolated().await?;
-            sqlx::query("CREATE TABLE effects (id TEXT NOT NULL)")
-                .execute(&pg.pool)
-                .await?;
-            Ok(pg)
+            Self::on(&settings::get("RELIQ_POSTGRES_URL")).await
         }
 
         async fn cleanup(&self) -> anyhow::Result<()> {
@@ -404,11 +415,15 @@ macro_rules! store_tests {
             outbox_backlog_counts_unsent_rows_and_the_oldest_age,
         );
     };
-    ($harness:ty; $($scenario:ident),* $(,)?) => {$(
+    ($harness:ty; $($scenario:ident),* $(,)?) => {
+        $crate::store_tests!($harness = <$harness as $crate::stores::Harness>::new(); $($scenario),*);
+    };
+    // The store made by `$new` (another database URL).
+    ($harness:ty = $new:expr; $($scenario:ident),* $(,)?) => {$(
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $scenario() -> anyhow::Result<()> {
             use $crate::stores::Harness as _;
-            let h = std::sync::Arc::new(<$harness>::new().await?);
+            let h: std::sync::Arc<$harness> = std::sync::Arc::new($new.await?);
             $crate::stores::$scenario(h.clone()).await?;
             h.cleanup().await
         }

@@ -195,3 +195,16 @@ pub async fn refused<T>(
     }
     e
 }
+
+/// The secured PostgreSQL cluster (TLS only) as the test role, with `sslmode` and the
+/// root certificate `ca` (`ca` normally; `rogue-ca` to be refused).
+pub fn postgres_url(sslmode: &str, ca: &str) -> String {
+    format!(
+        "postgres://{}:{}@127.0.0.1:{}/{}?sslmode={sslmode}&sslrootcert={}",
+        settings::get("POSTGRES_USER"),
+        settings::get("POSTGRES_PASSWORD"),
+        port("POSTGRES_SECURE_PORT"),
+        settings::get("POSTGRES_DB"),
+        pki_file(&format!("{ca}.crt")),
+    )
+}
