@@ -6,93 +6,13 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail, ensure};
 use reliq_core::Broker;
 use serde_json::{Value, json};
-use support::{consumer, park, reliq, unique, url, wait_for};
-
-struct Token {
-    secret: String,
-    entry: String,
-}
-
-fn token(name: &str, role: &str, expires_in: Option<&str>) -> anyhow::Result<Token> {
-    let mut cmd = reliq();
-    cmd.args(["admin", "token", "--name", name, "--role", role, "--json"]);
-    if let Some(e) = expires_in {
-        cmd.args(["--expires-in", e]);
-    }
-    let made = support::json(&mut cmd, 0)?;
-    Ok(Token {
-        secret: made["token"].as_str().context("token")?.to_owned(),
-        entry: made["entry"].as_str().context("entry")?.to_owned(),
-    })
-}
-
-/// The server, and what it printed (read after it is stopped).
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Server {
-    fn start(
-        url: &str,
-        consumer: &str,
-        tokens: &std::path::Path,
-        audit: &std::path::Path,
-    ) -> anyhow::Result<Self> {
-        let mut child = reliq()
-            .env("RUST_LOG", "info")
-            .args([
-                "admin",
-                "serve",
-                "--url",
-                url,
-                "--listen",
-                "127.0.0.1:0",
-                "--max-body-bytes",
-                "2048",
-                "--metrics-interval",
-                "500ms",
-                "--consumer",
-                consumer,
-            ])
-            .arg("--tokens")
-            .arg(tokens)
-            .arg("--audit-log")
-            .arg(audit)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("starting reliq admin serve")?;
-        let stdout = child.stdout.take().context("stdout")?;
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line)?;
-        let base = line
-            .trim()
-            .strip_prefix("reliq admin API listening on ")
-            .with_context(|| format!("unexpected first line: {line:?}"))?
-            .to_owned();
-        Ok(Self { child, base })
-    }
-
-    /// Stop it; everything it wrote to stderr.
-    fn stop(mut self) -> anyhow::Result<String> {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let mut err = String::new();
-        if let Some(mut e) = self.child.stderr.take() {
-            e.read_to_string(&mut err)?;
-        }
-        Ok(err)
-    }
-}
+use support::{Server, consumer, park, token, unique, url, wait_for};
 
 async fn call(
     http: &reqwest::Client,

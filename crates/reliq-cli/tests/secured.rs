@@ -1,7 +1,9 @@
-//! The `reliq` command against the secured Kafka node (`scripts/brokers secure up`): the
-//! permissions it prints for a consumer, applied as the only ACLs of a SCRAM user, are
-//! enough for that consumer to run and for `reliq dlq` and `reliq topology check` — run
-//! with `--url-file`, so the password is never on the command line — to work on it.
+//! The `reliq` command against the secured set (`scripts/brokers secure up`): the
+//! permissions it prints for a consumer, applied as the only grants of its user — a
+//! SCRAM user's ACLs on Kafka, a certificate user's regexes on a RabbitMQ vhost — are
+//! enough for that consumer to run and for `reliq dlq`, `reliq topology check` and
+//! `reliq admin serve` to work on it with the same URL: from `--url-file` (the password
+//! is never on the command line), or signing in with the client certificate alone.
 
 mod support;
 
@@ -10,9 +12,12 @@ use std::time::Duration;
 
 use anyhow::ensure;
 use reliq_core::Broker;
-use reliq_integration::secure::{admin_url, apply, scram_url};
+use reliq_integration::secure::{
+    admin_url, apply, rabbit_admin_url, rabbit_management, rabbit_mtls_url,
+    rabbit_permission_words, rabbit_vhost, scram_url,
+};
 use reliq_integration::settings;
-use support::{consumer, json, park, reliq, run, unique, wait_as_planned};
+use support::{Server, consumer, json, park, reliq, run, token, unique, wait_as_planned};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn printed_permissions_are_enough_for_the_consumer_and_the_operator() -> anyhow::Result<()> {
@@ -123,5 +128,98 @@ fn a_refused_login_fails_fast_and_shows_no_secret() -> anyhow::Result<()> {
         !err.contains("not-the-password") && !out.contains("not-the-password"),
         "{err}"
     );
+    Ok(())
+}
+
+/// RabbitMQ: the admin prints the certificate user's regexes (computed from the plan,
+/// with a URL that can connect before the grant) and applies them as printed; then the
+/// consumer, `reliq dlq` and `reliq admin serve` all sign in with the client certificate
+/// (EXTERNAL) on that vhost — no password anywhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_certificate_user_runs_consumer_dlq_and_admin_server_on_printed_regexes()
+-> anyhow::Result<()> {
+    let vhost = unique("cli");
+    let api = rabbit_management()?;
+    rabbit_vhost(&api, &vhost).await?;
+    let (name, source) = (unique("sec"), unique("sec-src"));
+    let user = settings::get("KAFKA_SECURE_MTLS_USER");
+    let admin_file = tempfile::NamedTempFile::new()?;
+    std::fs::write(admin_file.path(), rabbit_admin_url(&vhost))?;
+    let (code, document, err) = run(reliq().args([
+        "topology",
+        "permissions",
+        "--url-file",
+        &admin_file.path().to_string_lossy(),
+        "--consumer",
+        &name,
+        "--source",
+        &source,
+        "--retry-tiers",
+        "1s",
+        "--principal",
+        &user,
+        "--publish",
+        &source,
+        "--operator",
+    ]))?;
+    ensure!(code == 0, "exit {code}: {err}");
+    ensure!(
+        !document.contains(&settings::get("RABBITMQ_SECURE_ADMIN_PASSWORD")),
+        "{document}"
+    );
+    let [v, u, configure, write, read] = rabbit_permission_words(&document)?;
+    ensure!(v == vhost && u == user, "{document}");
+    api.put(
+        &format!(
+            "/api/permissions/{}/{}",
+            reliq::rabbit::encode_segment(&v),
+            reliq::rabbit::encode_segment(&u)
+        ),
+        &serde_json::json!({"configure": configure, "write": write, "read": read}),
+    )
+    .await?;
+
+    let url = rabbit_mtls_url(&vhost, "reliq-mtls");
+    let broker: Arc<dyn Broker> = reliq::connect(&url).await?;
+    let (handle, _) = consumer(broker.clone(), &name, &source).await?;
+    park(&broker, &handle, &source, 6, Duration::from_secs(60)).await?;
+    let target = |args: &[&str]| {
+        let mut cmd = reliq();
+        cmd.args(args)
+            .args(["--url", &url, "--consumer", &name, "--source", &source]);
+        cmd
+    };
+    let stats = json(&mut target(&["dlq", "stats", "--json"]), 0)?;
+    ensure!(stats["count"] == 6, "{stats}");
+    let page = json(&mut target(&["dlq", "ls", "--json", "--max", "10"]), 0)?;
+    ensure!(
+        page["entries"].as_array().map(Vec::len) == Some(6),
+        "{page}"
+    );
+
+    // The admin server on the same URL reads the same dead letters.
+    let reader = token("rita-reader", "reader", None)?;
+    let dir = tempfile::tempdir()?;
+    let (tokens, audit) = (
+        dir.path().join("tokens.toml"),
+        dir.path().join("audit.jsonl"),
+    );
+    std::fs::write(&tokens, &reader.entry)?;
+    let server = Server::start(&url, &format!("{name}={source}"), &tokens, &audit)?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let served = reqwest::Client::new()
+        .get(format!(
+            "{}/v1/consumers/{name}/dlq/stats?source={source}",
+            server.base
+        ))
+        .bearer_auth(&reader.secret)
+        .send()
+        .await?;
+    let status = served.status();
+    let body: serde_json::Value = served.json().await?;
+    let log = server.stop()?;
+    ensure!(status == 200, "{status}: {body}\n{log}");
+    ensure!(body["count"] == 6, "{body}");
+    handle.shutdown().await;
     Ok(())
 }

@@ -5,6 +5,8 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
+use std::io::{BufRead as _, BufReader, Read as _};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -206,5 +208,89 @@ pub async fn wait_as_planned(check: impl Fn() -> std::process::Command) -> anyho
             "exit {code}: {text}{err}"
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// An admin API token: the secret a client sends, and its line for the tokens file.
+pub struct Token {
+    /// `Authorization: Bearer` value.
+    pub secret: String,
+    /// The tokens file's entry (the secret's hash, name and role).
+    pub entry: String,
+}
+
+/// A new token from `reliq admin token`.
+pub fn token(name: &str, role: &str, expires_in: Option<&str>) -> anyhow::Result<Token> {
+    let mut cmd = reliq();
+    cmd.args(["admin", "token", "--name", name, "--role", role, "--json"]);
+    if let Some(e) = expires_in {
+        cmd.args(["--expires-in", e]);
+    }
+    let made = json(&mut cmd, 0)?;
+    Ok(Token {
+        secret: made["token"].as_str().context("token")?.to_owned(),
+        entry: made["entry"].as_str().context("entry")?.to_owned(),
+    })
+}
+
+/// The server, and what it printed (read after it is stopped).
+pub struct Server {
+    child: Child,
+    /// `http://127.0.0.1:<port>`.
+    pub base: String,
+}
+
+impl Server {
+    /// `reliq admin serve` on `url` for `consumer`, on a free port.
+    pub fn start(
+        url: &str,
+        consumer: &str,
+        tokens: &std::path::Path,
+        audit: &std::path::Path,
+    ) -> anyhow::Result<Self> {
+        let mut child = reliq()
+            .env("RUST_LOG", "info")
+            .args([
+                "admin",
+                "serve",
+                "--url",
+                url,
+                "--listen",
+                "127.0.0.1:0",
+                "--max-body-bytes",
+                "2048",
+                "--metrics-interval",
+                "500ms",
+                "--consumer",
+                consumer,
+            ])
+            .arg("--tokens")
+            .arg(tokens)
+            .arg("--audit-log")
+            .arg(audit)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting reliq admin serve")?;
+        let stdout = child.stdout.take().context("stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let base = line
+            .trim()
+            .strip_prefix("reliq admin API listening on ")
+            .with_context(|| format!("unexpected first line: {line:?}"))?
+            .to_owned();
+        Ok(Self { child, base })
+    }
+
+    /// Stop it; everything it wrote to stderr.
+    pub fn stop(mut self) -> anyhow::Result<String> {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            e.read_to_string(&mut err)?;
+        }
+        Ok(err)
     }
 }
