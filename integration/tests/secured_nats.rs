@@ -176,3 +176,20 @@ async fn without_the_printed_pull_subject_nothing_is_delivered_and_the_log_names
         log.warnings()
     );
 }
+
+/// A JetStream API subject left out: NATS does not answer the refused request, but the
+/// failed declaration is `Unauthorized`, naming the subject the server reported refusing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_printed_stream_info_subject_the_scenario_fails_unauthorized_naming_it() {
+    let backend = SecuredNatsBackend::new(&["c"])
+        .keeping(|subject| !subject.starts_with("$JS.API.STREAM.INFO."));
+    let e = reliq_conformance::publish_consume_ack_keeps_payload_headers_and_id(&backend)
+        .await
+        .expect_err("no permission to read the stream");
+    let text = format!("{e:#}");
+    assert!(!text.contains("preparing the backend"), "{text}");
+    assert!(
+        text.contains("not authorized: subject $JS.API.STREAM.INFO."),
+        "{text}"
+    );
+}

@@ -586,6 +586,7 @@ fn log_event(event: &async_nats::Event) {
     use async_nats::{Event, ServerError};
     match event {
         Event::ServerError(ServerError::Other(text)) if text.contains("Permissions Violation") => {
+            crate::error::record_violation(text);
             tracing::error!(server = %text, "NATS refused a subject this user is not allowed: \
                 grant what `reliq topology permissions` prints for the consumer");
         }

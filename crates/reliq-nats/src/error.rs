@@ -1,6 +1,9 @@
 //! The crate's error type and the conversions of client errors into reliq's: each keeps
 //! the client's error as its source and says what was being done.
 
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
 use reliq_core::{BoxError, BrokerError};
 
 /// A NATS client error, with what reliq was doing when it happened. Reaches callers as
@@ -22,18 +25,65 @@ pub enum NatsError {
     },
 }
 
+/// The subjects the server refused this process's users lately (`-ERR 'Permissions
+/// Violation for Publish to "…"'`), newest last. NATS does not answer a refused request:
+/// it reports the violation asynchronously and the request times out, so a failed
+/// JetStream call looks here for the refusal that explains it.
+static VIOLATIONS: Mutex<Vec<(Instant, String)>> = Mutex::new(Vec::new());
+/// How long a reported violation can explain a failed call (a JetStream request's
+/// timeout, with room).
+const VIOLATION_WINDOW: Duration = Duration::from_secs(30);
+const VIOLATIONS_KEPT: usize = 64;
+
+/// Record the subject of a server's `Permissions Violation` report.
+pub(crate) fn record_violation(report: &str) {
+    let Some(subject) = report.split('"').nth(1).filter(|s| !s.is_empty()) else {
+        return;
+    };
+    let mut seen = VIOLATIONS.lock().unwrap_or_else(|p| p.into_inner());
+    seen.retain(|(at, _)| at.elapsed() < VIOLATION_WINDOW);
+    if seen.len() >= VIOLATIONS_KEPT {
+        seen.remove(0);
+    }
+    seen.push((Instant::now(), subject.to_owned()));
+}
+
+/// A refused subject that names one of the streams or consumers `action` names (the
+/// words in backticks), reported within [`VIOLATION_WINDOW`]: the likely cause of the
+/// call's failure.
+fn violation_for(action: &str) -> Option<String> {
+    let names: Vec<&str> = action.split('`').skip(1).step_by(2).collect();
+    let seen = VIOLATIONS.lock().unwrap_or_else(|p| p.into_inner());
+    seen.iter()
+        .rev()
+        .filter(|(at, _)| at.elapsed() < VIOLATION_WINDOW)
+        .map(|(_, subject)| subject)
+        .find(|subject| subject.split('.').any(|token| names.contains(&token)))
+        .cloned()
+}
+
 /// A failed JetStream API request, kept with `action` as a [`NatsError`] inside
-/// [`BrokerError::Other`].
+/// [`BrokerError::Other`] — or [`BrokerError::Unauthorized`] naming the subject when the
+/// server reported refusing this user a subject of the same stream or consumer.
 pub(crate) fn api<E>(action: impl Into<String>) -> impl FnOnce(E) -> BrokerError
 where
     E: Into<BoxError>,
 {
     let action = action.into();
     move |e| {
-        BrokerError::Other(Box::new(NatsError::JetStream {
-            action,
-            source: e.into(),
-        }))
+        let source = e.into();
+        if let Some(subject) = violation_for(&action) {
+            return BrokerError::Unauthorized {
+                resource: format!("subject {subject}"),
+                reason: format!(
+                    "{action}: the server refused this user the subject (Permissions \
+                     Violation), so the request got no answer; grant what `reliq topology \
+                     permissions` prints"
+                ),
+                source: Some(source),
+            };
+        }
+        BrokerError::Other(Box::new(NatsError::JetStream { action, source }))
     }
 }
 
@@ -49,6 +99,23 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reported_violation_explains_a_failed_call_on_its_stream() {
+        record_violation(
+            r#"Permissions Violation for Publish to "$JS.API.STREAM.INFO.orders_violated""#,
+        );
+        let e =
+            api("declaring source stream `orders_violated`")(std::io::Error::other("timed out"));
+        assert!(
+            matches!(&e, BrokerError::Unauthorized { resource, .. }
+                if resource == "subject $JS.API.STREAM.INFO.orders_violated"),
+            "{e:?}"
+        );
+        // Another stream's failure is not explained by it.
+        let e = api("declaring source stream `orders_fine`")(std::io::Error::other("timed out"));
+        assert!(matches!(e, BrokerError::Other(_)), "{e:?}");
+    }
 
     #[test]
     fn conversions_keep_the_client_error_and_say_what_was_done() {
