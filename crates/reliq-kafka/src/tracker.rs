@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 
 /// Offsets of one partition handed out since the partition was assigned.
 #[derive(Debug, Default, Clone)]
-pub struct OffsetTracker {
+pub(crate) struct OffsetTracker {
     /// Handed-out offsets not yet below the commit position, in increasing order (they
     /// are handed out in order); `true` = done. A ring, not a tree: one record in and
     /// out per message, no allocation once it has grown to the in-flight count.
@@ -24,13 +24,13 @@ pub struct OffsetTracker {
 
 impl OffsetTracker {
     /// An empty tracker.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Record that `offset` was handed out. Offsets must be handed out in increasing
     /// order; an offset at or below one already seen is ignored (returns false).
-    pub fn handed_out(&mut self, offset: i64) -> bool {
+    pub(crate) fn handed_out(&mut self, offset: i64) -> bool {
         let floor = self
             .pending
             .back()
@@ -45,7 +45,7 @@ impl OffsetTracker {
     }
 
     /// Mark `offset` done; returns false if it was not outstanding.
-    pub fn complete(&mut self, offset: i64) -> bool {
+    pub(crate) fn complete(&mut self, offset: i64) -> bool {
         // Offsets are mostly contiguous (gaps only after compaction or transaction
         // markers): try the slot `offset` would have without gaps before searching.
         let direct = self.pending.front().and_then(|&(first, _)| {
@@ -69,17 +69,18 @@ impl OffsetTracker {
     }
 
     /// Offsets handed out and not finished.
-    pub fn unfinished(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn unfinished(&self) -> usize {
         self.pending.iter().filter(|(_, done)| !done).count()
     }
 
     /// The highest position safe to commit (all records below it are done).
-    pub fn position(&self) -> Option<i64> {
+    pub(crate) fn position(&self) -> Option<i64> {
         self.done_position
     }
 
     /// The position to commit now, if it moved since the last call.
-    pub fn take_commit(&mut self) -> Option<i64> {
+    pub(crate) fn take_commit(&mut self) -> Option<i64> {
         match self.done_position {
             Some(p) if self.committed.is_none_or(|c| p > c) => {
                 self.committed = Some(p);

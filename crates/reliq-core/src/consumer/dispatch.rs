@@ -597,7 +597,7 @@ where
             Ok(Err(e)) => self.failure(e),
             Err(outcome) => outcome,
         };
-        if let Outcome::Failed(..) = outcome {
+        if let Outcome::Failed { .. } = outcome {
             self.abandon_claim(d).await;
         }
         Some(outcome)
@@ -688,7 +688,7 @@ where
         let batch = &batch;
         futures::future::join_all(failed.into_iter().map(|(i, outcome)| async move {
             let d = &batch[i];
-            if let Outcome::Failed(..) = outcome {
+            if let Outcome::Failed { .. } = outcome {
                 self.abandon_claim(d).await;
             }
             self.settle(d, outcome).await;

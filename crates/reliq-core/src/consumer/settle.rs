@@ -55,9 +55,16 @@ pub(super) enum Outcome {
     Done,
     /// The handler returned [`Duplicate`]: ack, skip, count.
     Duplicate,
-    /// A failure of this class, its error text, and whether it is news about the
-    /// circuit breaker's downstream (a transient failure its `counting` accepts).
-    Failed(ErrorClass, String, bool),
+    /// The handler failed.
+    Failed {
+        /// The failure's class.
+        class: ErrorClass,
+        /// Its error text (the chain of sources).
+        reason: String,
+        /// Whether it is news about the circuit breaker's downstream (a transient
+        /// failure its `counting` accepts).
+        counts_for_breaker: bool,
+    },
 }
 
 impl<H> Shared<H> {
@@ -98,13 +105,15 @@ impl<H> Shared<H> {
         let started = Instant::now();
         let result = AssertUnwindSafe(async {
             match self.handler_timeout {
-                Some(limit) => tokio::time::timeout(limit, call).await.map_err(|_| {
-                    Outcome::Failed(
-                        ErrorClass::Transient,
-                        format!("handler timed out after {limit:?}"),
-                        true,
-                    )
-                }),
+                Some(limit) => {
+                    tokio::time::timeout(limit, call)
+                        .await
+                        .map_err(|_| Outcome::Failed {
+                            class: ErrorClass::Transient,
+                            reason: format!("handler timed out after {limit:?}"),
+                            counts_for_breaker: true,
+                        })
+                }
                 None => Ok(call.await),
             }
         })
@@ -118,11 +127,11 @@ impl<H> Shared<H> {
             Stats::bump(&self.stats.panics);
             let text = panic_text(panic.as_ref());
             tracing::error!(panic = %text, "handler panicked");
-            Err(Outcome::Failed(
-                ErrorClass::Panic,
-                format!("panic: {text}"),
-                false,
-            ))
+            Err(Outcome::Failed {
+                class: ErrorClass::Panic,
+                reason: format!("panic: {text}"),
+                counts_for_breaker: false,
+            })
         })
     }
 
@@ -181,7 +190,11 @@ impl<H> Shared<H> {
             let class = self.classifier.classify(e.as_ref());
             let counts = class == ErrorClass::Transient
                 && self.breaker.as_ref().is_none_or(|b| b.counts(e.as_ref()));
-            Outcome::Failed(class, chain_text(e.as_ref()), counts)
+            Outcome::Failed {
+                class,
+                reason: chain_text(e.as_ref()),
+                counts_for_breaker: counts,
+            }
         }
     }
 
@@ -225,7 +238,11 @@ impl<H> Shared<H> {
                 self.skip_duplicate(d).await;
                 return;
             }
-            Outcome::Failed(class, text, counts) => (class, text, counts),
+            Outcome::Failed {
+                class,
+                reason,
+                counts_for_breaker,
+            } => (class, reason, counts_for_breaker),
         };
         if let Some(breaker) = &self.breaker {
             // Only a transient failure (that its `counting` accepts) is news about the
