@@ -8,8 +8,12 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use aws_sdk_sqs::error::DisplayErrorContext;
 use aws_sdk_sqs::types::QueueAttributeName;
+use reliq_core::secrets::percent_decode;
 use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription};
 
+use aws_credential_types::provider::SharedCredentialsProvider;
+
+use crate::credentials;
 use crate::error::{SqsError, sdk_error};
 use crate::names::{self, CONSUMER_TAG, FILTER_TAG, ROLE_TAG, SOURCE_TAG};
 use crate::options::{MAX_VISIBILITY, SqsOptions};
@@ -46,6 +50,43 @@ pub(crate) struct Inner {
     topics: Mutex<HashMap<String, Listed>>,
     /// queue url → its target (None: not a consumer queue). Tags do not change.
     tags: Mutex<HashMap<String, Option<(String, Target)>>>,
+    /// STS, at the connection's STS endpoint, with the SQS client's credentials.
+    sts: Option<aws_sdk_sts::Client>,
+    /// What signs the calls (`connect` only).
+    credentials: Option<SharedCredentialsProvider>,
+    /// The URL's `account=`.
+    account: Option<String>,
+}
+
+/// Who a connection's credentials belong to ([`SqsBroker::caller_identity`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CallerIdentity {
+    /// The account id.
+    pub account: String,
+    /// The principal's ARN (`arn:aws:sts::<account>:assumed-role/<role>/<session>` for
+    /// an assumed role).
+    pub arn: String,
+    /// The principal's unique id.
+    pub user_id: String,
+}
+
+/// The profile `AWS_PROFILE` selects (aws-config's choice without `profile=` in the
+/// URL; `None`: `default`).
+fn explicit_profile() -> Result<Option<String>, BrokerError> {
+    match std::env::var("AWS_PROFILE") {
+        Ok(p) if !p.is_empty() => {
+            if credentials::valid_profile_name(&p) {
+                Ok(Some(p))
+            } else {
+                Err(config(
+                    "AWS_PROFILE",
+                    "a profile name of letters, digits and _-.+@=,/:",
+                ))
+            }
+        }
+        _ => Ok(None),
+    }
 }
 
 /// Where a subscription's queues live.
@@ -69,25 +110,32 @@ fn config(field: &str, reason: impl Into<String>) -> BrokerError {
     }
 }
 
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let Some(b) = std::str::from_utf8(&bytes[i + 1..i + 3])
-                .ok()
-                .and_then(|h| u8::from_str_radix(h, 16).ok())
-        {
-            out.push(b);
-            i += 3;
-            continue;
-        }
-        out.push(bytes[i]);
-        i += 1;
+/// Keys from the URL's user-info (emulators only). `Debug` shows the key id, never the
+/// secret.
+#[derive(PartialEq, Eq)]
+struct UrlKeys {
+    key: String,
+    secret: String,
+}
+
+impl std::fmt::Debug for UrlKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UrlKeys")
+            .field("key", &self.key)
+            .field("secret", &"***")
+            .finish()
     }
-    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Where the credential chain's STS calls go.
+#[derive(Debug, PartialEq, Eq)]
+enum StsEndpoint {
+    /// The URL's endpoint, or AWS's regional STS when there is none.
+    Same,
+    /// `sts_endpoint=aws`: AWS's regional STS even with an endpoint (an SQS VPC endpoint).
+    Aws,
+    /// `sts_endpoint=<url>`.
+    At(String),
 }
 
 /// A parsed `sqs://` URL.
@@ -95,9 +143,34 @@ fn percent_decode(s: &str) -> String {
 struct SqsUrl {
     endpoint: Option<String>,
     region: Option<String>,
-    credentials: Option<(String, String)>,
+    credentials: Option<UrlKeys>,
     fifo: bool,
+    /// `profile=`: the shared profile (instead of `AWS_PROFILE`).
+    profile: Option<String>,
+    sts: StsEndpoint,
+    /// `account=`: the account id of generated IAM policies.
+    account: Option<String>,
 }
+
+impl SqsUrl {
+    /// The endpoint the credential chain's STS calls go to (`None`: AWS's).
+    fn sts_endpoint(&self) -> Option<&str> {
+        match &self.sts {
+            StsEndpoint::Same => self.endpoint.as_deref(),
+            StsEndpoint::Aws => None,
+            StsEndpoint::At(url) => Some(url),
+        }
+    }
+
+    /// An endpoint over plain http: an emulator (AWS serves https only).
+    fn is_emulator(&self) -> bool {
+        self.endpoint
+            .as_deref()
+            .is_some_and(|e| e.starts_with("http://"))
+    }
+}
+
+const KNOWN_OPTIONS: &str = "known: region, tls, fifo, profile, sts_endpoint, account";
 
 fn parse_url(url: &str) -> Result<SqsUrl, BrokerError> {
     let rest = url.strip_prefix("sqs://").ok_or_else(|| {
@@ -118,42 +191,84 @@ fn parse_url(url: &str) -> Result<SqsUrl, BrokerError> {
             let (key, secret) = u
                 .split_once(':')
                 .ok_or_else(|| config("url credentials", "expected KEY:SECRET@"))?;
-            Some((percent_decode(key), percent_decode(secret)))
+            Some(UrlKeys {
+                key: percent_decode(key).into_owned(),
+                secret: percent_decode(secret).into_owned(),
+            })
         }
     };
-    let mut region = None;
+    let mut parsed = SqsUrl {
+        endpoint: None,
+        region: None,
+        credentials,
+        fifo: false,
+        profile: None,
+        sts: StsEndpoint::Same,
+        account: None,
+    };
     let mut tls = false;
-    let mut fifo = false;
     for kv in query.split('&').filter(|kv| !kv.is_empty()) {
         let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        let v = percent_decode(v);
         match k {
-            "region" => region = Some(v.to_owned()),
+            "region" => parsed.region = Some(v.into_owned()),
             "tls" => tls = v == "true" || v == "1",
-            "fifo" => fifo = v == "true" || v == "1",
+            "fifo" => parsed.fifo = v == "true" || v == "1",
+            "profile" => {
+                if !crate::credentials::valid_profile_name(&v) {
+                    return Err(config(
+                        "url query `profile`",
+                        "a profile name of letters, digits and _-.+@=,/:",
+                    ));
+                }
+                parsed.profile = Some(v.into_owned());
+            }
+            "sts_endpoint" => {
+                parsed.sts = if v == "aws" {
+                    StsEndpoint::Aws
+                } else if v.starts_with("http://") || v.starts_with("https://") {
+                    StsEndpoint::At(v.trim_end_matches('/').to_owned())
+                } else {
+                    return Err(config(
+                        "url query `sts_endpoint`",
+                        "expected http://host:port, https://host or `aws` (AWS's regional STS)",
+                    ));
+                };
+            }
+            "account" => {
+                if v.len() != 12 || !v.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(config(
+                        "url query `account`",
+                        "an AWS account id: 12 digits",
+                    ));
+                }
+                parsed.account = Some(v.into_owned());
+            }
             other => {
                 return Err(config(
                     &format!("url query `{other}`"),
-                    "unknown SQS URL option (known: region, tls, fifo)",
+                    format!("unknown SQS URL option ({KNOWN_OPTIONS})"),
                 ));
             }
         }
     }
-    let endpoint = (!host.is_empty()).then(|| {
+    parsed.endpoint = (!host.is_empty()).then(|| {
         let scheme = if tls { "https" } else { "http" };
         format!("{scheme}://{host}")
     });
-    if endpoint.is_none() && credentials.is_some() {
+    if parsed.endpoint.is_none() && parsed.credentials.is_some() {
         return Err(config(
             "url credentials",
             "credentials in the URL need an endpoint; real AWS uses the default credential chain",
         ));
     }
-    Ok(SqsUrl {
-        endpoint,
-        region,
-        credentials,
-        fifo,
-    })
+    if parsed.credentials.is_some() && parsed.profile.is_some() {
+        return Err(config(
+            "url query `profile`",
+            "keys in the URL and a profile exclude each other",
+        ));
+    }
+    Ok(parsed)
 }
 
 impl SqsBroker {
@@ -162,7 +277,11 @@ impl SqsBroker {
         Self::connect_with(url, SqsOptions::default()).await
     }
 
-    /// Connect with options.
+    /// Connect with options. Credentials are resolved on the first call (and refreshed
+    /// before they expire), so a credential failure — no credentials, a role STS refuses,
+    /// a web identity token file that cannot be read — is that call's error:
+    /// [`BrokerError::Unauthorized`] naming the cause (see the crate docs for the sources
+    /// and the URL options).
     pub async fn connect_with(url: &str, options: SqsOptions) -> Result<Self, BrokerError> {
         use aws_smithy_http_client::{Builder, tls};
         let parsed = parse_url(url)?;
@@ -172,26 +291,65 @@ impl SqsBroker {
             ))
             .build_https();
         let mut loader =
-            aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http);
+            aws_config::defaults(aws_config::BehaviorVersion::latest()).http_client(http.clone());
         if let Some(region) = &parsed.region {
             loader = loader.region(aws_config::Region::new(region.clone()));
+        } else if parsed.endpoint.is_some() {
+            // An emulator: the chain's region (AWS_REGION, the profile), else us-east-1.
+            let mut chain = aws_config::default_provider::region::DefaultRegionChain::builder();
+            if let Some(profile) = &parsed.profile {
+                chain = chain.profile_name(profile);
+            }
+            loader = loader.region(
+                aws_config::meta::region::RegionProviderChain::first_try(chain.build())
+                    .or_else(aws_config::Region::new("us-east-1")),
+            );
         }
         if let Some(endpoint) = &parsed.endpoint {
             loader = loader.endpoint_url(endpoint);
-            if parsed.region.is_none() {
-                loader = loader.region(aws_config::Region::new("us-east-1"));
+        }
+        if let Some(profile) = &parsed.profile {
+            loader = loader.profile_name(profile);
+        }
+        let sts_endpoint = parsed.sts_endpoint().map(str::to_owned);
+        // The profile selected explicitly (URL, then AWS_PROFILE), and the profile files.
+        let explicit = match &parsed.profile {
+            Some(p) => Some(p.clone()),
+            None => explicit_profile()?,
+        };
+        let profile = explicit.clone().unwrap_or_else(|| "default".to_owned());
+        let files = match &sts_endpoint {
+            Some(sts) => credentials::sts_profile_files(&profile, sts),
+            None => aws_runtime::env_config::file::EnvConfigFiles::default(),
+        };
+        // Keys in the URL; else the emulator placeholder when nothing configures the
+        // chain (decided from local settings, see the `credentials` module); else the
+        // default chain, with the STS endpoint in an extra profile file.
+        let placeholder = parsed.credentials.is_none()
+            && parsed.is_emulator()
+            && !credentials::chain_configured(explicit.is_some()).await;
+        match &parsed.credentials {
+            Some(keys) => {
+                loader = loader.credentials_provider(aws_sdk_sqs::config::Credentials::new(
+                    keys.key.clone(),
+                    keys.secret.clone(),
+                    None,
+                    None,
+                    credentials::URL_PROVIDER,
+                ));
             }
-            let (key, secret) = parsed
-                .credentials
-                .clone()
-                .unwrap_or_else(|| ("reliq".into(), "reliq".into()));
-            loader = loader.credentials_provider(aws_sdk_sqs::config::Credentials::new(
-                key,
-                secret,
-                None,
-                None,
-                "reliq-url",
-            ));
+            None if placeholder => {
+                tracing::debug!(
+                    "no AWS credentials configured; signing with the emulator placeholder \
+                     (the endpoint is plain http)"
+                );
+                loader = loader.credentials_provider(credentials::placeholder());
+            }
+            None => {
+                if sts_endpoint.is_some() {
+                    loader = loader.profile_files(files.clone());
+                }
+            }
         }
         let conf = loader.load().await;
         if conf.region().is_none() {
@@ -200,16 +358,75 @@ impl SqsBroker {
                 "no region: add ?region=… or configure AWS_REGION",
             ));
         }
+        let provider = if parsed.credentials.is_some() || placeholder {
+            conf.credentials_provider()
+        } else {
+            conf.credentials_provider().map(|chain| {
+                SharedCredentialsProvider::new(credentials::Chain::new(
+                    chain,
+                    explicit.map(|name| (name, files)),
+                    aws_config::provider_config::ProviderConfig::without_region()
+                        .with_http_client(http)
+                        .with_region(conf.region().cloned()),
+                ))
+            })
+        };
+        let mut sqs = aws_sdk_sqs::config::Builder::from(&conf);
+        sqs.set_credentials_provider(provider.clone());
+        let mut sts = aws_sdk_sts::config::Builder::from(&conf);
+        sts.set_endpoint_url(sts_endpoint);
+        sts.set_credentials_provider(provider.clone());
         let options = SqsOptions {
             fifo: options.fifo || parsed.fifo,
             ..options
         };
-        Ok(Self::from_client(aws_sdk_sqs::Client::new(&conf), options))
+        Ok(Self::build(
+            aws_sdk_sqs::Client::from_conf(sqs.build()),
+            options,
+            Some(aws_sdk_sts::Client::from_conf(sts.build())),
+            provider,
+            parsed.account,
+        ))
+    }
+
+    /// The access key id the connection signs its calls with now (resolving the
+    /// credentials if they are not yet: a failure is the error a first call would give).
+    /// The key id is no secret (AWS logs it in CloudTrail); the secret is never exposed.
+    pub async fn signing_key_id(&self) -> Result<String, BrokerError> {
+        use aws_credential_types::provider::ProvideCredentials as _;
+        let provider = self
+            .inner
+            .credentials
+            .as_ref()
+            .ok_or(BrokerError::Unsupported {
+                backend: "sqs",
+                what: "signing_key_id on a broker made by from_client",
+            })?;
+        provider
+            .provide_credentials()
+            .await
+            .map(|c| c.access_key_id().to_owned())
+            .map_err(|e| credentials::credentials_failure("(credentials)", &e))
     }
 
     /// Wrap an existing client (custom credentials, retries, interceptors). Call it inside
-    /// a tokio runtime: it starts the send and delete batchers.
+    /// a tokio runtime: it starts the send and delete batchers. Such a broker has no STS
+    /// client: [`SqsBroker::caller_identity`] is unsupported and generated policies use
+    /// `*` for the account.
     pub fn from_client(client: aws_sdk_sqs::Client, options: SqsOptions) -> Self {
+        Self::build(client, options, None, None, None)
+    }
+
+    /// The broker, with (from `connect`) the STS client for
+    /// [`SqsBroker::caller_identity`], the credentials for [`SqsBroker::signing_key_id`]
+    /// and the URL's account for generated policies.
+    fn build(
+        client: aws_sdk_sqs::Client,
+        options: SqsOptions,
+        sts: Option<aws_sdk_sts::Client>,
+        credentials: Option<SharedCredentialsProvider>,
+        account: Option<String>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 sends: batch::sends(client.clone(), options.batch_window),
@@ -218,7 +435,61 @@ impl SqsBroker {
                 options,
                 topics: Mutex::new(HashMap::new()),
                 tags: Mutex::new(HashMap::new()),
+                sts,
+                credentials,
+                account,
             }),
+        }
+    }
+
+    /// Who the connection's credentials belong to: STS `GetCallerIdentity` (at the
+    /// connection's STS endpoint) with the credentials SQS calls are signed with.
+    pub async fn caller_identity(&self) -> Result<CallerIdentity, BrokerError> {
+        let sts = self.inner.sts.as_ref().ok_or(BrokerError::Unsupported {
+            backend: "sqs",
+            what: "caller_identity on a broker made by from_client",
+        })?;
+        let out = sts
+            .get_caller_identity()
+            .send()
+            .await
+            .map_err(|e| sdk_error("GetCallerIdentity (STS)", e))?;
+        let field = |value: Option<&str>, what: &'static str| {
+            value.map(str::to_owned).ok_or_else(|| {
+                BrokerError::Other(Box::new(SqsError::Incomplete {
+                    operation: "GetCallerIdentity (STS)",
+                    what,
+                }))
+            })
+        };
+        Ok(CallerIdentity {
+            account: field(out.account(), "Account")?,
+            arn: field(out.arn(), "Arn")?,
+            user_id: field(out.user_id(), "UserId")?,
+        })
+    }
+
+    /// The account id of generated policies: the URL's `account=`, else STS's answer
+    /// (within 5 s), else `None` (`*`).
+    async fn policy_account(&self) -> Option<String> {
+        if let Some(account) = &self.inner.account {
+            return Some(account.clone());
+        }
+        self.inner.sts.as_ref()?;
+        match tokio::time::timeout(Duration::from_secs(5), self.caller_identity()).await {
+            Ok(Ok(identity)) => Some(identity.account),
+            Ok(Err(e)) => {
+                tracing::info!(error = %reliq_core::ErrorChain(&e),
+                    "account id unknown: the IAM policy's ARNs use `*` (add account=… to the URL)");
+                None
+            }
+            Err(_) => {
+                tracing::info!(
+                    "STS GetCallerIdentity took over 5 s: the IAM policy's ARNs use `*` \
+                     (add account=… to the URL)"
+                );
+                None
+            }
         }
     }
 
@@ -686,6 +957,28 @@ impl Broker for SqsBroker {
         self.plan_topology(subscription).await
     }
 
+    /// An IAM policy on the consumers' queue ARNs (see the `permissions` module). Reads
+    /// nothing from SQS; the account id is the URL's `account=`, else one STS
+    /// `GetCallerIdentity`, else `*`.
+    async fn permissions(
+        &self,
+        access: &reliq_core::Access,
+    ) -> Result<reliq_core::Permissions, BrokerError> {
+        let region = self
+            .inner
+            .client
+            .config()
+            .region()
+            .map(|r| r.to_string())
+            .ok_or_else(|| config("url region", "no region: the queue ARNs need one"))?;
+        let scope = crate::permissions::Scope::new(
+            &region,
+            self.policy_account().await,
+            self.inner.options.fifo,
+        );
+        Ok(crate::permissions::permissions(&scope, access))
+    }
+
     async fn inspect(
         &self,
         _subscription: &Subscription,
@@ -757,15 +1050,53 @@ mod tests {
         let u = parse_url("sqs://127.0.0.1:4566?region=us-east-1").expect("url");
         assert_eq!(u.endpoint.as_deref(), Some("http://127.0.0.1:4566"));
         assert_eq!(u.region.as_deref(), Some("us-east-1"));
+        assert!(u.is_emulator());
         let u = parse_url("sqs://?region=eu-west-1").expect("url");
         assert_eq!(u.endpoint, None);
+        assert!(!u.is_emulator());
         let u = parse_url("sqs://AK:s%2Fcret@h:1?tls=true").expect("url");
         assert_eq!(u.endpoint.as_deref(), Some("https://h:1"));
-        assert_eq!(u.credentials, Some(("AK".into(), "s/cret".into())));
+        assert!(
+            !u.is_emulator(),
+            "https is AWS or a proxy of it: no placeholder"
+        );
+        let keys = u.credentials.as_ref().expect("keys");
+        assert_eq!((keys.key.as_str(), keys.secret.as_str()), ("AK", "s/cret"));
+        let debug = format!("{u:?}");
+        assert!(debug.contains("AK") && !debug.contains("s/cret"), "{debug}");
         let err = parse_url("sqs://h:1?bogus=1").expect_err("unknown option");
         assert!(err.to_string().contains("bogus"));
+        assert!(err.to_string().contains("sts_endpoint"), "{err}");
         let err = parse_url("sqs://AK:secret@?region=x").expect_err("needs endpoint");
         assert!(!err.to_string().contains("secret@"));
+    }
+
+    #[test]
+    fn the_chain_options_parse_and_the_sts_endpoint_follows_the_endpoint() {
+        let u = parse_url("sqs://127.0.0.1:4566?region=us-east-1&profile=ops&account=123456789012")
+            .expect("url");
+        assert_eq!(u.profile.as_deref(), Some("ops"));
+        assert_eq!(u.account.as_deref(), Some("123456789012"));
+        assert_eq!(u.sts_endpoint(), Some("http://127.0.0.1:4566"));
+        let u = parse_url("sqs://?region=eu-west-1").expect("url");
+        assert_eq!(u.sts_endpoint(), None, "real AWS: AWS's STS");
+        let u = parse_url("sqs://vpce.example:443?tls=true&sts_endpoint=aws").expect("url");
+        assert_eq!(u.sts_endpoint(), None, "sts_endpoint=aws: AWS's STS");
+        let u = parse_url("sqs://?region=eu-west-1&sts_endpoint=http%3A%2F%2F127.0.0.1%3A4566%2F")
+            .expect("url");
+        assert_eq!(u.sts_endpoint(), Some("http://127.0.0.1:4566"));
+        for (url, field) in [
+            ("sqs://h:1?sts_endpoint=ftp://x", "sts_endpoint"),
+            ("sqs://h:1?account=12", "account"),
+            ("sqs://h:1?profile=a%5D%0A%5Bb", "profile"),
+            ("sqs://AK:S@h:1?profile=ops", "profile"),
+        ] {
+            let err = parse_url(url).expect_err(url);
+            assert!(
+                matches!(&err, BrokerError::Config { field: f, .. } if f.contains(field)),
+                "{url}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -32,12 +32,24 @@ where
     E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
     R: std::fmt::Debug + Send + Sync + 'static,
 {
+    // Resolving the credentials failed before anything was sent (the SDK reports it as
+    // a dispatch failure, which would read as a transient connection problem).
+    if let Some(c) = crate::credentials::credentials_error(&e) {
+        return crate::credentials::credentials_failure(operation, c);
+    }
     match &e {
         SdkError::ServiceError(_) => {
             let code = e.code().unwrap_or("unknown").to_owned();
             let message = e.message().unwrap_or_default().to_owned();
             if is_missing_queue(&code) {
                 return BrokerError::Unroutable(format!("{operation}: {message}"));
+            }
+            if is_refusal(&code) {
+                return BrokerError::Unauthorized {
+                    resource: format!("SQS {operation}"),
+                    reason: format!("{code}: {message}"),
+                    source: None,
+                };
             }
             BrokerError::Other(Box::new(SqsError::Service {
                 operation,
@@ -51,6 +63,24 @@ where
         }
         _ => BrokerError::Other(Box::new(e)),
     }
+}
+
+/// Codes of a request AWS refused for who signed it: a missing permission, keys it does
+/// not know, a wrong secret, an expired session.
+fn is_refusal(code: &str) -> bool {
+    matches!(
+        code,
+        "AccessDenied"
+            | "AccessDeniedException"
+            | "AWS.SimpleQueueService.AccessDenied"
+            | "InvalidClientTokenId"
+            | "UnrecognizedClientException"
+            | "SignatureDoesNotMatch"
+            | "IncompleteSignature"
+            | "MissingAuthenticationToken"
+            | "ExpiredToken"
+            | "InvalidSecurity"
+    )
 }
 
 fn is_missing_queue(code: &str) -> bool {

@@ -33,10 +33,27 @@
 //! is reported as an error; a retry by the producer may duplicate the message in the
 //! queues that already got it (the inbox absorbs that).
 //!
-//! **URLs.** `sqs://host:port?region=…` talks to an endpoint over http (`&tls=true` for
-//! https) — for emulators (moto, ElasticMQ, LocalStack) with placeholder credentials, or
-//! `sqs://KEY:SECRET@host:port?region=…`; `sqs://?region=…` is real AWS with the default
-//! credential chain. Credentials are never logged.
+//! **URLs.** `sqs://?region=…` is real AWS; `sqs://host:port?region=…` talks to an
+//! endpoint over http (`&tls=true`: https) — an emulator (moto, ElasticMQ, LocalStack) or
+//! a VPC endpoint. Options: `region`, `tls`, `fifo`, `profile=<name>` (the shared
+//! profile, instead of `AWS_PROFILE`), `sts_endpoint=<url>|aws` (where the credential
+//! chain's STS calls go: by default the endpoint's host, else AWS's regional STS),
+//! `account=<12 digits>` (the account id of generated IAM policies).
+//!
+//! **Credentials.** Without keys in the URL, the AWS default credential chain signs
+//! every call — environment keys, the shared profile (static keys, `role_arn` with
+//! `source_profile` through STS `AssumeRole`), web identity (`AWS_WEB_IDENTITY_TOKEN_FILE`
+//! and `AWS_ROLE_ARN`: EKS IRSA), the container endpoint, instance metadata — resolved on
+//! the first call and refreshed before they expire; a failure is that call's
+//! [`BrokerError::Unauthorized`](reliq_core::BrokerError::Unauthorized) naming the cause
+//! (an STS that does not answer: `Connection`). An emulator's plain-http endpoint signs
+//! with the placeholder `reliq`/`reliq` when nothing configures the chain; `KEY:SECRET@`
+//! in the URL is for emulators only. [`SqsBroker::caller_identity`] asks STS who the
+//! credentials are. Secrets are never logged or shown by `Debug`.
+//!
+//! **Least privilege.** [`Broker::permissions`](reliq_core::Broker::permissions) gives an
+//! IAM policy on the exact queue ARNs of the consumers (their queue and DLQ), plus the
+//! topic queues a service publishes to and the operator's dead-letter actions.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -51,14 +68,16 @@
 mod batch;
 mod broker;
 mod codec;
+mod credentials;
 mod dead_letters;
 mod error;
 mod names;
 mod options;
+mod permissions;
 mod receiver;
 mod topology;
 
-pub use broker::SqsBroker;
+pub use broker::{CallerIdentity, SqsBroker};
 pub use codec::{BODY_FIELD, KEY_FIELD, MAX_ATTRIBUTES, RELIQ_ATTRIBUTE, ROUTE_FIELD};
 pub use dead_letters::SqsDeadLetters;
 pub use error::SqsError;
