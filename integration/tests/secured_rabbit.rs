@@ -161,7 +161,11 @@ async fn a_client_certificate_from_another_ca_names_certfile() {
 async fn an_expired_client_certificate_names_certfile_and_expiry() {
     let e = refused(&rabbit_mtls_url("/", "expired"), &[]).await;
     assert!(
-        matches!(&e, BrokerError::Config { field, reason } if field == "certfile" && reason.to_lowercase().contains("expired")),
+        // The broker's alert names the expiry, unless it loses the race with the socket's
+        // reset (TLS 1.3 judges the client certificate after the handshake).
+        matches!(&e, BrokerError::Config { field, reason } if field == "certfile"
+            && (reason.contains("CertificateExpired")
+                || reason.contains("reset the connection right after the TLS handshake"))),
         "{e:?}"
     );
 }
@@ -177,7 +181,7 @@ async fn external_without_a_client_certificate_is_unauthorized() {
 async fn plaintext_to_the_tls_port_fails_fast() {
     let url = rabbit_password_url("/").replacen("amqps://", "amqp://", 1);
     let e = refused(&url, &[&settings::get("RABBITMQ_SECURE_PASSWORD")]).await;
-    assert!(!matches!(&e, BrokerError::Unauthorized { .. }), "{e:?}");
+    assert!(matches!(&e, BrokerError::Connection { .. }), "{e:?}");
 }
 
 #[tokio::test]

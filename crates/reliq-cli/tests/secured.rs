@@ -17,7 +17,7 @@ use reliq_integration::secure::{
     rabbit_permission_words, rabbit_vhost, scram_url,
 };
 use reliq_integration::settings;
-use support::{Server, consumer, json, park, reliq, run, token, unique, wait_as_planned};
+use support::{Server, consumer, dlq, json, park, reliq, run, token, unique, wait_as_planned};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn printed_permissions_are_enough_for_the_consumer_and_the_operator() -> anyhow::Result<()> {
@@ -183,15 +183,12 @@ async fn rabbit_certificate_user_runs_consumer_dlq_and_admin_server_on_printed_r
     let broker: Arc<dyn Broker> = reliq::connect(&url).await?;
     let (handle, _) = consumer(broker.clone(), &name, &source).await?;
     park(&broker, &handle, &source, 6, Duration::from_secs(60)).await?;
-    let target = |args: &[&str]| {
-        let mut cmd = reliq();
-        cmd.args(args)
-            .args(["--url", &url, "--consumer", &name, "--source", &source]);
-        cmd
-    };
-    let stats = json(&mut target(&["dlq", "stats", "--json"]), 0)?;
+    let stats = json(&mut dlq(&url, &name, &source, &["stats", "--json"]), 0)?;
     ensure!(stats["count"] == 6, "{stats}");
-    let page = json(&mut target(&["dlq", "ls", "--json", "--max", "10"]), 0)?;
+    let page = json(
+        &mut dlq(&url, &name, &source, &["ls", "--json", "--max", "10"]),
+        0,
+    )?;
     ensure!(
         page["entries"].as_array().map(Vec::len) == Some(6),
         "{page}"

@@ -179,8 +179,9 @@ pub use topology::{knows_quorum_apply_to, plan_text, rabbit_delivery_limit};
 pub const SCHEMES: &[&str] = &["amqp", "amqps"];
 
 /// Connect to the broker an `amqp://` or `amqps://` URL names, as a
-/// [`reliq_core::Broker`], with the options its `reliq.*` parameters give
-/// ([`RabbitOptions::from_url`]: `?reliq.management=15672` for the management API).
+/// [`reliq_core::Broker`], with the options its query gives ([`RabbitOptions::from_url`]:
+/// `reliq.management=15672` for the management API; `cacertfile`, `certfile`, `keyfile`
+/// for a private CA and a client certificate; `password.file` / `password.env`).
 pub async fn connect(
     url: &str,
 ) -> Result<std::sync::Arc<dyn reliq_core::Broker>, reliq_core::BrokerError> {

@@ -43,17 +43,16 @@ fn config(reason: impl Into<String>) -> BrokerError {
     }
 }
 
+/// What stays unencoded in a URL's path segment or user info: RFC 3986's `unreserved`.
+pub(crate) const UNRESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
 /// Percent-encode one path segment (queue, policy and vhost names).
 pub fn encode_segment(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
-            out.push(char::from(b));
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    percent_encoding::utf8_percent_encode(s, UNRESERVED).to_string()
 }
 
 /// A policy as the management API stores it (`PUT /api/policies/<vhost>/<name>`).

@@ -393,18 +393,11 @@ impl RabbitOptions {
     }
 }
 
-/// What a password may hold unencoded in a URL's user info (RFC 3986 `unreserved`).
-const USERINFO: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'.')
-    .remove(b'_')
-    .remove(b'~');
-
 /// The nodes an AMQP URL names. A cluster's URL lists them in its authority, separated
 /// by commas — `amqp://user:password@host1:5672,host2:5672,host3:5672/vhost?query` — and
 /// every node gets the same credentials, vhost and query. lapin connects to one host; the
 /// broker tries the nodes in turn (see [`crate::RabbitBroker`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub(crate) struct Nodes {
     /// `scheme://` and the user info with its `@`.
     prefix: String,
@@ -452,13 +445,20 @@ impl Nodes {
         let (scheme, userinfo) = self.prefix.split_once("://").unwrap_or(("amqp", ""));
         let userinfo = userinfo.strip_suffix('@').unwrap_or(userinfo);
         let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-        let encoded: String = percent_encoding::utf8_percent_encode(password, USERINFO).collect();
+        let encoded = crate::management::encode_segment(password);
         self.prefix = format!("{scheme}://{user}:{encoded}@");
     }
 
     /// Every node's single-host URL, in order.
     pub(crate) fn urls(&self) -> Vec<String> {
         (0..self.hosts.len()).map(|i| self.url(i)).collect()
+    }
+}
+
+impl std::fmt::Debug for Nodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The prefix holds the password: print the URL redacted.
+        f.write_str(&redact_url(&self.to_string()))
     }
 }
 
@@ -512,6 +512,7 @@ mod tests {
                 "amqp://u:p%40ss@node-3/%2f?heartbeat=10",
             ]
         );
+        assert!(!format!("{nodes:?}").contains("p%40ss"), "{nodes:?}");
         let single = Nodes::parse("amqp://127.0.0.1:5672").expect("single");
         assert_eq!(single.urls(), ["amqp://127.0.0.1:5672"]);
         let err = Nodes::parse("amqp://u:p@h1,,h3/%2f").expect_err("empty host");
@@ -556,5 +557,26 @@ mod tests {
             "{err}"
         );
         assert!(!err.to_string().contains("secret"));
+    }
+
+    #[test]
+    fn a_password_from_a_file_is_encoded_into_the_user_info_and_never_shown() {
+        let path = std::env::temp_dir().join(format!("reliq-rabbit-pw-{}", std::process::id()));
+        std::fs::write(&path, "p@ss/w:rd\n").expect("write the password file");
+        let (url, o) = RabbitOptions::from_url(&format!(
+            "amqps://svc@rabbit:5671/shop?password.file={}&reliq.management=15671",
+            path.display()
+        ))
+        .expect("password from a file");
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(url, "amqps://svc:p%40ss%2Fw%3Ard@rabbit:5671/shop");
+        assert_eq!(
+            o.management_url.as_deref(),
+            Some("https://svc:p%40ss%2Fw%3Ard@rabbit:15671")
+        );
+        assert!(!format!("{o:?}").contains("p%40ss"), "{o:?}");
+        let err = RabbitOptions::from_url("amqps://rabbit/shop?password.env=RELIQ_TEST_UNSET_VAR")
+            .expect_err("unset variable");
+        assert!(err.to_string().contains("RELIQ_TEST_UNSET_VAR"), "{err}");
     }
 }
