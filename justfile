@@ -23,8 +23,8 @@ default:
 up-local:
     scripts/brokers up
 
-# The secured set: a Kafka node with TLS, mutual TLS, SASL (SCRAM, PLAIN, OAUTHBEARER) and
-# ACLs enforced, TLS-only NATS servers (user/password, nkey, token + client certificate,
+# The secured set: a Kafka node with TLS, mutual TLS, SASL (SCRAM, PLAIN, OAUTHBEARER), an
+# AWS MSK IAM stand-in listener and ACLs enforced, TLS-only NATS servers (user/password, nkey, token + client certificate,
 # JWT), a TLS-only RabbitMQ node (password, EXTERNAL), and its throwaway test CA
 # (.brokers/secure/pki).
 up-secure:
@@ -69,7 +69,7 @@ test:
     }
     trap stop EXIT
     scripts/brokers up || exit 1
-    # The secured set beside them (integration/tests/secured_{kafka,nats,rabbit}.rs).
+    # The secured set beside them (integration/tests/secured_{kafka,msk_iam,nats,rabbit}.rs).
     scripts/brokers secure up || exit 1
     # Headless Chromium and its driver for the web console's browser tests; promtool.
     scripts/brokers browser || exit 1

@@ -1,6 +1,7 @@
 //! Backend factories for the conformance suite, and connection settings shared by the
 //! integration tests (read from `brokers.env`, overridable by environment variables).
 
+pub mod aws_env;
 pub mod crash;
 pub mod kafka;
 pub mod memory;

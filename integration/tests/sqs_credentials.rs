@@ -11,125 +11,19 @@
 //! `CreateQueue`, and STS `GetCallerIdentity` names the role and session.
 //!
 //! Every test sets the `AWS_*` environment it needs — after clearing whatever the
-//! machine has — before it starts its runtime (see [`Env`]).
+//! machine has — before it starts its runtime (see `reliq_integration::aws_env::Env`).
 
 use std::time::Duration;
 
 use anyhow::{Context as _, bail, ensure};
 use reliq_conformance::support::{Recorder, unique, wait_until};
 use reliq_core::{Access, Broker, BrokerError, Consumer, Destination, Message, Subscription};
+use reliq_integration::aws_env::{Env, runtime};
 use reliq_integration::settings;
 use reliq_sqs::SqsBroker;
 
 /// moto's account for keys it did not issue.
 const DEFAULT_ACCOUNT: &str = "123456789012";
-
-/// Every variable of the default chain (and of endpoints) a machine may have set.
-const AWS_VARS: &[&str] = &[
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_PROFILE",
-    "AWS_DEFAULT_PROFILE",
-    "AWS_CONFIG_FILE",
-    "AWS_SHARED_CREDENTIALS_FILE",
-    "AWS_WEB_IDENTITY_TOKEN_FILE",
-    "AWS_ROLE_ARN",
-    "AWS_ROLE_SESSION_NAME",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_STS",
-    "AWS_ENDPOINT_URL_SQS",
-    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
-    "AWS_REGION",
-    "AWS_DEFAULT_REGION",
-];
-
-/// Serialises the tests of this binary when they share a process (`cargo test`); under
-/// nextest each test has a process of its own.
-static ENV_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// The test's environment: every `AWS_*` variable of the chain cleared, profile files
-/// pointed at a temporary directory (empty unless the test writes them), instance
-/// metadata off (no 1 s timeouts probing for an EC2 host), then the test's own.
-struct Env {
-    dir: tempfile::TempDir,
-    _lock: std::sync::MutexGuard<'static, ()>,
-}
-
-impl Env {
-    /// The test's directory; nothing in the environment changed yet.
-    fn new() -> anyhow::Result<Self> {
-        let lock = ENV_LOCK.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(Self {
-            dir: tempfile::tempdir()?,
-            _lock: lock,
-        })
-    }
-
-    /// The environment of the test: the chain's variables cleared, the profile files in
-    /// the test's directory, then `vars`. Call it before any runtime exists.
-    fn apply(&self, vars: &[(&str, &str)]) -> anyhow::Result<()> {
-        let config = self.path("config")?;
-        let credentials = self.path("credentials")?;
-        let mut all: Vec<(&str, &str)> = vec![
-            ("AWS_CONFIG_FILE", &config),
-            ("AWS_SHARED_CREDENTIALS_FILE", &credentials),
-            ("AWS_EC2_METADATA_DISABLED", "true"),
-        ];
-        all.extend_from_slice(vars);
-        replace_env(&all);
-        Ok(())
-    }
-
-    /// [`Env::new`] and [`Env::apply`].
-    fn set(vars: &[(&str, &str)]) -> anyhow::Result<Self> {
-        let env = Self::new()?;
-        env.apply(vars)?;
-        Ok(env)
-    }
-
-    /// The path of `name` in the test's directory.
-    fn path(&self, name: &str) -> anyhow::Result<String> {
-        Ok(self
-            .dir
-            .path()
-            .join(name)
-            .to_str()
-            .context("temp path")?
-            .to_owned())
-    }
-
-    /// Write `name` in the test's directory.
-    fn write(&self, name: &str, contents: &str) -> anyhow::Result<String> {
-        let path = self.path(name)?;
-        std::fs::write(&path, contents)?;
-        Ok(path)
-    }
-}
-
-#[allow(unsafe_code)]
-fn replace_env(vars: &[(&str, &str)]) {
-    for var in AWS_VARS {
-        // SAFETY: no other thread of this process reads or writes the environment now:
-        // nextest runs each test in a process of its own (and `cargo test` threads wait
-        // on ENV_LOCK, held by this test), and the test calls this before it builds a
-        // runtime; `moto_session`'s runtime is dropped — its threads joined — before.
-        unsafe { std::env::remove_var(var) };
-    }
-    for (k, v) in vars {
-        // SAFETY: as above.
-        unsafe { std::env::set_var(k, v) };
-    }
-}
-
-/// A runtime for the test's body, built after its environment is set.
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?)
-}
 
 fn base_url() -> String {
     settings::get("RELIQ_SQS_URL")

@@ -201,6 +201,88 @@ impl fmt::Display for Permissions {
     }
 }
 
+/// The AWS partition of `region` (`aws`, `aws-cn`, `aws-us-gov`): the second field of
+/// its ARNs.
+pub fn aws_partition(region: &str) -> &'static str {
+    if region.starts_with("cn-") {
+        "aws-cn"
+    } else if region.starts_with("us-gov-") {
+        "aws-us-gov"
+    } else {
+        "aws"
+    }
+}
+
+/// A statement id from a grant: the letters and digits of the last part of its ARN (a
+/// queue, a topic) in CamelCase — `orders_eu-billing.fifo` → `OrdersEuBillingFifo` —
+/// unique in `taken` (IAM takes only letters and digits).
+fn sid(grant: &Grant, taken: &mut Vec<String>) -> String {
+    let name = grant
+        .name
+        .rsplit([':', '/'])
+        .find(|part| !part.is_empty() && *part != "*")
+        .unwrap_or(&grant.name);
+    let mut base: String = name
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(|w| {
+            let mut chars = w.chars();
+            chars
+                .next()
+                .map(|first| first.to_ascii_uppercase().to_string() + chars.as_str())
+                .unwrap_or_default()
+        })
+        .collect();
+    if base.is_empty() {
+        base = "All".into();
+    }
+    if grant.pattern == NamePattern::Prefixed {
+        base.push_str("Prefix");
+    }
+    let mut id = base.clone();
+    let mut n = 2;
+    while taken.contains(&id) {
+        id = format!("{base}{n}");
+        n += 1;
+    }
+    taken.push(id.clone());
+    id
+}
+
+/// The grants as an AWS IAM identity policy, one statement per grant: each grant's name
+/// is an ARN (a prefix grant matches with `*` after it), its operations IAM actions. The
+/// policy is to attach as it is (`aws iam put-role-policy --policy-document
+/// file://policy.json`), so it carries no comments: IAM refuses unknown elements. The
+/// reasons stay in the grants.
+pub fn iam_policy(grants: &[Grant]) -> String {
+    let quote = |s: &str| serde_json::Value::from(s).to_string();
+    let mut taken = Vec::new();
+    let statements: Vec<String> = grants
+        .iter()
+        .map(|g| {
+            let resource = match g.pattern {
+                NamePattern::Literal => g.name.clone(),
+                NamePattern::Prefixed => format!("{}*", g.name),
+            };
+            let actions: Vec<String> = g
+                .operations
+                .iter()
+                .map(|a| format!("        {}", quote(a)))
+                .collect();
+            format!(
+                "    {{\n      \"Sid\": {},\n      \"Effect\": \"Allow\",\n      \"Action\": [\n{}\n      ],\n      \"Resource\": {}\n    }}",
+                quote(&sid(g, &mut taken)),
+                actions.join(",\n"),
+                quote(&resource)
+            )
+        })
+        .collect();
+    format!(
+        "{{\n  \"Version\": \"2012-10-17\",\n  \"Statement\": [\n{}\n  ]\n}}\n",
+        statements.join(",\n")
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,5 +298,25 @@ mod tests {
         assert_eq!(merged[0].operations, ["Read", "Describe", "Write"]);
         assert_eq!(merged[0].reason, "consume; publish");
         assert_eq!(merged[1].pattern, NamePattern::Prefixed);
+    }
+
+    #[test]
+    fn iam_statement_ids_are_camel_case_names_unique_in_the_policy() {
+        let mut taken = Vec::new();
+        let g = |name: &str| Grant::literal("queue", name, &["sqs:SendMessage"], "x");
+        assert_eq!(sid(&g("arn:aws:sqs:r:1:a-b"), &mut taken), "AB");
+        assert_eq!(sid(&g("arn:aws:sqs:r:1:a_b"), &mut taken), "AB2");
+        assert_eq!(sid(&g("*"), &mut taken), "All");
+        assert_eq!(
+            sid(
+                &g("arn:aws:kafka:r:1:topic/prod/uuid-1/orders.dlq"),
+                &mut taken
+            ),
+            "OrdersDlq"
+        );
+        assert_eq!(
+            sid(&g("arn:aws:kafka:r:*:cluster/*/*"), &mut taken),
+            "Cluster"
+        );
     }
 }

@@ -12,6 +12,7 @@ use reliq_core::{Backlog, BrokerError, Subscription, TierBacklog};
 
 use crate::broker::Inner;
 use crate::names::relay_group;
+use crate::oauth::TokenContext;
 use crate::options::RetryMode;
 
 /// How long one metadata, offsets or watermarks answer may take.
@@ -71,11 +72,15 @@ pub(crate) fn group_lag(inner: &Inner, group: &str, topic: &str) -> Result<u64, 
         )));
     }
     let partitions: Vec<i32> = meta.partitions().iter().map(|p| p.id()).collect();
-    let consumer: BaseConsumer = inner
+    let consumer: BaseConsumer<TokenContext> = inner
         .config
         .consumer(group, 1)
-        .create()
+        .create_with_context(TokenContext(inner.tokens.clone()))
         .map_err(|e| failed("a consumer", e))?;
+    // Never polled: its token comes from here (MSK IAM; see `oauth`).
+    inner
+        .tokens
+        .renew(consumer.client(), &mut crate::oauth::SignIn::default());
     let mut tpl = TopicPartitionList::new();
     for p in &partitions {
         tpl.add_partition(topic, *p);

@@ -1,7 +1,7 @@
 //! The broker: its clients ([`Inner`]: two producers and an admin client), publishing,
 //! and the [`Broker`] seam.
 
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -14,6 +14,7 @@ use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiv
 use crate::codec::{DUE_AT_HEADER, record_headers};
 use crate::dead_letters::KafkaDeadLetters;
 use crate::error::{KafkaError, client_error};
+use crate::oauth::{self, TokenSource};
 use crate::options::{BufferPolicy, KafkaConfig, RetryMode};
 use crate::receiver::KafkaReceiver;
 use crate::refusals::{Refusals, WatchingContext};
@@ -34,6 +35,10 @@ pub(crate) struct Inner {
     /// `reliq_producer_buffer_ratio`: the share of the publishing producer's bounded
     /// buffer in use, set after each publish.
     pub(crate) buffer_ratio: metrics::Gauge,
+    /// OAUTHBEARER tokens reliq makes (AWS MSK IAM), if any.
+    pub(crate) tokens: TokenSource,
+    /// Held only to end the admin client's sign-in thread with `self` (dropped).
+    _admin_sign_in: Option<mpsc::Sender<()>>,
 }
 
 /// A Kafka connection: two idempotent producers (publish; retry/DLQ copies) and an admin
@@ -59,27 +64,34 @@ impl KafkaBroker {
     /// Connect with explicit settings.
     pub fn with_config(config: KafkaConfig) -> Result<Self, KafkaError> {
         let refusals = Refusals::default();
+        let tokens = TokenSource::for_config(&config)?;
         let watching = || WatchingContext {
             refusals: refusals.clone(),
             plaintext: config.plaintext(),
+            tokens: tokens.clone(),
         };
         let producer = config.producer(true).create_with_context(watching())?;
         let route_producer = config.producer(false).create_with_context(watching())?;
         let admin = config.admin().create_with_context(watching())?;
-        Ok(Self {
-            inner: Arc::new(Inner {
-                config,
-                producer,
-                route_producer,
-                admin,
-                refusals,
-                routes: Routes::new(ROUTE_RECHECK),
-                buffer_ratio: metrics::gauge!(
-                    reliq_core::telemetry::PRODUCER_BUFFER_RATIO,
-                    "backend" => "kafka"
-                ),
-            }),
-        })
+        let (admin_sign_in, stop) = mpsc::channel();
+        let inner = Arc::new(Inner {
+            config,
+            producer,
+            route_producer,
+            admin,
+            refusals,
+            routes: Routes::new(ROUTE_RECHECK),
+            buffer_ratio: metrics::gauge!(
+                reliq_core::telemetry::PRODUCER_BUFFER_RATIO,
+                "backend" => "kafka"
+            ),
+            tokens: tokens.clone(),
+            _admin_sign_in: tokens.is_active().then_some(admin_sign_in),
+        });
+        if tokens.is_active() {
+            oauth::sign_in_admin(tokens, Arc::downgrade(&inner), stop);
+        }
+        Ok(Self { inner })
     }
 
     /// The settings in use.

@@ -58,6 +58,7 @@ use crate::codec::decode;
 use crate::error::{KafkaError, client_error, passes_with_an_election};
 use crate::lock;
 use crate::names::{browse_group, ledger_topic};
+use crate::oauth::{SignIn, TokenSource};
 
 /// Longest one read (a page, the ledger, the index) may take.
 const READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -136,9 +137,11 @@ type ReaderConsumer = BaseConsumer<ReaderContext>;
 /// callback, which by default logs each as an ERROR — one per DLQ partition on every
 /// browse, on a reader that did nothing wrong. They are dropped here; every other error
 /// is logged as before.
-struct ReaderContext;
+struct ReaderContext(TokenSource);
 
 impl ClientContext for ReaderContext {
+    crate::oauth::oauth_token_requests!(0);
+
     fn error(&self, error: RdError, reason: &str) {
         if matches!(error, RdError::Global(RDKafkaErrorCode::PartitionEOF)) {
             tracing::trace!(reason, "end of a DLQ partition after its read ended");
@@ -152,6 +155,8 @@ impl ConsumerContext for ReaderContext {}
 
 struct Reader {
     consumer: ReaderConsumer,
+    /// Its OAUTHBEARER token, renewed before each read (MSK IAM; see `oauth`).
+    sign_in: SignIn,
     dlq: String,
     ledger: String,
     cache: Cache,
@@ -180,12 +185,13 @@ impl KafkaDeadLetters {
         let consumer: ReaderConsumer = inner
             .config
             .reader(&browse_group(sub))
-            .create_with_context(ReaderContext)
+            .create_with_context(ReaderContext(inner.tokens.clone()))
             .map_err(|e| BrokerError::from(KafkaError::Client(e)))?;
         Ok(Self {
             inner,
             reader: Arc::new(Mutex::new(Reader {
                 consumer,
+                sign_in: SignIn::default(),
                 dlq,
                 ledger,
                 cache: Cache::default(),
@@ -200,9 +206,15 @@ impl KafkaDeadLetters {
         f: impl FnOnce(&mut Reader) -> Result<T, BrokerError> + Send + 'static,
     ) -> Result<T, BrokerError> {
         let reader = self.reader.clone();
-        tokio::task::spawn_blocking(move || f(&mut lock(&reader)))
-            .await
-            .map_err(|e| BrokerError::Other(Box::new(e)))?
+        let tokens = self.inner.tokens.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut reader = lock(&reader);
+            let reader = &mut *reader;
+            tokens.renew(reader.consumer.client(), &mut reader.sign_in);
+            f(reader)
+        })
+        .await
+        .map_err(|e| BrokerError::Other(Box::new(e)))?
     }
 
     /// Produce `records` (key, value; `None` = tombstone) to the ledger and wait for

@@ -88,7 +88,13 @@ mod codec;
 mod dead_letters;
 mod error;
 mod fetch;
+#[cfg(feature = "msk-iam")]
+mod msk_iam;
+#[cfg(not(feature = "msk-iam"))]
+#[path = "msk_iam_off.rs"]
+mod msk_iam;
 mod names;
+mod oauth;
 mod options;
 mod permissions;
 mod receiver;
@@ -107,7 +113,7 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub use broker::KafkaBroker;
 pub use codec::{DUE_AT_HEADER, SOURCE_OFFSET_HEADER, SOURCE_PARTITION_HEADER};
 pub use error::KafkaError;
-pub use options::{BufferPolicy, KafkaConfig, RetryMode};
+pub use options::{BufferPolicy, KafkaConfig, MskIamSettings, RetryMode};
 
 /// The URL schemes this backend serves (`reliq::connect` dispatches on them).
 pub const SCHEMES: &[&str] = &["kafka"];

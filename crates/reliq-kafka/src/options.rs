@@ -52,6 +52,7 @@ pub enum RetryMode {
 /// | SASL/SCRAM over TLS | `security.protocol=sasl_ssl&sasl.mechanism=SCRAM-SHA-512&sasl.username=svc&sasl.password.file=/run/secrets/kafka` |
 /// | SASL/PLAIN over TLS (Confluent Cloud, Event Hubs) | `security.protocol=sasl_ssl&sasl.mechanism=PLAIN&sasl.username=…&sasl.password.env=KAFKA_PASSWORD` |
 /// | OAUTHBEARER, OIDC | `security.protocol=sasl_ssl&sasl.mechanism=OAUTHBEARER&sasl.oauthbearer.method=oidc&sasl.oauthbearer.client.id=…&sasl.oauthbearer.client.secret.file=…&sasl.oauthbearer.token.endpoint.url=…` |
+/// | AWS MSK IAM (feature `msk-iam`) | `sasl.oauthbearer.method=aws_msk_iam&reliq.aws.region=eu-west-1` (optional `reliq.aws.profile=…`; see [`MskIamSettings`]) |
 ///
 /// Any value may be percent-encoded; a secret may come from a file (`<key>.file=PATH`)
 /// or an environment variable (`<key>.env=VAR`) instead of the URL, so it never shows in
@@ -69,6 +70,9 @@ pub enum RetryMode {
 /// | `reliq.rebalance.drain.ms` | 10000 | how long a revoke waits for in-flight records to settle |
 /// | `reliq.group.prefix` | (empty) | prepended to every consumer group id reliq joins (a namespace: environments, tenants, test runs) |
 /// | `reliq.retry` | `topics` | [`RetryMode`]: `topics` (non-blocking) or `blocking` (ordered, in place) |
+/// | `reliq.aws.region` | the AWS region chain | with `aws_msk_iam`: the region the token is signed for |
+/// | `reliq.aws.profile` | the AWS profile chain | with `aws_msk_iam`: the shared-config profile whose credentials sign |
+/// | `reliq.aws.cluster.arn` | any cluster | with `aws_msk_iam`: the cluster's ARN, for the IAM policy of `topology permissions` |
 #[derive(Clone, PartialEq, Eq)]
 pub struct KafkaConfig {
     /// `bootstrap.servers`.
@@ -91,7 +95,37 @@ pub struct KafkaConfig {
     pub group_prefix: String,
     /// Retry through retry topics or in place.
     pub retry_mode: RetryMode,
+    /// AWS MSK IAM sign-in, when the URL says `sasl.oauthbearer.method=aws_msk_iam`.
+    pub msk_iam: Option<MskIamSettings>,
 }
+
+/// AWS MSK IAM sign-in: every client authenticates with SASL/OAUTHBEARER, its token a
+/// SigV4-presigned `kafka-cluster:Connect` request (what AWS's `aws-msk-iam-sasl-signer`
+/// libraries make) signed with credentials from the AWS default chain — environment
+/// keys, the shared profile (static keys, `role_arn` through STS, SSO), web identity
+/// (EKS IRSA), the ECS container endpoint, EC2 instance metadata. A token lives 15
+/// minutes; librdkafka asks for a new one at 80% of that. Needs the crate feature
+/// `msk-iam` (`kafka-msk-iam` of `reliq`).
+///
+/// It sets `sasl.mechanism=OAUTHBEARER` and `security.protocol=sasl_ssl` unless the URL
+/// sets them (MSK's IAM listeners, port
+/// 9098, speak TLS); the value itself is reliq's, not librdkafka's, and is not passed
+/// on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MskIamSettings {
+    /// The region of the cluster (`reliq.aws.region`); unset: the AWS region chain
+    /// (`AWS_REGION`, `AWS_DEFAULT_REGION`, the profile's `region`).
+    pub region: Option<String>,
+    /// The shared-config profile to sign with (`reliq.aws.profile`); unset: `AWS_PROFILE`
+    /// or `default`.
+    pub profile: Option<String>,
+    /// The cluster's ARN (`reliq.aws.cluster.arn`), for the IAM policy
+    /// `reliq topology permissions` prints; unset: any cluster of the account.
+    pub cluster_arn: Option<String>,
+}
+
+/// The `sasl.oauthbearer.method` value that selects [`MskIamSettings`].
+const AWS_MSK_IAM: &str = "aws_msk_iam";
 
 impl std::fmt::Debug for KafkaConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -118,6 +152,7 @@ impl std::fmt::Debug for KafkaConfig {
             .field("rebalance_drain", &self.rebalance_drain)
             .field("group_prefix", &self.group_prefix)
             .field("retry_mode", &self.retry_mode)
+            .field("msk_iam", &self.msk_iam)
             .finish()
     }
 }
@@ -136,6 +171,7 @@ impl KafkaConfig {
             rebalance_drain: Duration::from_secs(10),
             retry_mode: RetryMode::Topics,
             group_prefix: String::new(),
+            msk_iam: None,
         }
     }
 
@@ -168,6 +204,8 @@ impl KafkaConfig {
             ));
         }
         let mut config = Self::new(hosts);
+        let mut aws = MskIamSettings::default();
+        let mut aws_key = None;
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (k, v) = pair
                 .split_once('=')
@@ -220,12 +258,58 @@ impl KafkaConfig {
                         _ => return Err(bad(k, "expected `topics` or `blocking`".into())),
                     };
                 }
+                "reliq.aws.region" => {
+                    (aws.region, aws_key) = (Some(v.to_owned()), Some(k.to_owned()))
+                }
+                "reliq.aws.profile" => {
+                    (aws.profile, aws_key) = (Some(v.to_owned()), Some(k.to_owned()))
+                }
+                "reliq.aws.cluster.arn" => {
+                    // arn:<partition>:kafka:<region>:<account>:cluster/<name>/<uuid>
+                    let parts: Vec<&str> = v.splitn(6, ':').collect();
+                    let cluster = parts.get(5).and_then(|c| c.strip_prefix("cluster/"));
+                    if parts.len() != 6
+                        || parts[0] != "arn"
+                        || parts[2] != "kafka"
+                        || cluster
+                            .is_none_or(|c| c.split('/').filter(|p| !p.is_empty()).count() != 2)
+                    {
+                        return Err(bad(
+                            k,
+                            "expected arn:aws:kafka:<region>:<account>:cluster/<name>/<uuid>"
+                                .into(),
+                        ));
+                    }
+                    (aws.cluster_arn, aws_key) = (Some(v.to_owned()), Some(k.to_owned()));
+                }
+                "sasl.oauthbearer.method" if v.eq_ignore_ascii_case(AWS_MSK_IAM) => {
+                    config.msk_iam = Some(MskIamSettings::default());
+                }
                 other if other.starts_with("reliq.") => {
                     return Err(bad(other, "unknown reliq setting".into()));
                 }
                 other => {
                     config.client.insert(other.to_owned(), v.to_owned());
                 }
+            }
+        }
+        match (&mut config.msk_iam, aws_key) {
+            (Some(msk), _) => *msk = aws,
+            (None, Some(key)) => {
+                return Err(bad(
+                    &key,
+                    format!("applies only with sasl.oauthbearer.method={AWS_MSK_IAM}"),
+                ));
+            }
+            (None, None) => {}
+        }
+        if config.msk_iam.is_some() {
+            let mechanism = config.client.get("sasl.mechanism").map(String::as_str);
+            if mechanism.is_some_and(|m| !m.eq_ignore_ascii_case("OAUTHBEARER")) {
+                return Err(bad(
+                    "sasl.mechanism",
+                    format!("{AWS_MSK_IAM} signs in with OAUTHBEARER, not {mechanism:?}"),
+                ));
             }
         }
         Ok(config)
@@ -236,6 +320,12 @@ impl KafkaConfig {
         c.set("bootstrap.servers", &self.bootstrap);
         for (k, v) in defaults {
             c.set(*k, v);
+        }
+        if self.msk_iam.is_some() {
+            // The token comes from reliq's callback (crate::oauth), which librdkafka asks
+            // only when OAUTHBEARER has no built-in method. MSK's IAM listeners speak TLS.
+            c.set("security.protocol", "sasl_ssl");
+            c.set("sasl.mechanism", "OAUTHBEARER");
         }
         for (k, v) in &self.client {
             c.set(k, v);
@@ -311,9 +401,12 @@ impl KafkaConfig {
     /// Whether the clients speak without TLS (`security.protocol` unset, `plaintext` or
     /// `sasl_plaintext`).
     pub(crate) fn plaintext(&self) -> bool {
-        self.client.get("security.protocol").is_none_or(|p| {
-            p.eq_ignore_ascii_case("plaintext") || p.eq_ignore_ascii_case("sasl_plaintext")
-        })
+        match self.client.get("security.protocol") {
+            Some(p) => {
+                p.eq_ignore_ascii_case("plaintext") || p.eq_ignore_ascii_case("sasl_plaintext")
+            }
+            None => self.msk_iam.is_none(),
+        }
     }
 
     /// Configuration of the admin client.
@@ -397,6 +490,54 @@ mod tests {
             ("kafka://h:1?reliq.nope=1", "reliq.nope"),
             ("kafka://h:1?reliq.buffer=drop", "reliq.buffer"),
             ("kafka://h:1?novalue", "novalue"),
+        ] {
+            match KafkaConfig::from_url(url) {
+                Err(KafkaError::Config { field: f, .. }) => assert_eq!(f, field, "{url}"),
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn aws_msk_iam_is_reliqs_method_and_its_settings_need_it() {
+        let c = KafkaConfig::from_url(
+            "kafka://b-1:9098?sasl.oauthbearer.method=aws_msk_iam&reliq.aws.region=eu-west-1&reliq.aws.profile=svc",
+        )
+        .expect("valid URL");
+        assert_eq!(
+            c.msk_iam,
+            Some(MskIamSettings {
+                region: Some("eu-west-1".into()),
+                profile: Some("svc".into()),
+                cluster_arn: None,
+            })
+        );
+        // Not librdkafka's value: not passed on; the mechanism and TLS are implied.
+        assert!(!c.client.contains_key("sasl.oauthbearer.method"));
+        assert!(!c.plaintext());
+        let admin = c.admin();
+        assert_eq!(admin.get("sasl.mechanism"), Some("OAUTHBEARER"));
+        assert_eq!(admin.get("security.protocol"), Some("sasl_ssl"));
+        assert_eq!(admin.get("sasl.oauthbearer.method"), None);
+        // librdkafka's own methods still pass through.
+        let oidc = KafkaConfig::from_url("kafka://b:1?sasl.oauthbearer.method=oidc").unwrap();
+        assert_eq!(oidc.msk_iam, None);
+        assert_eq!(
+            oidc.client
+                .get("sasl.oauthbearer.method")
+                .map(String::as_str),
+            Some("oidc")
+        );
+        for (url, field) in [
+            ("kafka://b:1?reliq.aws.region=eu-west-1", "reliq.aws.region"),
+            (
+                "kafka://b:1?sasl.oauthbearer.method=aws_msk_iam&sasl.mechanism=SCRAM-SHA-512",
+                "sasl.mechanism",
+            ),
+            (
+                "kafka://b:1?sasl.oauthbearer.method=aws_msk_iam&reliq.aws.cluster.arn=arn:aws:sqs:eu-west-1:1:q",
+                "reliq.aws.cluster.arn",
+            ),
         ] {
             match KafkaConfig::from_url(url) {
                 Err(KafkaError::Config { field: f, .. }) => assert_eq!(f, field, "{url}"),

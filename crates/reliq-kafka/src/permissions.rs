@@ -19,11 +19,29 @@
 //! Read and Write imply Describe in Kafka's authorizer; idempotent producers need no
 //! cluster grant (Write on a topic allows `InitProducerId` since Kafka 3.0). Nothing
 //! transactional: reliq's Kafka producers use no transactional id.
+//!
+//! **AWS MSK IAM** ([`MskIamSettings`]): the same grants as IAM actions on MSK's ARNs,
+//! and the document an IAM policy. Each operation maps to the actions MSK checks for it,
+//! with the `Describe*` actions they depend on:
+//!
+//! | ACL operation | IAM actions |
+//! |---|---|
+//! | topic Read | `kafka-cluster:ReadData`, `DescribeTopic` |
+//! | topic Write | `kafka-cluster:WriteData`, `DescribeTopic` (and `WriteDataIdempotently` on the cluster: reliq's producers are idempotent) |
+//! | topic Create | `kafka-cluster:CreateTopic` |
+//! | topic DescribeConfigs | `kafka-cluster:DescribeTopicDynamicConfiguration` |
+//! | group Read | `kafka-cluster:AlterGroup`, `DescribeGroup` |
+//! | group Describe | `kafka-cluster:DescribeGroup` |
+//! | (every client) | `kafka-cluster:Connect` on the cluster |
+//!
+//! The ARNs name the cluster of `reliq.aws.cluster.arn`; without it, any cluster of the
+//! account (`cluster/*/*`) in the URL's region (`*` when the region comes from the
+//! environment).
 
 use reliq_core::{Access, Grant, Permissions, Subscription};
 
 use crate::names::{browse_group, ledger_topic};
-use crate::options::{KafkaConfig, RetryMode};
+use crate::options::{KafkaConfig, MskIamSettings, RetryMode};
 
 /// Printed when [`Access::principal`] is not given.
 const PLACEHOLDER: &str = "User:<principal>";
@@ -37,6 +55,18 @@ pub(crate) fn permissions(config: &KafkaConfig, access: &Access) -> Permissions 
         grants.push(Grant::literal("topic", topic, &["Write"], "publish"));
     }
     let grants = Permissions::merged(grants);
+    if let Some(msk) = &config.msk_iam {
+        let grants = msk_iam_grants(msk, &grants);
+        return Permissions {
+            backend: "kafka",
+            principal: access
+                .principal
+                .clone()
+                .unwrap_or_else(|| IAM_PLACEHOLDER.to_owned()),
+            document: reliq_core::permissions::iam_policy(&grants),
+            grants,
+        };
+    }
     let principal = access
         .principal
         .clone()
@@ -136,6 +166,71 @@ fn consumer(config: &KafkaConfig, sub: &Subscription, operator: bool, out: &mut 
             "operator: the consumer's committed offsets (backlog)",
         ));
     }
+}
+
+/// Printed for MSK IAM when [`Access::principal`] is not given (an IAM policy names no
+/// principal: it is attached to one).
+const IAM_PLACEHOLDER: &str = "<IAM role or user>";
+
+/// The ACL grants as MSK IAM grants: ARNs and IAM actions (the table in the module docs),
+/// the cluster's `Connect` first.
+fn msk_iam_grants(msk: &MskIamSettings, grants: &[Grant]) -> Vec<Grant> {
+    // arn:<partition>:kafka:<region>:<account>:cluster/<name>/<uuid>
+    let cluster_arn = msk.cluster_arn.as_deref();
+    let (prefix, cluster) = match cluster_arn.and_then(|arn| arn.split_once(":cluster/")) {
+        Some((prefix, cluster)) => (prefix.to_owned(), cluster.to_owned()),
+        None => {
+            let region = msk.region.as_deref().unwrap_or("*");
+            let partition = reliq_core::permissions::aws_partition(region);
+            (
+                format!("arn:{partition}:kafka:{region}:*"),
+                "*/*".to_owned(),
+            )
+        }
+    };
+    let writes = grants
+        .iter()
+        .any(|g| g.resource == "topic" && g.operations.contains(&"Write"));
+    let mut cluster_actions = vec!["kafka-cluster:Connect"];
+    if writes {
+        cluster_actions.push("kafka-cluster:WriteDataIdempotently");
+    }
+    let mut out = vec![Grant::literal(
+        "cluster",
+        format!("{prefix}:cluster/{cluster}"),
+        &cluster_actions,
+        "connect (every client); idempotent produce",
+    )];
+    for g in grants {
+        let mut actions: Vec<&'static str> = Vec::new();
+        for op in &g.operations {
+            let mapped: &[&'static str] = match (g.resource, *op) {
+                ("topic", "Read") => &["kafka-cluster:ReadData", "kafka-cluster:DescribeTopic"],
+                ("topic", "Write") => &["kafka-cluster:WriteData", "kafka-cluster:DescribeTopic"],
+                ("topic", "Create") => &["kafka-cluster:CreateTopic"],
+                ("topic", "DescribeConfigs") => {
+                    &["kafka-cluster:DescribeTopicDynamicConfiguration"]
+                }
+                ("group", "Read") => &["kafka-cluster:AlterGroup", "kafka-cluster:DescribeGroup"],
+                ("group", "Describe") => &["kafka-cluster:DescribeGroup"],
+                ("topic", "Describe") => &["kafka-cluster:DescribeTopic"],
+                // A test checks that every grant maps to some action.
+                _ => &[],
+            };
+            for a in mapped {
+                if !actions.contains(a) {
+                    actions.push(a);
+                }
+            }
+        }
+        let name = format!("{prefix}:{}/{cluster}/{}", g.resource, g.name);
+        out.push(Grant {
+            name,
+            operations: actions,
+            ..g.clone()
+        });
+    }
+    out
 }
 
 /// The grants as `kafka-acls.sh` commands, one per resource, each after a comment that
@@ -256,6 +351,98 @@ mod tests {
         let p = permissions(&config, &Access::consumer(sub()));
         assert!(
             p.grants.iter().all(|g| !g.name.contains(".retry")),
+            "{:#?}",
+            p.grants
+        );
+    }
+
+    #[test]
+    fn with_msk_iam_the_grants_are_iam_actions_on_the_clusters_arns() {
+        let arn = "arn:aws:kafka:eu-west-1:123456789012:cluster/prod/0b1c-2d3e-1";
+        let config = KafkaConfig::from_url(&format!(
+            "kafka://b-1.prod.kafka.eu-west-1.amazonaws.com:9098?sasl.oauthbearer.method=aws_msk_iam&reliq.aws.cluster.arn={arn}"
+        ))
+        .unwrap();
+        let access = Access::consumer(sub()).operator().publish("invoices");
+        let acls = permissions(&KafkaConfig::from_url("kafka://k:9092").unwrap(), &access);
+        let p = permissions(&config, &access);
+        assert_eq!(p.principal, IAM_PLACEHOLDER);
+        let scope = "arn:aws:kafka:eu-west-1:123456789012";
+        assert_eq!(
+            ops(&p, "cluster", &format!("{scope}:cluster/prod/0b1c-2d3e-1")),
+            [
+                "kafka-cluster:Connect",
+                "kafka-cluster:WriteDataIdempotently"
+            ]
+        );
+        assert_eq!(
+            ops(
+                &p,
+                "topic",
+                &format!("{scope}:topic/prod/0b1c-2d3e-1/orders")
+            ),
+            [
+                "kafka-cluster:ReadData",
+                "kafka-cluster:DescribeTopic",
+                "kafka-cluster:CreateTopic",
+                "kafka-cluster:WriteData",
+                "kafka-cluster:DescribeTopicDynamicConfiguration"
+            ]
+        );
+        assert_eq!(
+            ops(
+                &p,
+                "group",
+                &format!("{scope}:group/prod/0b1c-2d3e-1/billing")
+            ),
+            ["kafka-cluster:AlterGroup", "kafka-cluster:DescribeGroup"]
+        );
+        let retry = p
+            .grants
+            .iter()
+            .find(|g| g.name.ends_with("/orders.billing.retry."))
+            .expect("the retry prefix");
+        assert_eq!(retry.pattern, NamePattern::Prefixed);
+        // One IAM grant per ACL grant, every one with actions, plus the cluster's.
+        assert_eq!(p.grants.len(), acls.grants.len() + 1);
+        assert!(
+            p.grants.iter().all(|g| !g.operations.is_empty()),
+            "{:#?}",
+            p.grants
+        );
+        let policy: serde_json::Value = serde_json::from_str(&p.document).expect("JSON");
+        let statements = policy["Statement"].as_array().expect("statements");
+        assert_eq!(statements.len(), p.grants.len());
+        assert!(
+            statements.iter().any(|s| s["Resource"]
+                == format!("{scope}:topic/prod/0b1c-2d3e-1/orders.billing.retry.*")),
+            "{}",
+            p.document
+        );
+    }
+
+    #[test]
+    fn with_msk_iam_and_no_cluster_arn_the_arns_take_any_cluster_of_the_region() {
+        let config = KafkaConfig::from_url(
+            "kafka://b:9098?sasl.oauthbearer.method=aws_msk_iam&reliq.aws.region=cn-north-1",
+        )
+        .unwrap();
+        let p = permissions(&config, &Access::consumer(sub()));
+        assert_eq!(
+            p.grants[0].name,
+            "arn:aws-cn:kafka:cn-north-1:*:cluster/*/*"
+        );
+        assert_eq!(
+            ops(&p, "cluster", "arn:aws-cn:kafka:cn-north-1:*:cluster/*/*"),
+            [
+                "kafka-cluster:Connect",
+                "kafka-cluster:WriteDataIdempotently"
+            ]
+        );
+        assert!(
+            p.grants
+                .iter()
+                .any(|g| g.name == "arn:aws-cn:kafka:cn-north-1:*:topic/*/*/orders.billing.dlq"),
             "{:#?}",
             p.grants
         );

@@ -12,6 +12,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::oauth::TokenSource;
 use rdkafka::client::ClientContext;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::{KafkaError as RdError, RDKafkaErrorCode};
@@ -168,9 +169,13 @@ pub(crate) struct WatchingContext {
     /// Whether this client speaks plaintext (no TLS): then a listener that hangs up on its
     /// very first request is most likely a TLS listener.
     pub(crate) plaintext: bool,
+    /// OAUTHBEARER tokens reliq makes (AWS MSK IAM), if any.
+    pub(crate) tokens: TokenSource,
 }
 
 impl ClientContext for WatchingContext {
+    crate::oauth::oauth_token_requests!(tokens);
+
     fn log(&self, level: RDKafkaLogLevel, fac: &str, message: &str) {
         // librdkafka reports a TLS listener closing on a plaintext client only in its
         // log, at the info level: a disconnect while asking for the API versions.
@@ -279,6 +284,7 @@ mod tests {
         let context = WatchingContext {
             refusals: refusals.clone(),
             plaintext: true,
+            tokens: TokenSource::default(),
         };
         let waiting = refusals.or_refused::<(), ()>("k:1", std::future::pending());
         let refuse = async {

@@ -29,7 +29,7 @@
 //! file://policy.json`), so it carries no comments: IAM refuses unknown elements, and its
 //! `Sid`s only take letters and digits. The reasons are in [`Permissions::grants`].
 
-use reliq_core::{Access, Grant, NamePattern, Permissions, Subscription};
+use reliq_core::{Access, Grant, Permissions, Subscription};
 
 use crate::names::{dead_letter_queue_name, queue_name, topic_prefix};
 
@@ -56,15 +56,8 @@ pub(crate) struct Scope {
 impl Scope {
     /// The scope of `region` (its partition from its name).
     pub(crate) fn new(region: &str, account: Option<String>, fifo: bool) -> Self {
-        let partition = if region.starts_with("cn-") {
-            "aws-cn"
-        } else if region.starts_with("us-gov-") {
-            "aws-us-gov"
-        } else {
-            "aws"
-        };
         Self {
-            partition: partition.to_owned(),
+            partition: reliq_core::permissions::aws_partition(region).to_owned(),
             region: region.to_owned(),
             account,
             fifo,
@@ -120,7 +113,7 @@ pub(crate) fn permissions(scope: &Scope, access: &Access) -> Permissions {
         .principal
         .clone()
         .unwrap_or_else(|| PLACEHOLDER.to_owned());
-    let document = document(&grants);
+    let document = reliq_core::permissions::iam_policy(&grants);
     Permissions {
         backend: "sqs",
         principal,
@@ -185,67 +178,6 @@ fn consumer(scope: &Scope, sub: &Subscription, operator: bool, out: &mut Vec<Gra
             "operator: replay to this consumer only; backlog gauges",
         ));
     }
-}
-
-/// A statement id from a resource: the letters and digits of its queue name (or prefix)
-/// in CamelCase — `orders_eu-billing.fifo` → `OrdersEuBillingFifo` — unique in `taken`.
-fn sid(grant: &Grant, taken: &mut Vec<String>) -> String {
-    let name = grant.name.rsplit(':').next().unwrap_or(&grant.name);
-    let mut base: String = name
-        .split(|c: char| !c.is_ascii_alphanumeric())
-        .filter(|w| !w.is_empty())
-        .map(|w| {
-            let mut chars = w.chars();
-            chars
-                .next()
-                .map(|first| first.to_ascii_uppercase().to_string() + chars.as_str())
-                .unwrap_or_default()
-        })
-        .collect();
-    if base.is_empty() {
-        base = "AllQueues".into();
-    }
-    if grant.pattern == NamePattern::Prefixed {
-        base.push_str("Prefix");
-    }
-    let mut id = base.clone();
-    let mut n = 2;
-    while taken.contains(&id) {
-        id = format!("{base}{n}");
-        n += 1;
-    }
-    taken.push(id.clone());
-    id
-}
-
-/// The grants as an IAM identity policy: one statement per resource.
-fn document(grants: &[Grant]) -> String {
-    let quote = |s: &str| serde_json::Value::from(s).to_string();
-    let mut taken = Vec::new();
-    let statements: Vec<String> = grants
-        .iter()
-        .map(|g| {
-            let resource = match g.pattern {
-                NamePattern::Literal => g.name.clone(),
-                NamePattern::Prefixed => format!("{}*", g.name),
-            };
-            let actions: Vec<String> = g
-                .operations
-                .iter()
-                .map(|a| format!("        {}", quote(a)))
-                .collect();
-            format!(
-                "    {{\n      \"Sid\": {},\n      \"Effect\": \"Allow\",\n      \"Action\": [\n{}\n      ],\n      \"Resource\": {}\n    }}",
-                quote(&sid(g, &mut taken)),
-                actions.join(",\n"),
-                quote(&resource)
-            )
-        })
-        .collect();
-    format!(
-        "{{\n  \"Version\": \"2012-10-17\",\n  \"Statement\": [\n{}\n  ]\n}}\n",
-        statements.join(",\n")
-    )
 }
 
 #[cfg(test)]
@@ -426,14 +358,5 @@ mod tests {
             "{}",
             p.document
         );
-    }
-
-    #[test]
-    fn statement_ids_stay_unique() {
-        let mut taken = Vec::new();
-        let g = |name: &str| Grant::literal(QUEUE, name, &["sqs:SendMessage"], "x");
-        assert_eq!(sid(&g("arn:aws:sqs:r:1:a-b"), &mut taken), "AB");
-        assert_eq!(sid(&g("arn:aws:sqs:r:1:a_b"), &mut taken), "AB2");
-        assert_eq!(sid(&g("*"), &mut taken), "AllQueues");
     }
 }

@@ -38,6 +38,21 @@ pub fn mtls_url(cert: &str, ca: &str) -> String {
     )
 }
 
+/// The region the MSK IAM tests sign for.
+pub const MSK_IAM_REGION: &str = "eu-west-1";
+
+/// AWS MSK IAM at the node's MSK IAM stand-in listener, trusting the test CA; the
+/// credentials come from the AWS default chain (the tests put the listener's test key in
+/// the environment).
+pub fn msk_iam_url() -> String {
+    format!(
+        "kafka://127.0.0.1:{}?sasl.oauthbearer.method=aws_msk_iam&reliq.aws.region={MSK_IAM_REGION}\
+         &ssl.ca.location={}&{TEST_PARAMS}",
+        port("KAFKA_SECURE_MSK_IAM_PORT"),
+        pki_file("ca.crt"),
+    )
+}
+
 /// The super user `admin` (SCRAM over TLS): creates topics, grants ACLs.
 pub fn admin_url() -> String {
     scram_url("admin", &settings::get("KAFKA_SECURE_ADMIN_PASSWORD"))

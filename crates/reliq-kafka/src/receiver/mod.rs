@@ -367,6 +367,7 @@ impl KafkaReceiver {
                     shared: Arc::downgrade(&shared),
                     client: i,
                     fetch: OnceLock::new(),
+                    tokens: shared.inner.tokens.clone(),
                 })
                 .map_err(KafkaError::from)?;
             let consumer = ClientConsumer::new(consumer)?;

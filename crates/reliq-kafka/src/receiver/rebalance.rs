@@ -21,6 +21,8 @@ pub(super) struct Ctx {
     pub(super) client: usize,
     /// The consumer's fetch queue, once made (it needs the consumer's handle).
     pub(super) fetch: OnceLock<Weak<FetchQueue>>,
+    /// OAUTHBEARER tokens reliq makes (AWS MSK IAM), if any.
+    pub(super) tokens: crate::oauth::TokenSource,
 }
 
 impl Ctx {
@@ -35,7 +37,9 @@ impl Ctx {
     }
 }
 
-impl ClientContext for Ctx {}
+impl ClientContext for Ctx {
+    crate::oauth::oauth_token_requests!(tokens);
+}
 
 impl ConsumerContext for Ctx {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
