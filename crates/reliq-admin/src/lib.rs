@@ -28,10 +28,11 @@ mod filter;
 pub mod http;
 mod jobs;
 mod ops;
+mod sessions;
+mod state;
 
 pub use audit::{AuditLog, AuditRecord};
 pub use auth::{Principal, Refusal, Role, Tokens, hash_token, new_token};
-pub use console::SESSION_COOKIE;
 pub use error::AdminError;
 pub use filter::{FILTER_FIELDS, FilterSpec};
 pub use jobs::{JobContext, JobState, JobView, Jobs};
@@ -39,3 +40,4 @@ pub use ops::{
     Dlq, DlqStats, EditOutcome, EditRequest, EntryDetail, EntryList, EntrySummary, FailedEntry,
     Group, MAX_LIST, PurgeRequest, ReplayRequest, Run, RunOutcome,
 };
+pub use sessions::SESSION_COOKIE;

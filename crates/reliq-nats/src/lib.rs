@@ -46,6 +46,7 @@
 //! ```
 
 mod broker;
+mod client;
 mod codec;
 mod dead_letters;
 mod error;
@@ -56,7 +57,7 @@ mod receiver;
 mod relay;
 mod topology;
 
-pub use broker::NatsBroker;
+pub use client::NatsBroker;
 pub use codec::KEY_HEADER;
 pub use error::NatsError;
 pub use names::{

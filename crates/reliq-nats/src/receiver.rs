@@ -15,7 +15,7 @@ use reliq_core::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::NatsBroker;
+use crate::client::NatsBroker;
 use crate::codec::{
     MSG_ID, ORIGIN_HEADER, SCHEDULE, SCHEDULE_TARGET, copy_origin, from_nats, route_of,
     to_nats_headers,

@@ -7,7 +7,7 @@ use reliq_core::BrokerError;
 use reliq_core::Subscription;
 use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 
-use crate::NatsBroker;
+use crate::client::NatsBroker;
 use crate::codec::{MSG_ID, copy_origin, from_nats, route_of, to_nats_headers};
 use crate::error::api;
 use crate::names::{consumer_name, dead_letter_subject, stream_name};

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use reliq_core::outbox::OutboxWakeup;
-use reliq_sql::{Statement, StoreSql};
+use reliq_sql::{OutOfRange, Statement, StoreSql};
 use sqlx::postgres::PgQueryResult;
 use sqlx::{PgPool, Postgres};
 
@@ -16,12 +16,12 @@ use crate::{Error, listen};
 pub enum PgStore {}
 
 /// A duration as seconds for `make_interval(secs => …)`.
-fn seconds(d: Duration) -> Result<f64, Error> {
+fn seconds(d: Duration) -> Result<f64, OutOfRange> {
     let s = d.as_secs_f64();
     if s.is_finite() && s < 1e12 {
         Ok(s)
     } else {
-        Err(Error::Duration(d))
+        Err(OutOfRange(d))
     }
 }
 
@@ -41,11 +41,11 @@ impl StoreSql for PgStore {
         statement
     }
 
-    fn later((): (), by: Duration) -> Result<f64, Error> {
+    fn later((): (), by: Duration) -> Result<f64, OutOfRange> {
         seconds(by)
     }
 
-    fn earlier((): (), by: Duration) -> Result<f64, Error> {
+    fn earlier((): (), by: Duration) -> Result<f64, OutOfRange> {
         seconds(by)
     }
 

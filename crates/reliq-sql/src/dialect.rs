@@ -9,7 +9,11 @@ use reliq_core::outbox::{OutboxWakeup, PollOnly};
 use sqlx::{Database, Encode, Pool, Type};
 
 use crate::driver::{Driver, Statement};
-use crate::error::Error;
+
+/// A duration the database cannot add to a moment (it becomes
+/// [`Error::Duration`](crate::Error::Duration)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutOfRange(pub Duration);
 
 /// One database's side of the stores, implemented by reliq-postgres (`PgStore`) and
 /// reliq-sqlite (`SqliteStore`) for the schema their migrations create.
@@ -47,10 +51,10 @@ pub trait StoreSql: Debug + Send + Sync + Sized + 'static {
     fn bind_now<'q>(statement: Statement<'q, Self::Db>, now: Self::Now) -> Statement<'q, Self::Db>;
 
     /// `by` after `now`.
-    fn later(now: Self::Now, by: Duration) -> Result<Self::Moment, Error<Self>>;
+    fn later(now: Self::Now, by: Duration) -> Result<Self::Moment, OutOfRange>;
 
     /// `by` before `now`.
-    fn earlier(now: Self::Now, by: Duration) -> Result<Self::Moment, Error<Self>>;
+    fn earlier(now: Self::Now, by: Duration) -> Result<Self::Moment, OutOfRange>;
 
     /// `seqs` as one parameter.
     fn seqs(seqs: &[i64]) -> Self::Seqs<'_>;

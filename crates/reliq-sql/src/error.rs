@@ -7,7 +7,7 @@ use std::time::Duration;
 use reliq_core::InboxError;
 use reliq_core::outbox::OutboxError;
 
-use crate::StoreSql;
+use crate::dialect::{OutOfRange, StoreSql};
 
 /// Errors of the stores on database `S` (`reliq_postgres::Error`, `reliq_sqlite::Error`).
 #[derive(Debug, thiserror::Error)]
@@ -26,6 +26,12 @@ pub enum Error<S: StoreSql> {
     #[doc(hidden)]
     #[error("{0:?}")]
     Never(Infallible, PhantomData<S>),
+}
+
+impl<S: StoreSql> From<OutOfRange> for Error<S> {
+    fn from(OutOfRange(d): OutOfRange) -> Self {
+        Self::Duration(d)
+    }
 }
 
 impl<S: StoreSql> From<Error<S>> for InboxError {

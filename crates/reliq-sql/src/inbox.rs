@@ -131,7 +131,7 @@ impl<S: StoreSql> reliq_core::Inbox for Inbox<S> {
     /// pending claim whose lease expired (its handler died) is taken over.
     async fn claim(&self, consumer: &str, id: &MessageId) -> Result<Claim, InboxError> {
         let now = S::now();
-        let until = S::later(now, self.pending_lease)?;
+        let until = S::later(now, self.pending_lease).map_err(Error::<S>::from)?;
         let statement = sqlx::query(S::INBOX_CLAIM_PENDING)
             .text(consumer)
             .text(id.as_str())

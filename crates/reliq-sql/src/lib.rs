@@ -24,7 +24,7 @@ mod inbox;
 mod migrate;
 mod outbox;
 
-pub use dialect::StoreSql;
+pub use dialect::{OutOfRange, StoreSql};
 pub use driver::{Driver, Statement};
 pub use error::Error;
 pub use inbox::Inbox;

@@ -117,7 +117,7 @@ impl<S: StoreSql> OutboxStore for Outbox<S> {
         let now = S::now();
         let statement = sqlx::query(S::OUTBOX_CLAIM)
             .text(owner)
-            .bind(S::later(now, lease)?)
+            .bind(S::later(now, lease).map_err(Error::<S>::from)?)
             .int(i64::try_from(limit).unwrap_or(i64::MAX));
         let rows = S::bind_now(statement, now)
             .fetch_all(S::Db::on_pool(&self.pool))

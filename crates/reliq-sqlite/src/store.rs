@@ -4,7 +4,7 @@
 use std::str::FromStr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use reliq_sql::{Statement, StoreSql};
+use reliq_sql::{OutOfRange, Statement, StoreSql};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteQueryResult,
     SqliteSynchronous,
@@ -27,8 +27,8 @@ fn now_ms() -> i64 {
 }
 
 /// A duration as milliseconds.
-fn millis(d: Duration) -> Result<i64, Error> {
-    i64::try_from(d.as_millis()).map_err(|_| Error::Duration(d))
+fn millis(d: Duration) -> Result<i64, OutOfRange> {
+    i64::try_from(d.as_millis()).map_err(|_| OutOfRange(d))
 }
 
 impl StoreSql for SqliteStore {
@@ -50,11 +50,11 @@ impl StoreSql for SqliteStore {
         statement.bind(now)
     }
 
-    fn later(now: i64, by: Duration) -> Result<i64, Error> {
+    fn later(now: i64, by: Duration) -> Result<i64, OutOfRange> {
         Ok(now.saturating_add(millis(by)?))
     }
 
-    fn earlier(now: i64, by: Duration) -> Result<i64, Error> {
+    fn earlier(now: i64, by: Duration) -> Result<i64, OutOfRange> {
         Ok(now.saturating_sub(millis(by)?))
     }
 

@@ -16,7 +16,7 @@ use reliq_core::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::whole_seconds;
+use crate::client::whole_seconds;
 use crate::error::sdk_error;
 use crate::receiver::system_attributes;
 use crate::{SqsBroker, codec};

@@ -67,6 +67,7 @@
 
 mod batch;
 mod broker;
+mod client;
 mod codec;
 mod credentials;
 mod dead_letters;
@@ -77,7 +78,7 @@ mod permissions;
 mod receiver;
 mod topology;
 
-pub use broker::{CallerIdentity, SqsBroker};
+pub use client::{CallerIdentity, SqsBroker};
 pub use codec::{BODY_FIELD, KEY_FIELD, MAX_ATTRIBUTES, RELIQ_ATTRIBUTE, ROUTE_FIELD};
 pub use dead_letters::SqsDeadLetters;
 pub use error::SqsError;

@@ -16,7 +16,7 @@ use reliq_core::{
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{Declared, whole_seconds};
+use crate::client::{Declared, whole_seconds};
 use crate::error::sdk_error;
 use crate::{SqsBroker, codec};
 

@@ -11,7 +11,7 @@ use reliq_core::{
     Subscription, Wanted,
 };
 
-use crate::broker::{SqsBroker, whole_seconds};
+use crate::client::{SqsBroker, whole_seconds};
 use crate::error::sdk_error;
 use crate::names::{self, FILTER_TAG, ROLE_TAG, SOURCE_TAG};
 

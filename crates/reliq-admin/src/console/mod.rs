@@ -13,9 +13,8 @@
 
 pub mod pages;
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::Arc;
+use std::time::SystemTime;
 
 use axum::Router;
 use axum::extract::{Path, RawQuery, State};
@@ -25,68 +24,12 @@ use axum::routing::{get, post};
 use maud::Markup;
 use reliq_core::Cursor;
 
-use crate::auth::{Principal, Role, hash_token, random_hex};
+use crate::auth::{Principal, Role, hash_token};
 use crate::error::AdminError;
 use crate::filter::FilterSpec;
-use crate::http::{AdminState, AuditNote};
 use crate::ops::{Dlq, EditRequest, PurgeRequest, ReplayRequest, Run};
-
-/// The session cookie's name.
-pub const SESSION_COOKIE: &str = "reliq_session";
-
-/// How long a session lasts without a new sign-in.
-const SESSION_TTL: Duration = Duration::from_secs(12 * 3600);
-
-struct Session {
-    token_hash: [u8; 32],
-    csrf: String,
-    started: Instant,
-}
-
-/// The console's signed-in sessions (in memory: a restarted server signs everyone out).
-#[derive(Default)]
-pub struct Sessions(Mutex<HashMap<String, Session>>);
-
-impl std::fmt::Debug for Sessions {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.0.lock().map(|m| m.len()).unwrap_or(0);
-        f.debug_struct("Sessions").field("sessions", &n).finish()
-    }
-}
-
-impl Sessions {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn start(&self, token_hash: [u8; 32]) -> Result<String, AdminError> {
-        let id = random_hex()?;
-        let csrf = random_hex()?;
-        let mut map = self.lock();
-        map.retain(|_, s| s.started.elapsed() < SESSION_TTL);
-        map.insert(
-            id.clone(),
-            Session {
-                token_hash,
-                csrf,
-                started: Instant::now(),
-            },
-        );
-        Ok(id)
-    }
-
-    /// The session's token hash and CSRF token, if it is live.
-    fn get(&self, id: &str) -> Option<([u8; 32], String)> {
-        let map = self.lock();
-        map.get(id)
-            .filter(|s| s.started.elapsed() < SESSION_TTL)
-            .map(|s| (s.token_hash, s.csrf.clone()))
-    }
-
-    fn end(&self, id: &str) {
-        self.lock().remove(id);
-    }
-}
+use crate::sessions::{SESSION_COOKIE, SESSION_TTL};
+use crate::state::{AdminState, AuditNote};
 
 /// The console's routes (merged into the API's router, under its audit middleware).
 pub(crate) fn routes() -> Router<Arc<AdminState>> {

@@ -1,0 +1,89 @@
+//! What the admin server serves from ([`AdminState`]), and what a handler tells the
+//! audit middleware ([`AuditNote`]): shared by the API (`http`) and the console.
+
+use std::sync::Arc;
+
+use reliq_core::{Broker, Subscription};
+
+use crate::audit::AuditLog;
+use crate::auth::{Principal, Tokens};
+use crate::filter::FilterSpec;
+use crate::jobs::Jobs;
+use crate::sessions::Sessions;
+
+/// What the API serves from.
+pub struct AdminState {
+    pub(crate) broker: Arc<dyn Broker>,
+    pub(crate) tokens: Tokens,
+    pub(crate) audit: Arc<AuditLog>,
+    pub(crate) jobs: Jobs,
+    /// The consumers the console lists and the metrics poller reads, with their retry
+    /// tiers (the broker's tier routes are named by them).
+    pub(crate) consumers: Vec<Subscription>,
+    pub(crate) sessions: Sessions,
+    pub(crate) secure_cookies: bool,
+    /// The Prometheus recorder's handle, rendered at `GET /metrics`.
+    pub(crate) metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+}
+
+impl std::fmt::Debug for AdminState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminState")
+            .field("broker", &self.broker.kind())
+            .field("jobs", &self.jobs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AdminState {
+    /// Serve `broker`'s DLQs to the holders of `tokens`, auditing to `audit`.
+    pub fn new(broker: Arc<dyn Broker>, tokens: Tokens, audit: AuditLog) -> Self {
+        Self {
+            broker,
+            tokens,
+            audit: Arc::new(audit),
+            jobs: Jobs::default(),
+            consumers: Vec::new(),
+            sessions: Sessions::default(),
+            secure_cookies: false,
+            metrics: None,
+        }
+    }
+
+    /// The consumers the console's overview lists: each one's subscription as its
+    /// consumer makes it (source, and the retry tiers its policy declares), e.g. from
+    /// [`parse_consumer`].
+    pub fn with_consumers(mut self, consumers: impl IntoIterator<Item = Subscription>) -> Self {
+        self.consumers = consumers.into_iter().collect();
+        self
+    }
+
+    /// Serve `handle`'s metrics at `GET /metrics` (Prometheus text; a reader token, as a
+    /// bearer: Prometheus' `authorization` scrape setting).
+    pub fn with_metrics(mut self, handle: metrics_exporter_prometheus::PrometheusHandle) -> Self {
+        self.metrics = Some(handle);
+        self
+    }
+
+    /// Mark the console's session cookie `Secure`: the server is reached over TLS (a
+    /// terminating proxy in front of it).
+    pub fn secure_cookies(mut self, secure: bool) -> Self {
+        self.secure_cookies = secure;
+        self
+    }
+}
+
+/// What a handler tells the audit middleware about its request.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct AuditNote {
+    pub(crate) actor: Option<Principal>,
+    pub(crate) action: &'static str,
+    pub(crate) consumer: Option<String>,
+    pub(crate) filter: Option<FilterSpec>,
+    pub(crate) reason: Option<String>,
+    pub(crate) counts: Option<serde_json::Value>,
+    pub(crate) job: Option<String>,
+    /// Not audited when allowed: a scrape every few seconds would drown the log (a
+    /// refused one is still written).
+    pub(crate) quiet: bool,
+}
