@@ -52,7 +52,7 @@ impl AdminState {
 
     /// The consumers the console's overview lists: each one's subscription as its
     /// consumer makes it (source, and the retry tiers its policy declares), e.g. from
-    /// [`parse_consumer`].
+    /// [`parse_consumer`](crate::http::parse_consumer).
     pub fn with_consumers(mut self, consumers: impl IntoIterator<Item = Subscription>) -> Self {
         self.consumers = consumers.into_iter().collect();
         self

@@ -10,7 +10,7 @@ use rdkafka::producer::Producer as _;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use reliq_core::{Backlog, BrokerError, Subscription, TierBacklog};
 
-use crate::broker::Inner;
+use crate::client::Inner;
 use crate::names::relay_group;
 use crate::oauth::TokenContext;
 use crate::options::RetryMode;

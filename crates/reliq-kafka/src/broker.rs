@@ -1,233 +1,16 @@
-//! The broker: its clients ([`Inner`]: two producers and an admin client), publishing,
-//! and the [`Broker`] seam.
-
-use std::sync::{Arc, mpsc};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+//! The [`Broker`] implementation of [`KafkaBroker`]: the seam the consumer runtime and the
+//! operator tools use, mapped onto the clients (`client`), the receiver, the dead-letter
+//! reader, the topology and backlog modules.
 
 use async_trait::async_trait;
-use rdkafka::admin::AdminClient;
-use rdkafka::error::RDKafkaErrorCode;
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
-use rdkafka::util::Timeout;
 use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription};
 
-use crate::codec::{DUE_AT_HEADER, record_headers};
+use crate::client::{KafkaBroker, now_millis_ceil, route_produce};
+use crate::codec::DUE_AT_HEADER;
 use crate::dead_letters::KafkaDeadLetters;
-use crate::error::{KafkaError, client_error};
-use crate::oauth::{self, TokenSource};
-use crate::options::{BufferPolicy, KafkaConfig, RetryMode};
+use crate::options::RetryMode;
 use crate::receiver::KafkaReceiver;
-use crate::refusals::{Refusals, WatchingContext};
-use crate::routes::{ROUTE_RECHECK, Routes};
-
-pub(crate) struct Inner {
-    pub(crate) config: KafkaConfig,
-    /// Publishes (auto-create allowed where the broker allows it).
-    pub(crate) producer: FutureProducer<WatchingContext>,
-    /// Retry / DLQ copies (auto-create off; topics are declared at subscribe).
-    pub(crate) route_producer: FutureProducer<WatchingContext>,
-    pub(crate) admin: AdminClient<WatchingContext>,
-    /// TLS / SASL refusals the clients above saw: requests end with them at once.
-    pub(crate) refusals: Refusals,
-    /// Retry and DLQ topics seen to exist: [`route_produce`] looks a topic up again only
-    /// after [`ROUTE_RECHECK`] or a failed produce to it, one lookup at a time.
-    pub(crate) routes: Routes,
-    /// `reliq_producer_buffer_ratio`: the share of the publishing producer's bounded
-    /// buffer in use, set after each publish.
-    pub(crate) buffer_ratio: metrics::Gauge,
-    /// OAUTHBEARER tokens reliq makes (AWS MSK IAM), if any.
-    pub(crate) tokens: TokenSource,
-    /// Held only to end the admin client's sign-in thread with `self` (dropped).
-    _admin_sign_in: Option<mpsc::Sender<()>>,
-}
-
-/// A Kafka connection: two idempotent producers (publish; retry/DLQ copies) and an admin
-/// client. Cheap to clone. Each `subscribe` / `dead_letters` creates its own consumers.
-#[derive(Clone)]
-pub struct KafkaBroker {
-    pub(crate) inner: Arc<Inner>,
-}
-
-impl std::fmt::Debug for KafkaBroker {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KafkaBroker").finish_non_exhaustive()
-    }
-}
-
-impl KafkaBroker {
-    /// Connect with a `kafka://` URL (see [`KafkaConfig`]). Clients connect lazily; a
-    /// broker that is down shows up on the first operation.
-    pub fn connect(url: &str) -> Result<Self, KafkaError> {
-        Self::with_config(KafkaConfig::from_url(url)?)
-    }
-
-    /// Connect with explicit settings.
-    pub fn with_config(config: KafkaConfig) -> Result<Self, KafkaError> {
-        let refusals = Refusals::default();
-        let tokens = TokenSource::for_config(&config)?;
-        let watching = || WatchingContext {
-            refusals: refusals.clone(),
-            plaintext: config.plaintext(),
-            tokens: tokens.clone(),
-        };
-        let producer = config.producer(true).create_with_context(watching())?;
-        let route_producer = config.producer(false).create_with_context(watching())?;
-        let admin = config.admin().create_with_context(watching())?;
-        let (admin_sign_in, stop) = mpsc::channel();
-        let inner = Arc::new(Inner {
-            config,
-            producer,
-            route_producer,
-            admin,
-            refusals,
-            routes: Routes::new(ROUTE_RECHECK),
-            buffer_ratio: metrics::gauge!(
-                reliq_core::telemetry::PRODUCER_BUFFER_RATIO,
-                "backend" => "kafka"
-            ),
-            tokens: tokens.clone(),
-            _admin_sign_in: tokens.is_active().then_some(admin_sign_in),
-        });
-        if tokens.is_active() {
-            oauth::sign_in_admin(tokens, Arc::downgrade(&inner), stop);
-        }
-        Ok(Self { inner })
-    }
-
-    /// The settings in use.
-    pub fn config(&self) -> &KafkaConfig {
-        &self.inner.config
-    }
-
-    /// Create `topics` (with the configured partitions and replication) where missing.
-    pub async fn ensure_topics(&self, topics: &[String]) -> Result<(), KafkaError> {
-        self.inner.ensure_topics(topics).await
-    }
-
-    /// Delete `topics` (for operators and tests; missing topics are not an error).
-    pub async fn delete_topics(&self, topics: &[String]) -> Result<(), KafkaError> {
-        self.inner.delete_topics(topics).await
-    }
-
-    /// Whether `topic` exists right now (a fresh metadata request that never creates it).
-    pub async fn topic_exists(&self, topic: &str) -> Result<bool, KafkaError> {
-        self.inner.topic_exists(topic).await
-    }
-}
-
-impl Inner {
-    /// Produce `message` and wait for its delivery report.
-    pub(crate) async fn produce(
-        &self,
-        route: bool,
-        topic: &str,
-        message: &Message,
-        extra: &[(&str, String)],
-    ) -> Result<(i32, i64), BrokerError> {
-        let producer = if route {
-            &self.route_producer
-        } else {
-            &self.producer
-        };
-        let mut record = FutureRecord::to(topic)
-            .payload(message.payload().as_ref())
-            .headers(record_headers(message, extra))
-            .timestamp(now_millis_ceil());
-        if let Some(key) = message.key() {
-            record = record.key(key);
-        }
-        let queue_timeout = match self.config.buffer {
-            BufferPolicy::Block(d) => Timeout::After(d),
-            BufferPolicy::FailFast => Timeout::After(Duration::ZERO),
-        };
-        let sent = self
-            .refusals
-            .or_refused(&self.config.bootstrap, async {
-                producer
-                    .send(record, queue_timeout)
-                    .await
-                    .map_err(|(e, _)| e)
-            })
-            .await?;
-        if !route {
-            // What is still queued when this one is done: the pressure on the buffer.
-            let queued = f64::from(rdkafka::producer::Producer::in_flight_count(producer).max(0));
-            self.buffer_ratio
-                .set(queued / f64::from(self.config.buffer_messages.max(1)));
-        }
-        match sent {
-            Ok(delivery) => Ok((delivery.partition, delivery.offset)),
-            Err(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::Fatal) => {
-                Err(fatal(producer, topic))
-            }
-            Err(e) => Err(match client_error(e, "producing to", topic) {
-                BrokerError::Timeout(_) => BrokerError::Timeout(self.config.send_timeout),
-                other => other,
-            }),
-        }
-    }
-}
-
-/// What a producer's fatal error was. An idempotent producer refused its producer id (no
-/// Write on any topic yet: its ACLs were granted after it started) fails for good and
-/// every later send says only "Fatal": name the cause, as an authorization error where it
-/// is one. Recreating the connection (`KafkaBroker::connect`) starts a new producer.
-fn fatal<C: rdkafka::ClientContext>(producer: &FutureProducer<C>, topic: &str) -> BrokerError {
-    let Some((code, reason)) = producer.client().fatal_error() else {
-        return BrokerError::connection(format!(
-            "producing to {topic}: the producer failed for good"
-        ));
-    };
-    let reason = format!(
-        "producing to {topic}: the producer failed for good ({code}: {reason}); connect again once it is fixed"
-    );
-    match crate::error::authorization_resource(code) {
-        Some(kind) => BrokerError::Unauthorized {
-            resource: if kind == "topic" {
-                format!("topic {topic}")
-            } else {
-                kind.to_owned()
-            },
-            reason,
-            source: Some(Box::new(code)),
-        },
-        None => BrokerError::connection(reason),
-    }
-}
-
-/// Produce a retry / DLQ copy: the topic must exist (never auto-created), then wait for
-/// the delivery report.
-///
-/// Whether it exists is asked of the broker once per topic per [`ROUTE_RECHECK`], by one
-/// copy at a time ([`Routes`]). A topic deleted meanwhile is still caught: the route
-/// producer never auto-creates, so the produce fails (unknown topic), the source is
-/// released and the next copy looks the topic up again.
-pub(crate) async fn route_produce(
-    inner: &Inner,
-    topic: &str,
-    message: &Message,
-    extra: &[(&str, String)],
-) -> Result<(), BrokerError> {
-    let exists = inner.routes.exists(topic, inner.topic_exists(topic));
-    if !exists.await.map_err(BrokerError::from)? {
-        return Err(BrokerError::Unroutable(topic.to_owned()));
-    }
-    let sent = inner.produce(true, topic, message, extra).await.map(drop);
-    if sent.is_err() {
-        inner.routes.forget(topic);
-    }
-    sent
-}
-
-/// Now in ms since the epoch, rounded up, so "timestamp + delay" is never earlier than
-/// "produce time + delay".
-pub(crate) fn now_millis_ceil() -> i64 {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default();
-    let ms = now.as_millis() + u128::from(!now.subsec_nanos().is_multiple_of(1_000_000));
-    i64::try_from(ms).unwrap_or(i64::MAX)
-}
+use crate::{backlog, permissions, topology};
 
 #[async_trait]
 impl Broker for KafkaBroker {
@@ -283,16 +66,15 @@ impl Broker for KafkaBroker {
         Ok(Box::new(reader))
     }
 
-    /// The group's lag on the source and each relay group's on its retry topic.
     async fn permissions(
         &self,
         access: &reliq_core::Access,
     ) -> Result<reliq_core::Permissions, BrokerError> {
-        Ok(crate::permissions::permissions(&self.inner.config, access))
+        Ok(permissions::permissions(&self.inner.config, access))
     }
 
     async fn plan(&self, subscription: &Subscription) -> Result<reliq_core::Plan, BrokerError> {
-        Ok(crate::topology::plan(subscription, &self.inner.config))
+        Ok(topology::plan(subscription, &self.inner.config))
     }
 
     async fn inspect(
@@ -303,11 +85,12 @@ impl Broker for KafkaBroker {
         self.inner.inspect(subscription, plan).await
     }
 
+    /// The group's lag on the source and each relay group's on its retry topic.
     async fn backlog(
         &self,
         subscription: &Subscription,
     ) -> Result<reliq_core::Backlog, BrokerError> {
-        crate::backlog::backlog(&self.inner, subscription).await
+        backlog::backlog(&self.inner, subscription).await
     }
 
     async fn send_to_consumer(

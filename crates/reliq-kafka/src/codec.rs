@@ -7,8 +7,6 @@ use bytes::Bytes;
 use rdkafka::message::{Header, OwnedHeaders};
 use reliq_core::{Delivery, Headers, Message, MessageId, headers};
 
-use crate::fetch::KafkaRecord;
-
 /// Backend-private header: when a record on a retry topic is due (ms since the epoch),
 /// overriding "record timestamp + tier delay" (used by `send_to_consumer`). Stripped
 /// before the message reaches a handler.
@@ -61,8 +59,21 @@ pub(crate) struct Decoded {
     pub(crate) source_offset: Option<i64>,
 }
 
+/// What decoding reads of a record, however it was fetched (librdkafka's message or a
+/// record of the fetch queue).
+pub(crate) trait RecordView {
+    fn partition(&self) -> i32;
+    fn offset(&self) -> i64;
+    fn payload(&self) -> Option<&[u8]>;
+    fn key(&self) -> Option<&[u8]>;
+    /// The record's timestamp in milliseconds since the epoch, if it has one.
+    fn timestamp_ms(&self) -> Option<i64>;
+    /// Call `f` with each header (name, value), in order.
+    fn headers(&self, f: impl FnMut(&str, Option<&[u8]>));
+}
+
 /// `m` of `topic`, as reliq sees it.
-pub(crate) fn decode(m: &impl KafkaRecord, topic: &str) -> Decoded {
+pub(crate) fn decode(m: &impl RecordView, topic: &str) -> Decoded {
     let mut id = None;
     let mut due = None;
     let mut source_partition = None;

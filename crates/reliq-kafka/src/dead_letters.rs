@@ -53,7 +53,7 @@ use reliq_core::{
     Subscription,
 };
 
-use crate::broker::Inner;
+use crate::client::Inner;
 use crate::codec::decode;
 use crate::error::{KafkaError, client_error, passes_with_an_election};
 use crate::lock;

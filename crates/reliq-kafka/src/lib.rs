@@ -84,10 +84,10 @@
 
 mod backlog;
 mod broker;
+mod client;
 mod codec;
 mod dead_letters;
 mod error;
-mod fetch;
 #[cfg(feature = "msk-iam")]
 mod msk_iam;
 #[cfg(not(feature = "msk-iam"))]
@@ -102,7 +102,6 @@ mod refusals;
 mod relay;
 mod routes;
 mod topology;
-mod tracker;
 
 /// A std mutex's guard, through poisoning: every critical section in this crate leaves
 /// what it guards consistent, so a poisoned lock is usable.
@@ -110,7 +109,7 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-pub use broker::KafkaBroker;
+pub use client::KafkaBroker;
 pub use codec::{DUE_AT_HEADER, SOURCE_OFFSET_HEADER, SOURCE_PARTITION_HEADER};
 pub use error::KafkaError;
 pub use options::{BufferPolicy, KafkaConfig, MskIamSettings, RetryMode};

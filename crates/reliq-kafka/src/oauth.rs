@@ -10,7 +10,7 @@
 //! metadata requests. [`TokenSource::renew`] gives such a client its token directly — at
 //! once, and again when 80% of each token's life has passed, as librdkafka does for the
 //! others — through `rd_kafka_oauthbearer_set_token`, the one foreign call reliq makes
-//! itself: a thread for the admin client ([`sign_in_admin`]), before each read for the
+//! itself: a thread for the admin client ([`keep_signed_in`]), before each read for the
 //! reader.
 
 use std::sync::{Arc, Weak, mpsc};
@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use rdkafka::client::{Client, ClientContext, OAuthToken};
 
-use crate::broker::Inner;
 use crate::error::KafkaError;
 use crate::msk_iam::MskIam;
 use crate::options::KafkaConfig;
@@ -48,7 +47,7 @@ impl TokenSource {
         })
     }
 
-    /// Whether reliq makes the tokens (then the admin client needs [`sign_in_admin`]).
+    /// Whether reliq makes the tokens (then the admin client needs [`keep_signed_in`]).
     pub(crate) fn is_active(&self) -> bool {
         self.msk_iam.is_some()
     }
@@ -138,18 +137,26 @@ impl TokenSource {
     }
 }
 
-/// Keep `inner`'s admin client signed in while `inner` lives: a thread that
-/// [renews](TokenSource::renew) its token when due. It ends when `stop`'s sender (held by
-/// `inner`) is dropped.
-pub(crate) fn sign_in_admin(tokens: TokenSource, inner: Weak<Inner>, stop: mpsc::Receiver<()>) {
+/// Keep a client that is never polled (the admin client) signed in while its `owner`
+/// lives: a thread that [renews](TokenSource::renew) its token when due; `client` finds
+/// it in the owner. The thread ends when `stop`'s sender (held by the owner) is dropped.
+pub(crate) fn keep_signed_in<T, C>(
+    tokens: TokenSource,
+    owner: Weak<T>,
+    client: fn(&T) -> &Client<C>,
+    stop: mpsc::Receiver<()>,
+) where
+    T: Send + Sync + 'static,
+    C: ClientContext + 'static,
+{
     let spawned = std::thread::Builder::new()
-        .name("reliq-kafka-admin-sign-in".into())
+        .name("reliq-kafka-sign-in".into())
         .spawn(move || {
             let mut sign_in = SignIn::default();
             loop {
-                let Some(inner) = inner.upgrade() else { return };
-                tokens.renew(inner.admin.inner(), &mut sign_in);
-                drop(inner);
+                let Some(owner) = owner.upgrade() else { return };
+                tokens.renew(client(&owner), &mut sign_in);
+                drop(owner);
                 let wait = sign_in.renew_at.map_or(RETRY_AFTER_FAILURE, |at| {
                     at.saturating_duration_since(Instant::now())
                 });
@@ -159,7 +166,7 @@ pub(crate) fn sign_in_admin(tokens: TokenSource, inner: Weak<Inner>, stop: mpsc:
             }
         });
     if let Err(e) = spawned {
-        tracing::error!(error = %e, "could not start the Kafka admin client's sign-in thread");
+        tracing::error!(error = %e, "could not start a Kafka client's sign-in thread");
     }
 }
 

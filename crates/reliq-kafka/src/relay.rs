@@ -10,7 +10,7 @@ use rdkafka::producer::Producer as _;
 use reliq_core::{BrokerError, Subscription};
 
 use crate::backlog::{LAG_WAIT, group_lag};
-use crate::broker::Inner;
+use crate::client::Inner;
 use crate::names::{relay_group, retry_tier};
 
 /// A retry topic of this consumer that its current policy has no tier for.

@@ -8,7 +8,7 @@ use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::Producer as _;
 use reliq_core::BrokerError;
 
-use crate::broker::Inner;
+use crate::client::Inner;
 use crate::error::{KafkaError, authorization_resource};
 use crate::names::ledger_topic;
 

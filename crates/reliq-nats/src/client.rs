@@ -262,7 +262,7 @@ impl NatsBroker {
     }
 
     /// Declare the subscription's DLQ stream (idempotent). A dead letter stays until an
-    /// operator tool (replay, purge) removes it through [`Broker::dead_letters`].
+    /// operator tool (replay, purge) removes it through [`Broker::dead_letters`](reliq_core::Broker::dead_letters).
     pub async fn declare_dead_letters(&self, sub: &Subscription) -> Result<(), BrokerError> {
         self.inner
             .js

@@ -7,9 +7,9 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use reliq_core::headers::{DeadLetter, DeadLetterReason};
 use reliq_core::{BrokerError, Clock, Delivery};
 
-use super::rebalance::Ctx;
-use super::{Record, Shared, lock};
-use crate::broker::route_produce;
+use super::shared::{Ctx, Record, Shared};
+use crate::client::route_produce;
+use crate::lock;
 
 /// Prefix of the commit metadata that carries the crash-loop counter.
 const COUNTER_PREFIX: &str = "reliq-deliveries";

@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use super::State;
-use super::poll::POLL_BATCH;
+use super::fetch::POLL_BATCH;
+use super::shared::State;
 
 /// While the buffer ahead of the runtime is full the poll thread stops taking records
 /// but leaves them in librdkafka's own bounded fetch queue (`queued.max.messages.kbytes`),

@@ -7,25 +7,28 @@
 //! - `flow`: the bound of the buffer ahead of the runtime, and flow control;
 //! - `rebalance`: assignments and revocations;
 //! - `counter`: the crash-loop counter (delivery limit);
-//! - `consumer`: a poll thread's consumer, kept alive by the records it handed out;
+//! - `shared`: the state they share, and a poll thread's consumer, kept alive by the
+//!   records it handed out;
 //! - `receive`: the runtime's end of the stream;
 //! - `settle`: ack, retry, dead-letter, release;
 //! - `token`: which record a delivery is.
 
-mod consumer;
 mod counter;
+mod fetch;
 mod flow;
 mod poll;
 mod rebalance;
 mod receive;
 mod settle;
+mod shared;
 mod token;
+mod tracker;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -34,214 +37,17 @@ use reliq_core::{
 };
 use tokio::sync::mpsc;
 
-use self::consumer::{ClientConsumer, ConsumerHandle};
-use self::rebalance::Ctx;
-use self::token::{GENERATION_MASK, MAX_CLIENTS, TokenInfo};
-use crate::broker::Inner;
+use self::shared::{Client, ClientConsumer, ConsumerHandle, Ctx, Inbound, Role, Shared, State};
+use self::token::MAX_CLIENTS;
+use crate::client::Inner;
 use crate::error::KafkaError;
-use crate::fetch::Fetched;
 use crate::lock;
 use crate::names::relay_group;
 use crate::options::RetryMode;
 use crate::relay::stale_tiers;
-use crate::tracker::OffsetTracker;
-
-pub(crate) use self::poll::POLL_BATCH;
 
 /// How long `subscribe` waits for the source consumer's first partition assignment.
 const ASSIGN_WAIT: Duration = Duration::from_secs(10);
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Role {
-    Source,
-    Relay(Duration),
-}
-
-struct Client {
-    topic: String,
-    /// Where this client's records come from, as deliveries report it: the topic itself,
-    /// or for a relay the source topic. Shared, not copied per record.
-    origin: Arc<str>,
-    group: String,
-    role: Role,
-}
-
-/// A record as librdkafka handed it out, not decoded yet. The poll thread — the serial
-/// stage of the receive path — only tracks its offset; the receive loop makes it a
-/// delivery whose message is decoded when first read
-/// ([`LazyRecord`](crate::fetch::LazyRecord)), on whichever thread reads it.
-///
-/// The message refers to its consumer's internals ([`Fetched`]); `owner` keeps that
-/// consumer alive as long as the record (see [`ConsumerHandle`]).
-struct Polled {
-    message: Fetched,
-    info: TokenInfo,
-    owner: Arc<ConsumerHandle>,
-}
-
-/// What the poll threads hand to the receive loop.
-enum Record {
-    /// Decoded on the poll thread: relay and blocking-mode records, a partition's first
-    /// record (crash-loop counter), records handed out again after a release. Boxed:
-    /// the rare case, and chunks of small records are cheaper to allocate and move.
-    Ready(Box<Delivery>),
-    /// The fast path: decoded by the receive loop.
-    Polled(Polled),
-}
-
-impl Record {
-    fn info(&self) -> Option<TokenInfo> {
-        match self {
-            Record::Ready(d) => TokenInfo::of(d),
-            Record::Polled(p) => Some(p.info),
-        }
-    }
-}
-
-struct Held {
-    due: SystemTime,
-    offset: i64,
-    delivery: Delivery,
-}
-
-struct Part {
-    generation: u64,
-    tracker: OffsetTracker,
-    /// Handed to the runtime and not yet settled or released.
-    busy: usize,
-    revoking: bool,
-    paused: bool,
-    /// Relay records waiting for their due time (head first); in blocking mode, the
-    /// failed record waiting for its retry.
-    held: VecDeque<Held>,
-    /// Payload bytes in `held`.
-    held_bytes: usize,
-    /// Blocking mode: a record of this partition is with the runtime (or held for its
-    /// retry); later records wait in `waiting`.
-    out: bool,
-    /// Blocking mode: records read behind the one that is out, in offset order.
-    waiting: VecDeque<(i64, Delivery)>,
-    /// Blocking mode: a retry was requested; the poll thread drops `waiting` and seeks
-    /// back to its first offset.
-    rewind: bool,
-    /// The committed position when the partition was assigned.
-    head: Option<i64>,
-    /// The counter found in the commit metadata: (offset, deliveries).
-    head_count: Option<(i64, u32)>,
-    counted: bool,
-}
-
-impl Part {
-    fn new(generation: u64, head: Option<i64>, head_count: Option<(i64, u32)>) -> Self {
-        Self {
-            generation: generation & GENERATION_MASK,
-            tracker: OffsetTracker::new(),
-            busy: 0,
-            revoking: false,
-            paused: false,
-            held: VecDeque::new(),
-            held_bytes: 0,
-            out: false,
-            waiting: VecDeque::new(),
-            rewind: false,
-            head,
-            head_count,
-            counted: false,
-        }
-    }
-}
-
-/// Most records a relay partition holds ahead of their due time, and
-/// [`RELAY_HOLD_BYTES`] the most payload: a relay reads on past a head that is not due
-/// yet rather than pausing at it. At the bound the relay's poll thread stops taking
-/// records (they wait in librdkafka's bounded fetch queue) until every partition is down
-/// to half; only if that lasts (see `RelayHold`) are the partitions at the bound paused.
-/// A pause discards the records librdkafka has fetched, and after a resume librdkafka
-/// fetched nothing for ~0.7 s (measured: 20,000 retries on a 200 ms tier lost 0.6–0.7 s
-/// per round to it, in most rounds); with a pause per held head each record behind it
-/// came back late by that refetch (p99 0.85 s on a 2 s tier).
-pub(super) const RELAY_HOLD: usize = 1024;
-/// See [`RELAY_HOLD`].
-pub(super) const RELAY_HOLD_BYTES: usize = 16 << 20;
-
-impl Part {
-    /// Hold a record until `h.due`.
-    fn hold(&mut self, h: Held) {
-        self.held_bytes += h.delivery.payload().len();
-        self.held.push_back(h);
-    }
-
-    /// The head held record if it is due at `now`.
-    fn take_due(&mut self, now: SystemTime) -> Option<Held> {
-        if self.held.front()?.due > now {
-            return None;
-        }
-        let h = self.held.pop_front()?;
-        self.held_bytes = self.held_bytes.saturating_sub(h.delivery.payload().len());
-        Some(h)
-    }
-
-    /// A relay partition's fetch should be paused for what it holds (see [`RELAY_HOLD`]):
-    /// at the bound, and until it is down to half.
-    fn relay_full(&self) -> bool {
-        self.over_hold(self.paused)
-    }
-
-    /// What the partition holds is at [`RELAY_HOLD`] / [`RELAY_HOLD_BYTES`]; with
-    /// `already` (over it before), above half of them.
-    fn over_hold(&self, already: bool) -> bool {
-        let (records, bytes) = if already {
-            (RELAY_HOLD / 2 + 1, RELAY_HOLD_BYTES / 2 + 1)
-        } else {
-            (RELAY_HOLD, RELAY_HOLD_BYTES)
-        };
-        self.held.len() >= records || self.held_bytes >= bytes
-    }
-}
-
-#[derive(Default)]
-struct State {
-    /// Per (client, partition). A fast hasher: the poll thread and the settlements look a
-    /// partition up for every record, and the keys are not attacker-chosen.
-    parts: HashMap<(usize, i32), Part, foldhash::fast::RandomState>,
-    /// Deliveries pushed to the stream and not yet taken by the runtime: the buffer
-    /// ahead of the runtime, bounded by flow control.
-    queued: usize,
-    next_generation: u64,
-    /// A poll thread waits on [`Shared::room`] for the buffer to drain.
-    room_wanted: bool,
-}
-
-struct Shared {
-    /// Stamped on every delivery's token; settling checks it.
-    owner: ReceiverId,
-    inner: Arc<Inner>,
-    sub: Subscription,
-    clients: Vec<Client>,
-    state: Mutex<State>,
-    /// Signalled when the runtime takes records from a full buffer.
-    room: Condvar,
-    /// Counts assignments and revocations (see [`Pass`](poll::Pass)).
-    rebalances: AtomicU64,
-    /// To the runtime, in chunks: all a poll pass handed out, one send (and at most one
-    /// wake-up) per pass.
-    tx: mpsc::UnboundedSender<Vec<Record>>,
-    /// The runtime's end of `tx`. Here rather than in the receiver: a poll thread locks
-    /// it to purge its undecoded records before it drops its consumer ([`Polled`]).
-    inbound: tokio::sync::Mutex<Inbound>,
-    stop: AtomicBool,
-    crashed: AtomicBool,
-    runtime: tokio::runtime::Handle,
-}
-
-/// The runtime's end of the stream: chunks from the poll threads, and what is left of
-/// the chunks last taken from.
-struct Inbound {
-    rx: mpsc::UnboundedReceiver<Vec<Record>>,
-    ready: VecDeque<Record>,
-    /// The records one receive keeps, between the state lock and decoding (reused).
-    kept: Vec<Record>,
-}
 
 /// A [`Receiver`] over one or more Kafka consumers.
 pub(crate) struct KafkaReceiver {
@@ -397,18 +203,6 @@ impl KafkaReceiver {
             shared,
             threads: Mutex::new(threads),
         })
-    }
-}
-
-impl Shared {
-    fn is_stopped(&self) -> bool {
-        self.stop.load(Ordering::SeqCst)
-    }
-
-    /// Whether `client` retries in place, one record per partition at a time.
-    fn blocking(&self, client: usize) -> bool {
-        self.clients[client].role == Role::Source
-            && self.inner.config.retry_mode == RetryMode::Blocking
     }
 }
 

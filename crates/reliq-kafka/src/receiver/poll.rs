@@ -12,19 +12,16 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use reliq_core::Delivery;
 use reliq_core::headers::{self, Origin};
 
-use super::consumer::ConsumerHandle;
+use super::fetch::POLL_BATCH;
+use super::fetch::{FetchQueue, KafkaRecord};
 use super::flow::{FULL_RECHECK, Flow, RelayHold, buffer_bound, refill_room};
-use super::rebalance::Ctx;
+use super::shared::{ConsumerHandle, Ctx, Held, Polled, Record, Role, Shared, State};
 use super::token::TokenInfo;
-use super::{Held, Polled, Record, Role, Shared, State, lock};
 use crate::codec::decode;
-use crate::fetch::{FetchQueue, KafkaRecord};
+use crate::lock;
 
 /// Longest a poll blocks, so settlements (commits, resumes) are applied promptly.
 const POLL_SLICE: Duration = Duration::from_millis(20);
-/// Most records the poll thread takes from librdkafka in one pass, between two looks at
-/// the buffer bound.
-pub(crate) const POLL_BATCH: usize = 256;
 /// How often a poll thread routes its assigned partitions to its fetch queue again. A
 /// partition is routed before its assignment starts its fetch; but a fetch stop still
 /// pending from an earlier revoke of the same partition, completing after that, drops

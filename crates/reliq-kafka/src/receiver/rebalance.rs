@@ -4,8 +4,8 @@
 //! and committed — unless the assignment was lost or the receiver crashed — then
 //! forgotten.
 
+use std::sync::Weak;
 use std::sync::atomic::Ordering;
-use std::sync::{OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientContext;
@@ -13,17 +13,8 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Reb
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
 use super::counter::parse_counter;
-use super::{Part, Shared, State, lock};
-use crate::fetch::FetchQueue;
-
-pub(super) struct Ctx {
-    pub(super) shared: Weak<Shared>,
-    pub(super) client: usize,
-    /// The consumer's fetch queue, once made (it needs the consumer's handle).
-    pub(super) fetch: OnceLock<Weak<FetchQueue>>,
-    /// OAUTHBEARER tokens reliq makes (AWS MSK IAM), if any.
-    pub(super) tokens: crate::oauth::TokenSource,
-}
+use super::shared::{Ctx, Part, Shared, State};
+use crate::lock;
 
 impl Ctx {
     /// Route the partitions about to be assigned to the fetch queue (before the

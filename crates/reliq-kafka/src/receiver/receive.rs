@@ -2,9 +2,10 @@
 
 use reliq_core::{BrokerError, Delivery};
 
+use super::fetch::LazyRecord;
 use super::flow::{buffer_bound, refill_room};
-use super::{Inbound, Record, Shared, lock};
-use crate::fetch::LazyRecord;
+use super::shared::{Inbound, Record, Shared};
+use crate::lock;
 
 impl Shared {
     pub(super) async fn receive_batch(

@@ -5,10 +5,11 @@ use std::time::{Duration, SystemTime};
 
 use reliq_core::{BrokerError, Delivery, Message, RetryRequest, headers};
 
+use super::shared::{Held, Record, Shared, State};
 use super::token::TokenInfo;
-use super::{Held, Record, Shared, State, lock};
-use crate::broker::route_produce;
+use crate::client::route_produce;
 use crate::codec::source_headers;
+use crate::lock;
 
 impl Shared {
     pub(super) fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {

@@ -21,6 +21,12 @@ use rdkafka::bindings as rd;
 use rdkafka::message::{BorrowedMessage, Headers as _, Message};
 use reliq_core::RawMessage;
 
+use crate::codec::RecordView;
+
+/// Most records the poll thread takes from librdkafka in one pass, between two looks at
+/// the buffer bound.
+pub(super) const POLL_BATCH: usize = 256;
+
 /// A record taken from a [`FetchQueue`]; owned, returned to librdkafka on drop.
 ///
 /// It refers to its consumer's internals: it must be dropped before that consumer is
@@ -97,11 +103,11 @@ impl<O: RecordOwner> LazyRecord<O> {
 
 impl<O: RecordOwner> RawMessage for LazyRecord<O> {
     fn payload(&self) -> &[u8] {
-        KafkaRecord::payload(&self.record).unwrap_or_default()
+        RecordView::payload(&self.record).unwrap_or_default()
     }
 
     fn key(&self) -> Option<&[u8]> {
-        KafkaRecord::key(&self.record)
+        RecordView::key(&self.record)
     }
 
     fn message(&self) -> &reliq_core::Message {
@@ -112,21 +118,25 @@ impl<O: RecordOwner> RawMessage for LazyRecord<O> {
 /// A record as the poll thread reads it: a [`Fetched`] (every record, normally) or a
 /// record `BaseConsumer::poll` returned (one fetched before its partition was routed to
 /// the fetch queue).
-pub(crate) trait KafkaRecord: Sized {
-    fn partition(&self) -> i32;
-    fn offset(&self) -> i64;
-    fn payload(&self) -> Option<&[u8]>;
-    fn key(&self) -> Option<&[u8]>;
-    /// The record's timestamp in milliseconds since the epoch, if it has one.
-    fn timestamp_ms(&self) -> Option<i64>;
-    /// Call `f` with each header (name, value), in order.
-    fn headers(&self, f: impl FnMut(&str, Option<&[u8]>));
+pub(crate) trait KafkaRecord: RecordView + Sized {
     /// The owned record, to be decoded later (off the poll thread), or back if it
     /// borrows its consumer and must be decoded now.
     fn into_fetched(self) -> Result<Fetched, Self>;
 }
 
 impl KafkaRecord for Fetched {
+    fn into_fetched(self) -> Result<Fetched, Self> {
+        Ok(self)
+    }
+}
+
+impl KafkaRecord for BorrowedMessage<'_> {
+    fn into_fetched(self) -> Result<Fetched, Self> {
+        Err(self)
+    }
+}
+
+impl RecordView for Fetched {
     fn partition(&self) -> i32 {
         self.raw().partition
     }
@@ -185,13 +195,9 @@ impl KafkaRecord for Fetched {
             f(&name, value);
         }
     }
-
-    fn into_fetched(self) -> Result<Fetched, Self> {
-        Ok(self)
-    }
 }
 
-impl KafkaRecord for BorrowedMessage<'_> {
+impl RecordView for BorrowedMessage<'_> {
     fn partition(&self) -> i32 {
         Message::partition(self)
     }
@@ -213,9 +219,6 @@ impl KafkaRecord for BorrowedMessage<'_> {
                 f(h.key, h.value);
             }
         }
-    }
-    fn into_fetched(self) -> Result<Fetched, Self> {
-        Err(self)
     }
 }
 
@@ -268,8 +271,7 @@ impl FetchQueue {
 
     /// Move up to `max` records into `into`, waiting up to `wait` for the first.
     pub(crate) fn take(&self, wait: Duration, max: usize, into: &mut Vec<Fetched>) {
-        let mut raw: [*mut rd::rd_kafka_message_t; crate::receiver::POLL_BATCH] =
-            [std::ptr::null_mut(); crate::receiver::POLL_BATCH];
+        let mut raw: [*mut rd::rd_kafka_message_t; POLL_BATCH] = [std::ptr::null_mut(); POLL_BATCH];
         let max = max.clamp(1, raw.len());
         let wait_ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
         // SAFETY: `raw` has room for `max` pointers; librdkafka fills the first `n`.
