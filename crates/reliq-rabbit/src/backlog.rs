@@ -8,7 +8,7 @@ use lapin::types::FieldTable;
 use reliq_core::{Backlog, BrokerError, Subscription, TierBacklog};
 
 use crate::RabbitError;
-use crate::broker::Inner;
+use crate::client::Inner;
 use crate::error::reply_code;
 use crate::names::{Names, short};
 

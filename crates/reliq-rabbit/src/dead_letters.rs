@@ -19,7 +19,7 @@ use reliq_core::{
 };
 use tokio::sync::{Mutex, watch};
 
-use crate::broker::{Inner, Target};
+use crate::client::{Inner, Target};
 use crate::error::reply_code;
 use crate::names::{Names, short};
 use crate::{RabbitError, codec, topology};

@@ -156,9 +156,11 @@ use reliq_core::{Broker, BrokerError, Receiver, Subscription};
 
 mod backlog;
 mod broker;
+mod client;
 mod codec;
 mod dead_letters;
 mod error;
+mod inspect;
 mod management;
 mod names;
 mod options;
@@ -166,12 +168,13 @@ mod permissions;
 mod receiver;
 mod topology;
 
-pub use broker::RabbitBroker;
+pub use client::RabbitBroker;
 pub use codec::{Death, KEY_HEADER, deaths};
 pub use dead_letters::RabbitDeadLetters;
 pub use error::RabbitError;
-pub use management::{Management, Policy, encode_segment};
+pub use management::{Management, Policy};
 pub use names::{Names, queue_name};
+pub use options::encode_segment;
 pub use options::{QueueSettings, QueueType, RabbitOptions, Reconnect, Tls};
 pub use topology::{knows_quorum_apply_to, plan_text, rabbit_delivery_limit};
 

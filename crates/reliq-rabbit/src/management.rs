@@ -12,7 +12,7 @@ use reliq_core::secrets::percent_decode;
 use reqwest::{Method, StatusCode, Url};
 use serde_json::Value;
 
-use crate::options::{LoadedTls, Tls};
+use crate::options::{LoadedTls, Tls, encode_segment};
 
 /// How long one management API request may take: it answers slowly on a busy broker
 /// with many queues and policies, and is only used at declaration time.
@@ -41,18 +41,6 @@ fn config(reason: impl Into<String>) -> BrokerError {
         field: "management_url".into(),
         reason: reason.into(),
     }
-}
-
-/// What stays unencoded in a URL's path segment or user info: RFC 3986's `unreserved`.
-pub(crate) const UNRESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'.')
-    .remove(b'_')
-    .remove(b'~');
-
-/// Percent-encode one path segment (queue, policy and vhost names).
-pub fn encode_segment(s: &str) -> String {
-    percent_encoding::utf8_percent_encode(s, UNRESERVED).to_string()
 }
 
 /// A policy as the management API stores it (`PUT /api/policies/<vhost>/<name>`).

@@ -8,8 +8,17 @@ use std::time::Duration;
 use reliq_core::BrokerError;
 use reliq_core::secrets::{redact_url, resolve_setting};
 
-#[cfg(doc)]
-use crate::{Management, RabbitBroker};
+/// What stays unencoded in a URL's path segment or user info: RFC 3986's `unreserved`.
+pub(crate) const UNRESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
+
+/// Percent-encode one path segment (queue, policy and vhost names).
+pub fn encode_segment(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, UNRESERVED).to_string()
+}
 
 /// The queue type reliq declares.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -77,9 +86,9 @@ pub enum QueueSettings {
     /// One policy per queue (`reliq-<queue>`, pattern `^<queue>$`), put through the
     /// management API before the queue is declared; the queue carries only its type, so
     /// the settings can change without recreating it. Needs
-    /// [`RabbitOptions::management_url`]; an unreachable API fails [`RabbitBroker::connect_with`].
+    /// [`RabbitOptions::management_url`]; an unreachable API fails [`RabbitBroker::connect_with`](crate::RabbitBroker::connect_with).
     /// Policies are not removed with their queues (delete them with
-    /// [`Management::delete_policy`] when a consumer is retired), and every policy change
+    /// [`Management::delete_policy`](crate::Management::delete_policy) when a consumer is retired), and every policy change
     /// makes RabbitMQ re-match all queues of the vhost: fine for long-lived consumers,
     /// not for thousands of short-lived ones (use `Arguments` there).
     Policies,
@@ -239,7 +248,7 @@ impl LoadedTls {
     }
 }
 
-/// Settings of a [`RabbitBroker`].
+/// Settings of a [`RabbitBroker`](crate::RabbitBroker).
 #[derive(Clone)]
 pub struct RabbitOptions {
     /// Queue type of every queue reliq declares (default quorum).
@@ -445,7 +454,7 @@ impl Nodes {
         let (scheme, userinfo) = self.prefix.split_once("://").unwrap_or(("amqp", ""));
         let userinfo = userinfo.strip_suffix('@').unwrap_or(userinfo);
         let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-        let encoded = crate::management::encode_segment(password);
+        let encoded = encode_segment(password);
         self.prefix = format!("{scheme}://{user}:{encoded}@");
     }
 

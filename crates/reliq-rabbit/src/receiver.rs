@@ -16,7 +16,7 @@ use reliq_core::{
 };
 use tokio::sync::Mutex;
 
-use crate::broker::{Inner, Target};
+use crate::client::{Inner, Target};
 use crate::names::{Names, short};
 use crate::{RabbitError, codec, topology};
 

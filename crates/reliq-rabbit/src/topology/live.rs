@@ -1,6 +1,6 @@
-//! The plan as data ([`plan`]) and the broker's objects read back through the management
-//! API ([`inspect`]): exchange, queues and streams with their arguments, bindings, and the
-//! policies and operator policies that apply to each queue.
+//! The plan as data ([`plan`]) and how the broker's objects, read back through the
+//! management API ([`crate::inspect`]), are compared with it: the policies and operator
+//! policies that apply to each queue and the settings in effect ([`effective`]).
 //!
 //! A setting in effect is resolved as RabbitMQ resolves it: the queue's `x-` argument,
 //! else the definition of the highest-priority policy that matches the queue; for the
@@ -11,14 +11,11 @@
 //! API refreshes only with its statistics (every 5 s by default).
 
 use reliq_core::{
-    BrokerError, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan, PlannedObject,
-    Severity, Subscription, Wanted,
+    Found, LiveObject, ObjectKind, Plan, PlannedObject, Severity, Subscription, Wanted,
 };
 use serde_json::Value;
 
-use super::{ArgValue, QUEUE_TYPE, QueueSpec, dead_letter_specs, main_spec, retry_specs};
-use crate::broker::Inner;
-use crate::management::{Management, encode_segment};
+use super::spec::{ArgValue, QUEUE_TYPE, QueueSpec, dead_letter_specs, main_spec, retry_specs};
 use crate::names::Names;
 use crate::{QueueType, RabbitOptions};
 
@@ -174,7 +171,7 @@ pub(crate) fn plan(sub: &Subscription, opts: &RabbitOptions) -> Plan {
 }
 
 /// A policy from `/api/policies` or `/api/operator-policies`.
-struct ListedPolicy {
+pub(crate) struct ListedPolicy {
     name: String,
     priority: i64,
     apply_to: String,
@@ -240,13 +237,13 @@ fn winner<'a>(list: &'a [ListedPolicy], queue: &str, queue_type: &str) -> Option
         .max_by_key(|p| p.priority)
 }
 
-fn number(v: &Value) -> Option<i64> {
+pub(crate) fn number(v: &Value) -> Option<i64> {
     v.as_i64()
         .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
 }
 
 /// A queue's settings in effect from its arguments and the policies that apply.
-fn effective(
+pub(crate) fn effective(
     queue: &Value,
     name: &str,
     policies: &[ListedPolicy],
@@ -311,20 +308,7 @@ fn effective(
     live
 }
 
-fn management(inner: &Inner) -> Result<&Management, BrokerError> {
-    inner
-        .management
-        .as_ref()
-        .ok_or_else(|| BrokerError::Config {
-            field: "reliq.management".into(),
-            reason: "checking the topology reads queue arguments, bindings and policies from \
-                 the management API: give its URL (RabbitOptions::management_url, or \
-                 ?reliq.management=<port> in the broker URL)"
-                .into(),
-        })
-}
-
-fn policy_list(v: &Value) -> Vec<ListedPolicy> {
+pub(crate) fn policy_list(v: &Value) -> Vec<ListedPolicy> {
     v.as_array()
         .into_iter()
         .flatten()
@@ -332,135 +316,10 @@ fn policy_list(v: &Value) -> Vec<ListedPolicy> {
         .collect()
 }
 
-/// The planned objects as the broker has them, and the retry queues of this consumer the
-/// plan has no tier for.
-pub(crate) async fn inspect(
-    inner: &Inner,
-    sub: &Subscription,
-    plan: &Plan,
-) -> Result<LiveTopology, BrokerError> {
-    let api = management(inner)?;
-    let vhost = inner.vhost();
-    let v = encode_segment(&vhost);
-    let names = Names::of(sub);
-    let policies = policy_list(&api.get(&format!("/api/policies/{v}")).await?);
-    let operator = policy_list(&api.get(&format!("/api/operator-policies/{v}")).await?);
-    let mut live = LiveTopology::default();
-    for object in &plan.objects {
-        match object.kind {
-            ObjectKind::Exchange => {
-                let path = format!("/api/exchanges/{v}/{}", encode_segment(&object.name));
-                if let Some(e) = api.get_if_exists(&path).await? {
-                    live.push(
-                        ObjectKind::Exchange,
-                        &object.name,
-                        LiveObject::default()
-                            .with("type", Found::own(e["type"].clone()))
-                            .with("durable", Found::own(e["durable"].clone())),
-                    );
-                }
-            }
-            ObjectKind::Queue | ObjectKind::Stream => {
-                let path = format!("/api/queues/{v}/{}", encode_segment(&object.name));
-                if let Some(q) = api.get_if_exists(&path).await? {
-                    let found = effective(&q, &object.name, &policies, &operator, object);
-                    live.push(object.kind, &object.name, found);
-                }
-            }
-            ObjectKind::Binding => {
-                let path = format!(
-                    "/api/bindings/{v}/e/{}/q/{}",
-                    encode_segment(&names.exchange),
-                    encode_segment(&names.queue)
-                );
-                let bound = api.get_if_exists(&path).await?.is_some_and(|list| {
-                    list.as_array().into_iter().flatten().any(|b| {
-                        b.get("routing_key").and_then(Value::as_str)
-                            == Some(names.binding_key.as_str())
-                    })
-                });
-                if bound {
-                    live.push(ObjectKind::Binding, &object.name, LiveObject::default());
-                }
-            }
-            _ => {}
-        }
-    }
-    let prefix = format!("{}.retry.", names.queue);
-    let listed = api
-        .get(&format!("/api/queues/{v}?columns=name,arguments,type"))
-        .await?;
-    for q in listed.as_array().into_iter().flatten() {
-        let Some(name) = q.get("name").and_then(Value::as_str) else {
-            continue;
-        };
-        let stale = name
-            .strip_prefix(&prefix)
-            .and_then(|rest| rest.strip_suffix("ms"))
-            .is_some_and(|ms| ms.parse::<u64>().is_ok());
-        if !stale || plan.object(ObjectKind::Queue, name).is_some() {
-            continue;
-        }
-        let messages = crate::backlog::message_count(inner, name).await?;
-        // Where its messages go when their TTL runs out: back to this consumer's queue
-        // through the default exchange, as reliq declares a tier, or elsewhere.
-        let probe = PlannedObject::new(ObjectKind::Queue, name, "")
-            .with(
-                "dead-letter-exchange",
-                Wanted::Unset,
-                Severity::Cosmetic,
-                "",
-            )
-            .with(
-                "dead-letter-routing-key",
-                Wanted::Unset,
-                Severity::Cosmetic,
-                "",
-            )
-            .with("message-ttl", Wanted::Unset, Severity::Cosmetic, "");
-        let found = effective(q, name, &policies, &operator, &probe);
-        let get = |k: &str| {
-            found
-                .settings
-                .iter()
-                .find(|(key, _)| key == k)
-                .map(|(_, f)| f.value.clone())
-        };
-        let returns = get("dead-letter-exchange") == Some(Value::String(String::new()))
-            && get("dead-letter-routing-key") == Some(Value::String(names.queue.clone()))
-            && get("message-ttl").as_ref().and_then(number).is_some();
-        let (severity, note) = match (messages.unwrap_or(0), returns) {
-            (0, _) => (
-                Severity::Cosmetic,
-                "a retry tier of an earlier policy, empty: delete it".to_owned(),
-            ),
-            (_, true) => (
-                Severity::Cosmetic,
-                "a retry tier of an earlier policy: its messages come back to the consumer \
-                 queue as their TTL runs out; delete it once empty"
-                    .to_owned(),
-            ),
-            (_, false) => (
-                Severity::Breaking,
-                "a retry tier of an earlier policy that does not dead-letter back to the \
-                 consumer queue: what it holds is never delivered"
-                    .to_owned(),
-            ),
-        };
-        live.extra.push(ExtraObject {
-            kind: ObjectKind::Queue,
-            name: name.to_owned(),
-            messages,
-            severity,
-            note,
-        });
-    }
-    Ok(live)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use reliq_core::LiveTopology;
     use serde_json::json;
     use std::time::Duration;
 

@@ -27,18 +27,20 @@
 //! confirmed before it acks the landing copy.
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::FieldTable;
 use lapin::{Channel, ExchangeKind};
 use reliq_core::{BrokerError, Subscription};
 use std::fmt::Write as _;
-use std::time::Duration;
 
 use crate::management::{Management, Policy};
 use crate::names::{Names, short};
 use crate::{QueueType, RabbitError, RabbitOptions};
 
-mod live;
-pub(crate) use live::{inspect, plan};
+pub(crate) mod live;
+mod spec;
+pub(crate) use live::plan;
+pub use spec::rabbit_delivery_limit;
+use spec::{QueueSpec, dead_letter_specs, main_spec, retry_specs};
 
 /// Where the settings of reliq's queues (delivery limit, TTL, dead-lettering, overflow)
 /// live on this broker — resolved once at connect time from
@@ -56,185 +58,6 @@ pub(crate) enum SettingsStore {
         apply_to: &'static str,
         priority: i32,
     },
-}
-
-fn long(s: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(s.to_owned()))
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
-/// One queue's declaration: name and arguments, as ordered `(key, value)` pairs (for the
-/// plan) that also become the AMQP argument table.
-#[derive(Clone, Debug)]
-struct QueueSpec {
-    name: String,
-    queue_type: QueueType,
-    role: &'static str,
-    args: Vec<(&'static str, ArgValue)>,
-}
-
-#[derive(Clone, Debug)]
-enum ArgValue {
-    Text(String),
-    Int(i64),
-}
-
-impl ArgValue {
-    fn amqp(&self) -> AMQPValue {
-        match self {
-            Self::Text(s) => long(s),
-            Self::Int(n) => AMQPValue::LongLongInt(*n),
-        }
-    }
-
-    fn json(&self) -> String {
-        self.value().to_string()
-    }
-}
-
-impl ArgValue {
-    fn value(&self) -> serde_json::Value {
-        match self {
-            Self::Text(s) => serde_json::Value::String(s.clone()),
-            Self::Int(n) => serde_json::Value::from(*n),
-        }
-    }
-}
-
-/// The queue type is an argument only: it cannot be a policy key.
-const QUEUE_TYPE: &str = "x-queue-type";
-
-impl QueueSpec {
-    /// The AMQP argument table: every argument, or only the queue type when the rest is
-    /// in a policy.
-    fn table(&self, all: bool) -> FieldTable {
-        let mut t = FieldTable::default();
-        for (k, v) in self.args.iter().filter(|(k, _)| all || *k == QUEUE_TYPE) {
-            t.insert(ShortString::from(*k), v.amqp());
-        }
-        t
-    }
-
-    /// The policy name for this queue.
-    fn policy_name(&self) -> String {
-        format!("reliq-{}", self.name)
-    }
-
-    /// The policy definition: the arguments without `x-` (the policy keys), sorted by
-    /// key (as the management API returns them); empty when the queue has only a type.
-    fn policy_definition(&self) -> serde_json::Map<String, serde_json::Value> {
-        self.args
-            .iter()
-            .filter(|(k, _)| *k != QUEUE_TYPE)
-            .map(|(k, v)| (k.trim_start_matches("x-").to_owned(), v.value()))
-            .collect()
-    }
-
-    /// The policy that carries this queue's settings, or `None` when it has none.
-    fn policy(&self, apply_to: &str, priority: i32) -> Option<Policy> {
-        let definition = self.policy_definition();
-        (!definition.is_empty()).then(|| Policy {
-            name: self.policy_name(),
-            pattern: format!("^{}$", regex_escape(&self.name)),
-            apply_to: apply_to.to_owned(),
-            priority,
-            definition,
-        })
-    }
-}
-
-fn base_args(opts: &RabbitOptions) -> Vec<(&'static str, ArgValue)> {
-    let mut args = vec![(
-        "x-queue-type",
-        ArgValue::Text(opts.queue_type.as_str().to_owned()),
-    )];
-    if let Some(expires) = opts.queue_expiry {
-        args.push(("x-expires", ArgValue::Int(millis(expires).max(1))));
-    }
-    args
-}
-
-/// Arguments of a queue that dead-letters to `target` through the default exchange.
-fn dead_lettering(opts: &RabbitOptions, target: &str) -> Vec<(&'static str, ArgValue)> {
-    let mut args = vec![
-        ("x-dead-letter-exchange", ArgValue::Text(String::new())),
-        (
-            "x-dead-letter-routing-key",
-            ArgValue::Text(target.to_owned()),
-        ),
-        ("x-overflow", ArgValue::Text("reject-publish".to_owned())),
-    ];
-    if opts.queue_type == QueueType::Quorum {
-        args.push((
-            "x-dead-letter-strategy",
-            ArgValue::Text("at-least-once".to_owned()),
-        ));
-    }
-    args
-}
-
-/// A stream: no `x-expires` (streams reject it) and no policy (nothing to set). The
-/// `queue_type` field only serves policy matching, which a stream never needs.
-fn stream_spec(name: &str, role: &'static str, opts: &RabbitOptions) -> QueueSpec {
-    QueueSpec {
-        name: name.to_owned(),
-        queue_type: opts.queue_type,
-        role,
-        args: vec![(QUEUE_TYPE, ArgValue::Text("stream".to_owned()))],
-    }
-}
-
-/// The landing queue, the dead-letter stream and its removal ledger, in declaration
-/// order (the landing queue first: a stream without its landing queue is an orphan).
-fn dead_letter_specs(names: &Names, opts: &RabbitOptions) -> [QueueSpec; 3] {
-    [
-        QueueSpec {
-            name: names.landing.clone(),
-            queue_type: opts.queue_type,
-            role: "landing queue (the broker's own dead-lettering; reliq moves it to the DLQ)",
-            args: base_args(opts),
-        },
-        stream_spec(&names.parking, "dead-letter stream (the DLQ)", opts),
-        stream_spec(&names.removed, "removal ledger of the DLQ", opts),
-    ]
-}
-
-fn main_spec(sub: &Subscription, names: &Names, opts: &RabbitOptions) -> QueueSpec {
-    let mut args = base_args(opts);
-    if opts.queue_type == QueueType::Quorum {
-        args.push((
-            "x-delivery-limit",
-            ArgValue::Int(rabbit_delivery_limit(sub.delivery_limit)),
-        ));
-    }
-    args.extend(dead_lettering(opts, &names.landing));
-    QueueSpec {
-        name: names.queue.clone(),
-        queue_type: opts.queue_type,
-        role: "consumer queue",
-        args,
-    }
-}
-
-fn retry_specs(names: &Names, opts: &RabbitOptions) -> Vec<QueueSpec> {
-    names
-        .retry
-        .iter()
-        .map(|(delay, name)| {
-            let mut args = base_args(opts);
-            args.push(("x-message-ttl", ArgValue::Int(millis(*delay))));
-            args.extend(dead_lettering(opts, &names.queue));
-            QueueSpec {
-                name: name.clone(),
-                queue_type: opts.queue_type,
-                role: "retry queue (TTL tier)",
-                args,
-            }
-        })
-        .collect()
 }
 
 async fn declare_queue(
@@ -277,8 +100,8 @@ async fn declare_queue(
 async fn ensure_policy(api: &Management, vhost: &str, policy: &Policy) -> Result<(), BrokerError> {
     let path = format!(
         "/api/policies/{}/{}",
-        crate::management::encode_segment(vhost),
-        crate::management::encode_segment(&policy.name)
+        crate::options::encode_segment(vhost),
+        crate::options::encode_segment(&policy.name)
     );
     let current = api.get(&path).await.ok();
     let same = current.as_ref().is_some_and(|c| {
@@ -310,7 +133,7 @@ async fn check_not_shadowed(
     let list = api
         .get(&format!(
             "/api/policies/{}",
-            crate::management::encode_segment(vhost)
+            crate::options::encode_segment(vhost)
         ))
         .await?;
     for other in list.as_array().into_iter().flatten() {
@@ -336,14 +159,6 @@ async fn check_not_shadowed(
         }
     }
     Ok(())
-}
-
-/// RabbitMQ's `x-delivery-limit` counts *re*deliveries: a quorum queue dead-letters a
-/// message when its delivery count (returns) goes above the limit, i.e. after
-/// `limit + 1` deliveries (checked on 3.10.8). reliq's [`Subscription::delivery_limit`]
-/// counts deliveries, so it maps to `limit - 1`.
-pub fn rabbit_delivery_limit(deliveries: u32) -> i64 {
-    i64::from(deliveries.saturating_sub(1))
 }
 
 /// Declare the source exchange (durable topic exchange), idempotently.
@@ -435,17 +250,6 @@ pub(crate) fn apply_to(queue_type: QueueType, server_version: Option<&str>) -> &
     }
 }
 
-fn regex_escape(name: &str) -> String {
-    let mut out = String::with_capacity(name.len() + 8);
-    for c in name.chars() {
-        if "\\.^$|?*+()[]{}".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
 /// What [`Broker::subscribe`](reliq_core::Broker::subscribe) on a [`crate::RabbitBroker`] declares for `sub`, as text: every exchange,
 /// queue, argument and binding, followed by the equivalent `rabbitmqctl set_policy`
 /// commands (for operators who prefer policies, which can be changed without deleting a
@@ -453,8 +257,7 @@ fn regex_escape(name: &str) -> String {
 /// `queues` before (3.10 rejects `quorum_queues`); unknown = `queues`.
 ///
 /// ```
-/// use std::time::Duration;
-/// use reliq_core::Subscription;
+/// /// use reliq_core::Subscription;
 /// let mut sub = Subscription::new("inventory", "orders");
 /// sub.retry_tiers = vec![Duration::from_secs(5)];
 /// let plan = reliq_rabbit::plan_text(&sub, &reliq_rabbit::RabbitOptions::default(), Some("3.10.8"));
@@ -521,6 +324,7 @@ pub fn plan_text(sub: &Subscription, opts: &RabbitOptions, server_version: Optio
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn sub() -> Subscription {
         let mut s = Subscription::new("inventory", "orders").with_filter("order.*");
