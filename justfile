@@ -91,6 +91,8 @@ test:
 lint:
     # The docs: links and anchors resolve, README.md stays short, every command shown exists.
     scripts/docs-check
+    # No import circle between the files of any crate.
+    scripts/import-circles
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
     # The OTLP example builds only with its feature (opentelemetry-otlp stays out of the test build).

@@ -40,8 +40,8 @@ use std::fmt;
 use std::ops::Deref;
 use std::sync::Arc;
 
-use crate::broker::Delivery;
 use crate::classify::BoxError;
+use crate::delivery::Delivery;
 
 /// The deliveries of one batch handler call, in the order the broker handed them out.
 /// Cheap to clone (shared).

@@ -34,8 +34,8 @@ use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
-/// The error type handlers return: anything that is an error.
-pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
+pub use crate::error::BoxError;
+use crate::error::BrokerError;
 
 /// What a failure means for retrying.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -261,14 +261,34 @@ impl Classifier {
         if let Some(class) = self.rules.iter().find_map(|(_, rule)| rule(e)) {
             return Some(class);
         }
-        if let Some(broker) = e.downcast_ref::<crate::BrokerError>() {
+        if let Some(broker) = e.downcast_ref::<BrokerError>() {
             return match broker {
                 // Transparent: its `source()` skips the wrapped error itself.
-                crate::BrokerError::Other(inner) => Some(self.classify(inner.as_ref())),
-                known => known.class(),
+                BrokerError::Other(inner) => Some(self.classify(inner.as_ref())),
+                known => broker_class(known),
             };
         }
         builtin(e)
+    }
+}
+
+/// The class the built-in classifier gives a backend's error (`None`: ask its source).
+fn broker_class(e: &BrokerError) -> Option<ErrorClass> {
+    use ErrorClass::{Permanent, Transient};
+    match e {
+        // Nothing was delivered: another try may reach a broker that is back.
+        BrokerError::Timeout(_)
+        | BrokerError::Connection { .. }
+        | BrokerError::Closed
+        | BrokerError::Rejected { .. }
+        | BrokerError::NotHeld(_) => Some(Transient),
+        // No retry changes a missing route, a setting or a backend's abilities.
+        BrokerError::Unroutable(_)
+        | BrokerError::Config { .. }
+        | BrokerError::Unauthorized { .. }
+        | BrokerError::Unsupported { .. }
+        | BrokerError::ForeignDelivery => Some(Permanent),
+        BrokerError::Other(_) => None,
     }
 }
 

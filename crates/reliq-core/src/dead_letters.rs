@@ -34,7 +34,7 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 
-use crate::broker::BrokerError;
+use crate::error::BrokerError;
 use crate::headers::{DeadLetter, HeaderError};
 use crate::message::{Message, MessageId};
 

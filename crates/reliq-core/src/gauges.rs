@@ -15,8 +15,10 @@ use metrics::{counter, gauge};
 use tokio_util::sync::CancellationToken;
 
 use crate::backlog::Backlog;
-use crate::broker::{Broker, BrokerError, Subscription};
+use crate::broker::Broker;
 use crate::dead_letters::{DeadLetterCount, DeadLetters};
+use crate::error::BrokerError;
+use crate::subscription::Subscription;
 use crate::telemetry::{
     BACKLOG, BACKLOG_LAST_POLL, BACKLOG_POLL_FAILURES, DLQ_MESSAGES, DLQ_OLDEST_AGE, RETRY_WAITING,
     UNSETTLED,

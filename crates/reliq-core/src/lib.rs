@@ -49,7 +49,9 @@ pub mod broker;
 pub mod classify;
 pub mod consumer;
 pub mod dead_letters;
+mod delivery;
 pub mod envelope;
+mod error;
 #[cfg(feature = "test-util")]
 pub mod faults;
 mod filter;
@@ -66,16 +68,14 @@ pub mod replay;
 pub mod retry;
 pub mod seam;
 pub mod secrets;
+mod subscription;
 pub mod telemetry;
 pub mod topology;
 
 pub use backlog::{Backlog, TierBacklog};
 pub use batch::{Batch, BatchError};
 pub use breaker::{CircuitBreaker, CircuitState};
-pub use broker::{
-    Broker, BrokerError, Capabilities, Delivery, DeliveryPool, DeliveryToken, Destination,
-    RawMessage, Receiver, ReceiverId, RetryRequest, Subscription,
-};
+pub use broker::{Broker, Receiver};
 pub use classify::{
     BoxError, Classifier, DecodeError, ErrorChain, ErrorClass, Permanent, Poison, Transient,
 };
@@ -84,13 +84,15 @@ pub use consumer::{
     StatsSnapshot,
 };
 pub use dead_letters::{Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters};
+pub use delivery::{Delivery, DeliveryPool, DeliveryToken, RawMessage, ReceiverId, RetryRequest};
 pub use envelope::{Aggregate, Envelope};
+pub use error::BrokerError;
 pub use filter::DeadLetterFilter;
 pub use fingerprint::Fingerprint;
 pub use gauges::BacklogGauges;
-pub use headers::{DeadLetter, DeadLetterReason, HeaderError, Origin};
+pub use headers::{DeadLetter, DeadLetterReason, HeaderError, Headers, Origin};
 pub use inbox::{Claim, Duplicate, Inbox, InboxError, MemoryInbox};
-pub use message::{Headers, Message, MessageId};
+pub use message::{Message, MessageId};
 pub use metered::MeteredBroker;
 pub use outbox::{
     OutboxBacklog, OutboxError, OutboxRecord, OutboxStore, Relay, RelayHandle, RelayStats,
@@ -100,6 +102,7 @@ pub use replay::{
     Corrected, Correction, Progress, PurgeReport, Replay, ReplayEntry, ReplayReport, ReplayTarget,
 };
 pub use retry::{Decision, Failure, FinalRoute, PanicAction, PolicyError, RetryPolicy, Schedule};
+pub use subscription::{Capabilities, Destination, Subscription};
 pub use telemetry::Clock;
 
 /// Lock `m`, taking the value of a poisoned lock (a panic elsewhere leaves plain data).

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde::Serialize;
 
-use crate::headers;
+use crate::headers::{self, Headers};
 
 /// A stable message identifier.
 ///
@@ -54,76 +54,6 @@ impl From<String> for MessageId {
 impl AsRef<str> for MessageId {
     fn as_ref(&self) -> &str {
         &self.0
-    }
-}
-
-/// Message headers: an ordered list of text name/value pairs.
-///
-/// Text only, because it is the one header type every broker carries (AMQP tables, Kafka
-/// record headers, NATS headers, SQS string attributes). Names are case-sensitive;
-/// [`Headers::insert`] replaces an existing value. reliq's own names all start with
-/// [`headers::PREFIX`].
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Headers(Vec<(String, String)>);
-
-impl Headers {
-    /// No headers.
-    pub const fn new() -> Self {
-        Self(Vec::new())
-    }
-
-    /// The value of `name`, if present.
-    pub fn get(&self, name: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
-    }
-
-    /// Set `name` to `value`, replacing a previous value.
-    pub fn insert(&mut self, name: impl Into<String>, value: impl Into<String>) {
-        let name = name.into();
-        let value = value.into();
-        match self.0.iter_mut().find(|(n, _)| *n == name) {
-            Some(slot) => slot.1 = value,
-            None => self.0.push((name, value)),
-        }
-    }
-
-    /// Remove `name`; returns its value if it was present.
-    pub fn remove(&mut self, name: &str) -> Option<String> {
-        let pos = self.0.iter().position(|(n, _)| n == name)?;
-        Some(self.0.remove(pos).1)
-    }
-
-    /// Keep only the headers for which `keep(name)` is true.
-    pub fn retain(&mut self, mut keep: impl FnMut(&str) -> bool) {
-        self.0.retain(|(n, _)| keep(n));
-    }
-
-    /// Iterate over `(name, value)` pairs in insertion order.
-    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.0.iter().map(|(n, v)| (n.as_str(), v.as_str()))
-    }
-
-    /// Number of headers.
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// True when there are no headers.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-}
-
-impl<K: Into<String>, V: Into<String>> FromIterator<(K, V)> for Headers {
-    fn from_iter<T: IntoIterator<Item = (K, V)>>(iter: T) -> Self {
-        let mut h = Headers::new();
-        for (k, v) in iter {
-            h.insert(k, v);
-        }
-        h
     }
 }
 

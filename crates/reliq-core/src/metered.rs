@@ -12,10 +12,12 @@ use metrics::{Counter, Histogram, counter, histogram};
 use tracing::Instrument as _;
 
 use crate::backlog::Backlog;
-use crate::broker::{Broker, BrokerError, Capabilities, Destination, Receiver, Subscription};
+use crate::broker::{Broker, Receiver};
 use crate::dead_letters::DeadLetters;
+use crate::error::BrokerError;
 use crate::headers;
 use crate::message::Message;
+use crate::subscription::{Capabilities, Destination, Subscription};
 use crate::telemetry::{PUBLISH_DURATION, PUBLISH_FAILURES, PUBLISHED};
 
 /// A broker whose publishes are counted and timed, per destination topic; everything

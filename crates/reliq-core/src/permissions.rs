@@ -15,7 +15,7 @@ use std::fmt;
 
 use serde::Serialize;
 
-use crate::broker::Subscription;
+use crate::subscription::Subscription;
 
 /// What a service does at the broker: the consumers it runs and where it publishes.
 #[derive(Clone, Debug, Default)]

@@ -37,11 +37,13 @@ use bytes::Bytes;
 use governor::{Quota, RateLimiter};
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{Broker, BrokerError, Destination, Subscription};
+use crate::broker::Broker;
 use crate::dead_letters::{Cursor, DeadLetterEntry, DeadLetters};
+use crate::error::BrokerError;
 use crate::filter::DeadLetterFilter;
 use crate::headers::{self, DeadLetter};
 use crate::message::{Message, MessageId};
+use crate::subscription::{Destination, Subscription};
 use crate::telemetry::{self, Clock};
 
 /// Where replayed messages go.

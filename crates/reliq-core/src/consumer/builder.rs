@@ -1,17 +1,22 @@
 //! Building a consumer: settings, validation, and starting the receive loop.
 
-use super::dispatch::{Dispatch, RECEIVE_BATCH, dispatch_batch, dispatch_each, receive_loop};
-use super::handle::{ConsumerHandle, ShutdownReport};
-use super::settle::SettleBackoff;
+use super::error::ConsumerError;
+use super::handle::Handling;
+use super::receive::{
+    DeliveryOrder, Dispatch, RECEIVE_BATCH, Shared, dispatch_batch, dispatch_each, receive_loop,
+};
+use super::running::{ConsumerHandle, ShutdownReport};
+use super::settle::{SettleBackoff, Settler};
 use super::signal::Signal;
 use super::stats::Stats;
-use super::{ConsumerError, DeliveryOrder, Shared};
 use crate::batch::{Batch, BatchError};
 use crate::breaker::CircuitBreaker;
-use crate::broker::{Broker, Delivery, Receiver, Subscription};
+use crate::broker::{Broker, Receiver};
 use crate::classify::{BoxError, Classifier};
+use crate::delivery::Delivery;
 use crate::inbox::Inbox;
 use crate::retry::RetryPolicy;
+use crate::subscription::Subscription;
 use crate::telemetry::{Clock, ConsumerMetrics};
 use crate::topology::{Severity, StartupCheck};
 use std::collections::HashMap;
@@ -384,27 +389,40 @@ impl ConsumerBuilder {
             .concurrency
             .unwrap_or(self.max_in_flight as usize)
             .min(Semaphore::MAX_PERMITS);
-        let shared = Arc::new(Shared {
+        let settler = Settler {
+            name: self.name.as_str().into(),
+            receiver: receiver.clone(),
+            policy: self.policy,
+            classifier: self.classifier,
+            inbox: self.inbox,
+            clock: Clock::new(),
+            stats: Arc::new(Stats::default()),
             metrics: ConsumerMetrics::new(&self.name),
             spans: crate::telemetry::SpanNames::new(self.broker.kind(), &subscription.source),
+            breaker: self.breaker,
+            backoff: SettleBackoff {
+                failures: AtomicU32::new(0),
+                initial: self.settle_backoff.0,
+                max: self.settle_backoff.1,
+            },
+            hard_stop: Signal::default(),
+        };
+        let handling = Handling {
+            handler,
+            handler_timeout: self.handler_timeout,
+            concurrency: (concurrency < self.max_in_flight as usize)
+                .then(|| Semaphore::new(concurrency)),
+            crash: Signal::default(),
+            settler,
+        };
+        let shared = Arc::new(Shared {
+            handling: Arc::new(handling),
             rate: self.rate_limit.and_then(|(per_second, burst)| {
                 Some(super::rate::HandlerRate::new(
                     std::num::NonZeroU32::new(per_second)?,
                     std::num::NonZeroU32::new(burst)?,
                 ))
             }),
-            breaker: self.breaker,
-            name: self.name.into(),
-            receiver: receiver.clone(),
-            handler,
-            policy: self.policy,
-            classifier: self.classifier,
-            inbox: self.inbox,
-            handler_timeout: self.handler_timeout,
-            clock: Clock::new(),
-            concurrency: (concurrency < self.max_in_flight as usize)
-                .then(|| Semaphore::new(concurrency)),
-            stats: Arc::new(Stats::default()),
             keyed: Mutex::new(HashMap::new()),
             group_size: (self.max_in_flight as usize
                 / (2 * tokio::runtime::Handle::current()
@@ -414,14 +432,7 @@ impl ConsumerBuilder {
             .clamp(1, RECEIVE_BATCH),
             runners: Default::default(),
             ordering: self.ordering,
-            backoff: SettleBackoff {
-                failures: AtomicU32::new(0),
-                initial: self.settle_backoff.0,
-                max: self.settle_backoff.1,
-            },
             tracker: TaskTracker::new(),
-            hard_stop: Signal::default(),
-            crash: Signal::default(),
         });
         let stop = CancellationToken::new();
         let in_flight = Arc::new(Semaphore::new(self.max_in_flight as usize));
@@ -432,7 +443,7 @@ impl ConsumerBuilder {
             receive_max,
             dispatch,
         ));
-        tracing::info!(consumer = %shared.name, source = %subscription.source, "consumer started");
+        tracing::info!(consumer = %shared.settler().name, source = %subscription.source, "consumer started");
         Ok(ConsumerHandle {
             shared,
             stop,

@@ -1,21 +1,22 @@
-//! Settling a handled delivery: the inbox claim, the handler call, ack / retry /
-//! dead-letter / release, and the back-off after failed settlements.
+//! The settle stage: what a handler's outcome becomes — ack, retry, dead-letter or
+//! release, each confirmed by the broker before the delivery counts as settled — with
+//! the inbox claim's completion, the back-off after failed settlements, and the counts.
 
-use super::Shared;
+use super::signal::Signal;
 use super::stats::Stats;
-use crate::broker::{BrokerError, Delivery, RetryRequest};
-use crate::classify::{BoxError, ErrorClass};
+use crate::breaker::CircuitBreaker;
+use crate::broker::Receiver;
+use crate::classify::{BoxError, Classifier, ErrorClass};
+use crate::delivery::{Delivery, RetryRequest};
+use crate::error::BrokerError;
 use crate::headers::{self, DeadLetter};
-use crate::inbox::{Claim, Duplicate};
-use crate::retry::{Decision, Failure};
-use crate::telemetry::SettleOp;
-use futures::FutureExt;
+use crate::inbox::{Claim, Duplicate, Inbox};
+use crate::retry::{Decision, Failure, RetryPolicy};
+use crate::telemetry::{Clock, ConsumerMetrics, SettleOp, SpanNames};
 use futures::future::BoxFuture;
-use std::future::Future;
-use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
-use std::time::{Duration, Instant};
-use tokio::sync::SemaphorePermit;
+use std::time::Duration;
 use tracing::Instrument as _;
 
 pub(super) struct SettleBackoff {
@@ -67,13 +68,29 @@ pub(super) enum Outcome {
     },
 }
 
-impl<H> Shared<H> {
-    /// Wait for a handler slot, held while the handler runs (`None`: no limit to keep).
-    pub(super) async fn concurrency_slot(&self) -> Option<SemaphorePermit<'_>> {
-        // The semaphore is never closed.
-        self.concurrency.as_ref()?.acquire().await.ok()
-    }
+/// What settling needs: the receiver, the retry policy and the classifier, the inbox,
+/// the back-off after failed settlements, the circuit breaker, and what counts and traces
+/// it. The handle stage ([`super::handle`]) holds one.
+pub(super) struct Settler {
+    pub(super) name: Arc<str>,
+    pub(super) receiver: Arc<dyn Receiver>,
+    pub(super) policy: RetryPolicy,
+    pub(super) classifier: Classifier,
+    pub(super) inbox: Option<Arc<dyn Inbox>>,
+    pub(super) clock: Clock,
+    pub(super) stats: Arc<Stats>,
+    pub(super) metrics: ConsumerMetrics,
+    /// The spans' names and constant attributes.
+    pub(super) spans: SpanNames,
+    /// The circuit breaker on handler outcomes, if any.
+    pub(super) breaker: Option<CircuitBreaker>,
+    pub(super) backoff: SettleBackoff,
+    /// Fired at the shutdown deadline: a handler still running is cut short and its
+    /// delivery released; a delivery held for a failed settlement is released too.
+    pub(super) hard_stop: Signal,
+}
 
+impl Settler {
     /// Claim `d` in the runtime's inbox, if there is one. False: already settled (a
     /// duplicate, acknowledged; or the claim failed and the delivery was released).
     pub(super) async fn claim(&self, d: &Delivery) -> bool {
@@ -93,46 +110,6 @@ impl<H> Shared<H> {
                 false
             }
         }
-    }
-
-    /// One handler call (per message or per batch): counted as running, bounded by the
-    /// handler timeout, a panic caught. `Err` is the failure the call itself became.
-    pub(super) async fn call<T>(&self, call: impl Future<Output = T>) -> Result<T, Outcome> {
-        let running = self.stats.running.fetch_add(1, AtomicOrdering::Relaxed) + 1;
-        self.stats
-            .max_running
-            .fetch_max(running, AtomicOrdering::Relaxed);
-        let started = Instant::now();
-        let result = AssertUnwindSafe(async {
-            match self.handler_timeout {
-                Some(limit) => {
-                    tokio::time::timeout(limit, call)
-                        .await
-                        .map_err(|_| Outcome::Failed {
-                            class: ErrorClass::Transient,
-                            reason: format!("handler timed out after {limit:?}"),
-                            counts_for_breaker: true,
-                        })
-                }
-                None => Ok(call.await),
-            }
-        })
-        .catch_unwind()
-        .await;
-        self.stats.running.fetch_sub(1, AtomicOrdering::Relaxed);
-        self.metrics
-            .handler_duration
-            .record(started.elapsed().as_secs_f64());
-        result.unwrap_or_else(|panic| {
-            Stats::bump(&self.stats.panics);
-            let text = panic_text(panic.as_ref());
-            tracing::error!(panic = %text, "handler panicked");
-            Err(Outcome::Failed {
-                class: ErrorClass::Panic,
-                reason: format!("panic: {text}"),
-                counts_for_breaker: false,
-            })
-        })
     }
 
     /// Complete the inbox claims of handled deliveries and acknowledge them together.
@@ -485,7 +462,7 @@ macro_rules! consumer_span {
     };
 }
 
-impl<F> Shared<F> {
+impl Settler {
     /// A `process <source>` span: one delivery (its id, attempt and decision recorded on
     /// it) or one batch (its size).
     pub(super) fn process_span(&self) -> tracing::Span {
@@ -508,6 +485,27 @@ impl<F> Shared<F> {
     /// `release`), a child of the current (process) span.
     pub(super) fn settle_span(&self, operation: &'static str) -> tracing::Span {
         consumer_span!(self, "settle", self.spans.settle, "client", operation,)
+    }
+}
+
+impl Settler {
+    /// Count `n` deliveries as received and held.
+    pub(super) fn count_received(&self, n: usize) {
+        let n = n as u64;
+        let stats = &self.stats;
+        stats.received.fetch_add(n, AtomicOrdering::Relaxed);
+        self.metrics.received.increment(n);
+        let held = stats.in_flight.fetch_add(n, AtomicOrdering::Relaxed) + n;
+        stats.max_in_flight.fetch_max(held, AtomicOrdering::Relaxed);
+        self.metrics.in_flight.increment(n as f64);
+    }
+
+    /// Count `n` deliveries as no longer held (settled or released).
+    pub(super) fn count_settled(&self, n: usize) {
+        self.stats
+            .in_flight
+            .fetch_sub(n as u64, AtomicOrdering::Relaxed);
+        self.metrics.in_flight.decrement(n as f64);
     }
 }
 

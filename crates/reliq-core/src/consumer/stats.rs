@@ -1,6 +1,5 @@
 //! The counters of a running consumer (the same events as its metrics).
 
-use super::Shared;
 use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 
 /// Counters of one consumer, readable while it runs (the same events as the metrics).
@@ -79,24 +78,4 @@ impl Stats {
             max_running: r(&self.max_running),
         }
     }
-}
-
-/// Count `n` deliveries as received and held.
-pub(super) fn count_received<H>(shared: &Shared<H>, n: usize) {
-    let n = n as u64;
-    let stats = &shared.stats;
-    stats.received.fetch_add(n, AtomicOrdering::Relaxed);
-    shared.metrics.received.increment(n);
-    let held = stats.in_flight.fetch_add(n, AtomicOrdering::Relaxed) + n;
-    stats.max_in_flight.fetch_max(held, AtomicOrdering::Relaxed);
-    shared.metrics.in_flight.increment(n as f64);
-}
-
-/// Count `n` deliveries as no longer held (settled or released).
-pub(super) fn count_settled<H>(shared: &Shared<H>, n: usize) {
-    shared
-        .stats
-        .in_flight
-        .fetch_sub(n as u64, AtomicOrdering::Relaxed);
-    shared.metrics.in_flight.decrement(n as f64);
 }

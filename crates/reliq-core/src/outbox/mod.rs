@@ -48,9 +48,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::broker::Destination;
 use crate::classify::BoxError;
-use crate::message::{Headers, Message};
+use crate::headers::Headers;
+use crate::message::Message;
+use crate::subscription::Destination;
 
 mod relay;
 #[cfg(test)]

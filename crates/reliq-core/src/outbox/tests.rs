@@ -6,8 +6,10 @@ use std::sync::{Arc, Mutex};
 use tokio::time::Instant;
 
 use super::*;
-use crate::broker::{Broker, BrokerError, Capabilities, Receiver, Subscription};
+use crate::broker::{Broker, Receiver};
+use crate::error::BrokerError;
 use crate::message::MessageId;
+use crate::subscription::{Capabilities, Subscription};
 
 /// An in-memory store with the same lease rules as the SQL ones.
 #[derive(Default)]

@@ -1,23 +1,58 @@
-//! The receive loop and how what it receives is handed out: per delivery in groups,
-//! per key in order, or as one batch.
+//! The receive stage: the receive loop (in-flight bound, circuit breaker, rate limit)
+//! and how what it receives is handed to the handle stage: per delivery in groups, per
+//! key in order, or as one batch.
 
-use super::settle::Outcome;
-use super::stats::{Stats, count_received, count_settled};
-use super::{DeliveryOrder, Shared};
-use crate::batch::{Batch, BatchError, Failed};
-use crate::broker::{BrokerError, Delivery};
+use super::handle::{Handling, ack_handled, handle_one, process, process_batch};
+use super::rate::HandlerRate;
+use super::settle::Settler;
+use super::stats::Stats;
+use crate::batch::{Batch, BatchError};
 use crate::classify::BoxError;
-use crate::telemetry::TraceParent;
+use crate::delivery::Delivery;
+use crate::error::BrokerError;
 use futures::stream::StreamExt as _;
 use futures_buffered::FuturesUnorderedBounded;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
+use tokio_util::task::TaskTracker;
+
+/// How deliveries of one consumer are ordered relative to each other.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DeliveryOrder {
+    /// Any delivery may run beside any other (up to `concurrency`).
+    #[default]
+    Unordered,
+    /// Deliveries with the same key run one at a time, in arrival order; different keys
+    /// (and keyless messages) run in parallel.
+    PerKey,
+}
+
+/// The receive stage's state: the handle stage it hands deliveries to, and how it hands
+/// them out (rate limit, per-key queues, group runners).
+pub(super) struct Shared<F> {
+    pub(super) handling: Arc<Handling<F>>,
+    /// The rate limit on deliveries taken, if any.
+    pub(super) rate: Option<HandlerRate>,
+    pub(super) keyed: Mutex<HashMap<String, VecDeque<Held>>>,
+    /// Most deliveries one task handles together ([`dispatch_each`]): about two groups
+    /// per runtime worker when `max_in_flight` deliveries are held.
+    pub(super) group_size: usize,
+    /// The tasks that run those groups, kept between groups.
+    pub(super) runners: GroupRunners,
+    pub(super) ordering: DeliveryOrder,
+    pub(super) tracker: TaskTracker,
+}
+
+impl<F> Shared<F> {
+    pub(super) fn settler(&self) -> &Settler {
+        &self.handling.settler
+    }
+}
 
 /// A delivery and its in-flight permit (none if a backend returned more than asked for).
 pub(super) type Held = (Delivery, Option<OwnedSemaphorePermit>);
@@ -50,9 +85,9 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
     loop {
         // After failed settlements, slow down instead of hammering a broken route —
         // until a delivery is handled and acknowledged again, which resets the back-off.
-        let pause = shared.backoff.current();
+        let pause = shared.settler().backoff.current();
         if !pause.is_zero() {
-            Stats::bump(&shared.stats.throttled);
+            Stats::bump(&shared.settler().stats.throttled);
             tokio::select! {
                 _ = tokio::time::sleep(pause) => {}
                 _ = &mut stopped => break,
@@ -74,7 +109,7 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
         // The circuit breaker: nothing while it is open (what waits stays in the broker),
         // its probes when half-open.
         let mut probes = false;
-        if let Some(breaker) = &shared.breaker {
+        if let Some(breaker) = &shared.settler().breaker {
             let want = permits.num_permits();
             let (allowed, as_probes) = tokio::select! {
                 a = breaker.admit(want) => a,
@@ -95,18 +130,22 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
                 _ = &mut stopped => break,
             };
             if allowed < want {
-                Stats::bump(&shared.stats.throttled);
+                Stats::bump(&shared.settler().stats.throttled);
                 drop(permits.split(want - allowed));
             }
         }
         // Cancelled by the stop signal, a receive keeps in `batch` whatever it took from
         // the broker (the `receive_batch` cancel-safety contract); it is released below.
         let want = permits.num_permits();
-        let received = if shared.receiver.try_receive_batch(want, &mut batch) {
+        let received = if shared
+            .settler()
+            .receiver
+            .try_receive_batch(want, &mut batch)
+        {
             Ok(())
         } else {
             tokio::select! {
-                r = shared.receiver.receive_batch(want, &mut batch) => r,
+                r = shared.settler().receiver.receive_batch(want, &mut batch) => r,
                 _ = &mut stopped => break,
             }
         };
@@ -120,7 +159,7 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
                 _ = &mut stopped => break,
             }
         }
-        if let Some(breaker) = &shared.breaker {
+        if let Some(breaker) = &shared.settler().breaker {
             if probes {
                 breaker.unused(permits.num_permits().saturating_sub(batch.len()));
             } else if !batch.is_empty() && breaker.state() != crate::CircuitState::Closed {
@@ -136,13 +175,13 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
         match received {
             Ok(()) => receive_errors = 0,
             Err(BrokerError::Closed) => {
-                tracing::info!(consumer = %shared.name, "receiver closed; consumer stops receiving");
+                tracing::info!(consumer = %shared.settler().name, "receiver closed; consumer stops receiving");
                 break;
             }
             Err(e) => {
                 receive_errors = receive_errors.saturating_add(1);
-                let wait = shared.backoff.delay_for(receive_errors);
-                tracing::warn!(consumer = %shared.name, error = %crate::ErrorChain(&e), retry_in = ?wait, "receive failed");
+                let wait = shared.settler().backoff.delay_for(receive_errors);
+                tracing::warn!(consumer = %shared.settler().name, error = %crate::ErrorChain(&e), retry_in = ?wait, "receive failed");
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = &mut stopped => break,
@@ -153,9 +192,9 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
     // Taken from the broker by a receive the stop cut short: never handed to a handler,
     // so give them back now rather than leave them leased until their lease runs out.
     // (A crash settles and releases nothing, as when the process dies.)
-    if !shared.crash.is_fired() {
+    if !shared.handling.crash.is_fired() {
         for d in batch.drain(..) {
-            shared.release(&d, Duration::ZERO).await;
+            shared.settler().release(&d, Duration::ZERO).await;
         }
     }
 }
@@ -182,11 +221,11 @@ pub(super) fn dispatch_each<F, Fut>(
     if batch.is_empty() {
         return;
     }
-    count_received(shared, batch.len());
+    shared.settler().count_received(batch.len());
     if batch.len() > permits.num_permits() {
         // A backend broke the `receive_batch` contract and returned more than asked:
         // handle the extra deliveries anyway (without a permit) rather than drop them.
-        tracing::error!(consumer = %shared.name, "receive_batch returned more deliveries than asked for");
+        tracing::error!(consumer = %shared.settler().name, "receive_batch returned more deliveries than asked for");
     }
     if shared.ordering == DeliveryOrder::PerKey {
         for delivery in batch.extract_if(.., |d| d.key().is_some()) {
@@ -340,7 +379,7 @@ where
         }
         // A group never exceeds `group_size` (`dispatch_each` splits by it).
         for delivery in group.drain(..) {
-            running.push(handle_one(shared.clone(), delivery));
+            running.push(handle_one(shared.handling.clone(), delivery));
         }
         run_group(&shared, &mut running, &mut handled, room).await;
         if !shared.runners.park(&me) {
@@ -381,7 +420,7 @@ async fn run_group<F, Fut, G>(
         })
         .await;
         if !handled.is_empty() {
-            ack_handled(shared, handled).await;
+            ack_handled(&shared.handling, handled).await;
             handled.clear();
         }
         if let Some(room) = room.as_mut()
@@ -415,7 +454,7 @@ where
     shared.tracker.clone().spawn(async move {
         let mut next = Some(held);
         while let Some((delivery, permit)) = next {
-            process(shared.clone(), delivery).await;
+            process(shared.handling.clone(), delivery).await;
             drop(permit);
             let mut keyed = shared.keyed.lock().unwrap_or_else(|p| p.into_inner());
             next = keyed.get_mut(&key).and_then(VecDeque::pop_front);
@@ -424,102 +463,6 @@ where
             }
         }
     });
-}
-
-/// Handle and settle one delivery.
-pub(super) async fn process<F, Fut>(shared: Arc<Shared<F>>, delivery: Delivery)
-where
-    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
-{
-    if let Some(handled) = handle_one(shared.clone(), delivery).await {
-        ack_handled(&shared, std::slice::from_ref(&handled)).await;
-    }
-}
-
-/// Handle one delivery and settle it — except a success, which is returned for the caller
-/// to acknowledge ([`ack_handled`]), so that a group acknowledges its successes together.
-pub(super) async fn handle_one<F, Fut>(
-    shared: Arc<Shared<F>>,
-    delivery: Delivery,
-) -> Option<Delivery>
-where
-    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
-{
-    let span = shared.process_span();
-    // Only for a span that records them: reading the headers may decode the message.
-    if !span.is_disabled() {
-        span.record("messaging.message.id", delivery.id().as_str());
-        span.record("reliq.attempt", i64::from(delivery.attempt()));
-        if let Some(tp) = delivery.traceparent().and_then(TraceParent::parse) {
-            span.record("trace_id", tp.trace_id);
-            span.record("parent_span_id", tp.parent_id);
-            crate::telemetry::continue_trace(&span, &tp);
-        }
-    }
-    let s = shared;
-    let d = delivery;
-    let handled = async move {
-        // Graceful path: handle, then settle; a hard stop (shutdown deadline) releases
-        // a delivery whose handler is still running. Settling itself is not cut short.
-        let work = async {
-            match s.hard_stop.unless_fired(s.handle(&d)).await {
-                None => {
-                    s.abandon_claim(&d).await;
-                    s.release(&d, Duration::ZERO).await;
-                    None
-                }
-                Some(Some(Outcome::Done)) => {
-                    tracing::Span::current().record("reliq.decision", "ack");
-                    Some(d.clone())
-                }
-                Some(Some(outcome)) => {
-                    s.settle(&d, outcome).await;
-                    None
-                }
-                Some(None) => None,
-            }
-        };
-        // A crash stops everything at once, a settlement in progress included: nothing
-        // more reaches the broker, as when the process dies.
-        match s.crash.unless_fired(work).await {
-            // A crash rolls back an uncommitted inbox claim, as a transaction would.
-            None => {
-                s.abandon_claim(&d).await;
-                None
-            }
-            Some(None) => {
-                count_settled(&s, 1);
-                None
-            }
-            Some(handled) => handled,
-        }
-    };
-    // A span nobody records is not entered at every poll: with `tracing`'s `log`
-    // feature on (sqlx turns it on) entering even a disabled span asks the logger.
-    if span.is_disabled() {
-        handled.await
-    } else {
-        handled.instrument(span).await
-    }
-}
-
-/// Complete the inbox claims of successfully handled deliveries and acknowledge them
-/// together — unless the consumer crashed first (the claims are then rolled back).
-pub(super) async fn ack_handled<F, Fut>(shared: &Shared<F>, handled: &[Delivery])
-where
-    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
-{
-    match shared.crash.unless_fired(shared.ack_done(handled)).await {
-        None => {
-            for d in handled {
-                shared.abandon_claim(d).await;
-            }
-        }
-        Some(()) => count_settled(shared, handled.len()),
-    }
 }
 
 /// Batch handler: what one `receive_batch` returned is one batch, holding its permits
@@ -536,163 +479,12 @@ pub(super) fn dispatch_batch<F, Fut>(
     if batch.is_empty() {
         return;
     }
-    count_received(shared, batch.len());
+    shared.settler().count_received(batch.len());
     let deliveries = Arc::new(std::mem::replace(
         batch,
         Vec::with_capacity(batch.capacity()),
     ));
     shared
         .tracker
-        .spawn(process_batch(shared.clone(), deliveries, permits));
-}
-
-pub(super) async fn process_batch<F, Fut>(
-    shared: Arc<Shared<F>>,
-    deliveries: Arc<Vec<Delivery>>,
-    _permits: OwnedSemaphorePermit,
-) where
-    F: Fn(Batch) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
-{
-    let span = shared.process_span();
-    span.record("messaging.batch.message_count", deliveries.len());
-    // Each message's creation context, as a link (a batch has many parents).
-    #[cfg(feature = "otel")]
-    if !span.is_disabled() {
-        crate::telemetry::link_traces(&span, &deliveries);
-    }
-    async {
-        // As for one message: a crash stops everything at once and settles nothing.
-        match shared
-            .crash
-            .unless_fired(shared.handle_batch(&deliveries))
-            .await
-        {
-            None => {
-                for d in deliveries.iter() {
-                    shared.abandon_claim(d).await;
-                }
-            }
-            Some(()) => count_settled(&shared, deliveries.len()),
-        }
-    }
-    .instrument(span)
-    .await;
-}
-
-impl<F, Fut> Shared<F>
-where
-    F: Fn(Delivery) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
-{
-    /// Run the handler. `None` means the delivery was already settled (duplicate, inbox
-    /// failure).
-    pub(super) async fn handle(&self, d: &Delivery) -> Option<Outcome> {
-        let _slot = self.concurrency_slot().await;
-        if !self.claim(d).await {
-            return None;
-        }
-        let outcome = match self.call((self.handler)(d.clone())).await {
-            Ok(Ok(())) => Outcome::Done,
-            Ok(Err(e)) => self.failure(e),
-            Err(outcome) => outcome,
-        };
-        if let Outcome::Failed { .. } = outcome {
-            self.abandon_claim(d).await;
-        }
-        Some(outcome)
-    }
-}
-
-impl<F, Fut> Shared<F>
-where
-    F: Fn(Batch) -> Fut + Send + Sync + 'static,
-    Fut: Future<Output = Result<(), BatchError>> + Send + 'static,
-{
-    /// Claim (with an inbox), call the batch handler once, settle every delivery.
-    pub(super) async fn handle_batch(&self, deliveries: &Arc<Vec<Delivery>>) {
-        let slot = self.hard_stop.unless_fired(self.concurrency_slot()).await;
-        let Some(_slot) = slot else {
-            for d in deliveries.iter() {
-                self.release(d, Duration::ZERO).await;
-            }
-            return;
-        };
-        let batch = match &self.inbox {
-            None => deliveries.clone(),
-            Some(_) => {
-                let mut first = Vec::with_capacity(deliveries.len());
-                for d in deliveries.iter() {
-                    if self.claim(d).await {
-                        first.push(d.clone());
-                    }
-                }
-                if first.is_empty() {
-                    return;
-                }
-                Arc::new(first)
-            }
-        };
-        let call = async {
-            self.metrics.batch_size.record(batch.len() as f64);
-            self.call((self.handler)(Batch::new(batch.clone()))).await
-        };
-        let Some(result) = self.hard_stop.unless_fired(call).await else {
-            for d in batch.iter() {
-                self.abandon_claim(d).await;
-                self.release(d, Duration::ZERO).await;
-            }
-            return;
-        };
-        let failed: Vec<(usize, Outcome)> = match result {
-            Ok(Ok(())) => Vec::new(),
-            Ok(Err(BatchError(Failed::All(e)))) => {
-                let outcome = self.failure(e);
-                (0..batch.len()).map(|i| (i, outcome.clone())).collect()
-            }
-            Err(outcome) => (0..batch.len()).map(|i| (i, outcome.clone())).collect(),
-            Ok(Err(BatchError(Failed::Some(list)))) => {
-                let mut named = vec![false; batch.len()];
-                let mut failed = Vec::with_capacity(list.len());
-                for (i, e) in list {
-                    match named.get_mut(i) {
-                        None => tracing::error!(
-                            index = i,
-                            size = batch.len(),
-                            "the batch handler named a failed delivery outside the batch; ignored"
-                        ),
-                        // Named twice: the first error counts.
-                        Some(true) => {}
-                        Some(seen) => {
-                            *seen = true;
-                            failed.push((i, self.failure(e)));
-                        }
-                    }
-                }
-                failed
-            }
-        };
-        if failed.is_empty() {
-            return self.ack_done(&batch).await;
-        }
-        let mut is_failed = vec![false; batch.len()];
-        failed.iter().for_each(|(i, _)| is_failed[*i] = true);
-        let done: Vec<Delivery> = batch
-            .iter()
-            .zip(&is_failed)
-            .filter(|(_, failed)| !**failed)
-            .map(|(d, _)| d.clone())
-            .collect();
-        self.ack_done(&done).await;
-        // The failures settle concurrently: each may wait for a retry or DLQ confirm.
-        let batch = &batch;
-        futures::future::join_all(failed.into_iter().map(|(i, outcome)| async move {
-            let d = &batch[i];
-            if let Outcome::Failed { .. } = outcome {
-                self.abandon_claim(d).await;
-            }
-            self.settle(d, outcome).await;
-        }))
-        .await;
-    }
+        .spawn(process_batch(shared.handling.clone(), deliveries, permits));
 }

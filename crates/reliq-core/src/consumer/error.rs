@@ -1,0 +1,32 @@
+//! [`ConsumerError`]: what starting or running a consumer can fail with.
+
+use crate::error::BrokerError;
+use crate::retry::PolicyError;
+
+/// Errors of the consumer builder and runtime.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConsumerError {
+    /// A setting is invalid; names it.
+    #[error("invalid consumer setting `{field}`: {reason}")]
+    Config {
+        /// The setting.
+        field: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The retry policy is invalid.
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    /// The broker refused the subscription.
+    #[error("subscribing failed: {0}")]
+    Subscribe(#[source] BrokerError),
+    /// The start-up topology check ([`StartupCheck::Refuse`](crate::StartupCheck::Refuse))
+    /// found a difference that breaks delivery guarantees; the report names each.
+    #[error("the broker's topology breaks this consumer's guarantees: {0}")]
+    Topology(Box<crate::TopologyReport>),
+    /// The start-up topology check ([`StartupCheck::Refuse`](crate::StartupCheck::Refuse))
+    /// could not read the broker.
+    #[error("checking the topology failed: {0}")]
+    TopologyCheck(#[source] BrokerError),
+}
