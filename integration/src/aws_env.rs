@@ -5,6 +5,7 @@
 //! `cargo test` the tests of a binary take turns on a lock.
 
 use anyhow::Context as _;
+use reliq_core::sync::lock;
 
 /// Every variable of the default chain (and of endpoints) a machine may have set.
 pub const AWS_VARS: &[&str] = &[
@@ -42,10 +43,10 @@ pub struct Env {
 impl Env {
     /// The test's directory; nothing in the environment changed yet.
     pub fn new() -> anyhow::Result<Self> {
-        let lock = ENV_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = lock(&ENV_LOCK);
         Ok(Self {
             dir: tempfile::tempdir()?,
-            _lock: lock,
+            _lock: guard,
         })
     }
 

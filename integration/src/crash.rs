@@ -16,6 +16,7 @@
 //! the orders with their outbox (the driver places them and runs the relay) and the
 //! inventory's stock, reservations and inbox (the consumer writes them).
 
+use reliq_core::sync::lock;
 use std::collections::{HashMap, HashSet};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
@@ -355,14 +356,11 @@ struct Events(Arc<Mutex<Vec<(usize, Event)>>>);
 
 impl Events {
     fn push(&self, run: usize, e: Event) {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((run, e));
+        lock(&self.0).push((run, e));
     }
 
     fn all(&self) -> Vec<(usize, Event)> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        lock(&self.0).clone()
     }
 
     fn find(&self, run: usize, pick: impl Fn(&Event) -> Option<Event>) -> Option<Event> {
@@ -580,12 +578,7 @@ struct Until {
 
 impl Until {
     fn check(&self, what: &str) -> anyhow::Result<()> {
-        if let Some(e) = self
-            .fault_failed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-        {
+        if let Some(e) = lock(&self.fault_failed).as_ref() {
             bail!("an injected fault failed while waiting for {what}: {e}");
         }
         ensure!(
@@ -696,7 +689,7 @@ async fn drive(
         tokio::spawn(async move {
             let result = injected.await;
             if let Err(e) = &result {
-                *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(format!("{e:#}"));
+                *lock(&failed) = Some(format!("{e:#}"));
             }
             result
         })

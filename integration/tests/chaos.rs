@@ -25,6 +25,7 @@
 //! busy through every fault), `RELIQ_CRASH_SEED` as in the crash harness,
 //! `RELIQ_CHAOS_FAULTS=node,dlq,stall` to inject only some.
 
+use reliq_core::sync::lock;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -722,9 +723,7 @@ async fn kafka_paused_partitions_are_consumed_after_a_lost_assignment() -> anyho
             let (g, d) = (g.clone(), d.clone());
             async move {
                 drop(g.acquire().await?);
-                d.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(delivery.id().as_str().to_owned());
+                lock(&d).insert(delivery.id().as_str().to_owned());
                 Ok::<(), BoxError>(())
             }
         })
@@ -737,7 +736,7 @@ async fn kafka_paused_partitions_are_consumed_after_a_lost_assignment() -> anyho
     gate.add_permits(tokio::sync::Semaphore::MAX_PERMITS / 2);
     tokio::time::sleep(Duration::from_secs(2)).await;
     proxies.resume();
-    let count = || done.lock().unwrap_or_else(|p| p.into_inner()).len();
+    let count = || lock(&done).len();
     let deadline = Instant::now() + Duration::from_secs(60);
     while count() < TOTAL && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -745,7 +744,7 @@ async fn kafka_paused_partitions_are_consumed_after_a_lost_assignment() -> anyho
     let stats = handle.stats();
     handle.shutdown().await;
     drop(proxies);
-    let processed = done.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let processed = lock(&done).clone();
     ensure!(
         processed == ids,
         "{} of {TOTAL} records processed within 60 s of the stall's end ({stats:?})",

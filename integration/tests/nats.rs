@@ -1,5 +1,6 @@
 //! NATS JetStream behaviour beyond the portable suite (the server from scripts/brokers).
 
+use reliq_core::sync::lock;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -355,10 +356,7 @@ async fn burst_consumer(
             let (failed, healthy, seen) = (failed.clone(), healthy.clone(), seen.clone());
             async move {
                 if d.payload().starts_with(b"burst") {
-                    let first = seen
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(d.id().clone());
+                    let first = lock(&seen).insert(d.id().clone());
                     if first {
                         failed.fetch_add(1, Ordering::SeqCst);
                         return Err(reliq_core::Transient::msg("fails once").into());

@@ -3,6 +3,7 @@
 //! appended as one JSON line to a file. Tokens and payloads never appear in it: a record
 //! has no field that could carry them.
 
+use reliq_core::sync::lock;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -107,7 +108,7 @@ impl AuditLog {
             request = %record.request, action = %record.action, outcome = record.outcome,
             status = record.status, record = %line, "audit");
         if let Some((path, file)) = &self.file {
-            let mut file = file.lock().unwrap_or_else(|p| p.into_inner());
+            let mut file = lock(file);
             // One write per line: appends from concurrent requests never interleave.
             if let Err(e) = file.write_all(format!("{line}\n").as_bytes()) {
                 tracing::error!(target: "reliq::audit", path = %path.display(), error = %e,

@@ -13,6 +13,7 @@
 //!
 //! A presented token is hashed and compared with every entry in constant time.
 
+use reliq_core::sync::lock;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::SystemTime;
@@ -156,7 +157,7 @@ impl Tokens {
             // A file being rewritten: keep the last good entries, say so.
             tracing::warn!(error = %e, "tokens file unreadable; the last good one stays in force");
         }
-        let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+        let loaded = lock(&self.loaded);
         // Compare with every entry, whatever matched, so timing says nothing.
         let mut found: Option<&Entry> = None;
         for entry in &loaded.entries {
@@ -183,7 +184,7 @@ impl Tokens {
         let meta = std::fs::metadata(&self.path).map_err(file_error)?;
         let stamp = (meta.modified().map_err(file_error)?, meta.len());
         {
-            let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+            let loaded = lock(&self.loaded);
             if loaded.stamp == Some(stamp) {
                 return Ok(());
             }
@@ -193,7 +194,7 @@ impl Tokens {
             path: self.path.display().to_string(),
             why,
         })?;
-        *self.loaded.lock().unwrap_or_else(|p| p.into_inner()) = Loaded {
+        *lock(&self.loaded) = Loaded {
             stamp: Some(stamp),
             entries,
         };

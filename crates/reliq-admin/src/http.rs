@@ -1,22 +1,22 @@
-//! The admin HTTP API: the operations of [`crate::Dlq`] as versioned JSON endpoints,
+//! The admin HTTP API: the operations of [`crate::ops::Dlq`] as versioned JSON endpoints,
 //! behind bearer tokens with roles, every request written to the audit log.
 //!
 //! | Method and path | Role | What |
 //! |---|---|---|
 //! | `GET /v1/openapi.json` | — | this API as an OpenAPI 3.1 document |
 //! | `GET /metrics` | reader | Prometheus text: reliq's metrics and the broker-side gauges of the server's consumers (a scrape is audited only when refused) |
-//! | `GET /v1/consumers/{consumer}/dlq/stats?source=…&<filter>` | reader | [`crate::DlqStats`] |
-//! | `GET /v1/consumers/{consumer}/dlq/entries?source=…&<filter>&cursor=…&max=…` | reader | [`crate::EntryList`] |
-//! | `GET /v1/consumers/{consumer}/dlq/entries/{id}?source=…` | reader | [`crate::EntryDetail`] |
-//! | `POST /v1/consumers/{consumer}/dlq/replay?source=…` | operator | body [`crate::ReplayRequest`]; a dry run answers 200 with the [`crate::RunOutcome`], a replay 202 with its job |
-//! | `POST /v1/consumers/{consumer}/dlq/entries/{id}/edit?source=…` | operator | body `{"payload": <JSON>}` or `{"payload_base64": "…"}`, `"headers": ["k=v"]`; [`crate::EditOutcome`] |
-//! | `POST /v1/consumers/{consumer}/dlq/purge?source=…` | admin | body [`crate::PurgeRequest`]; a dry run answers 200, a purge 202 with its job |
-//! | `GET /v1/jobs`, `GET /v1/jobs/{id}` | reader | [`crate::JobView`]s |
+//! | `GET /v1/consumers/{consumer}/dlq/stats?source=…&<filter>` | reader | [`crate::ops::DlqStats`] |
+//! | `GET /v1/consumers/{consumer}/dlq/entries?source=…&<filter>&cursor=…&max=…` | reader | [`crate::ops::EntryList`] |
+//! | `GET /v1/consumers/{consumer}/dlq/entries/{id}?source=…` | reader | [`crate::ops::EntryDetail`] |
+//! | `POST /v1/consumers/{consumer}/dlq/replay?source=…` | operator | body [`crate::ops::ReplayRequest`]; a dry run answers 200 with the [`crate::ops::RunOutcome`], a replay 202 with its job |
+//! | `POST /v1/consumers/{consumer}/dlq/entries/{id}/edit?source=…` | operator | body `{"payload": <JSON>}` or `{"payload_base64": "…"}`, `"headers": ["k=v"]`; [`crate::ops::EditOutcome`] |
+//! | `POST /v1/consumers/{consumer}/dlq/purge?source=…` | admin | body [`crate::ops::PurgeRequest`]; a dry run answers 200, a purge 202 with its job |
+//! | `GET /v1/jobs`, `GET /v1/jobs/{id}` | reader | [`crate::jobs::JobView`]s |
 //! | `POST /v1/jobs/{id}/cancel` | operator | the job, asked to stop |
 //!
 //! The web console's pages are under `/console/` (see the `console` module's docs).
 //!
-//! `<filter>` is [`crate::FilterSpec`]'s fields as query parameters (lists repeat or are
+//! `<filter>` is [`crate::filter::FilterSpec`]'s fields as query parameters (lists repeat or are
 //! comma-separated). Errors are `{"error": "…"}` with 400 (bad input, naming the field),
 //! 401 (no, wrong, removed or expired token), 403 (a role that may not), 404, 413 (body
 //! over the limit), 502/503 (the broker).

@@ -2,6 +2,7 @@
 //! others, cancelled by one more. A job lives in this process (a restarted server forgets
 //! it — and loses nothing: a replay interrupted midway is simply run again).
 
+use reliq_core::sync::lock;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -98,10 +99,6 @@ impl JobContext {
     pub fn cancel(&self) -> CancellationToken {
         self.job.cancel.clone()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Jobs {

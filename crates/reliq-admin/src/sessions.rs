@@ -1,5 +1,6 @@
 //! The web console's signed-in sessions (see the `console` module's docs).
 
+use reliq_core::sync::lock;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -32,7 +33,7 @@ impl std::fmt::Debug for Sessions {
 
 impl Sessions {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Session>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.0)
     }
 
     pub(crate) fn start(&self, token_hash: [u8; 32]) -> Result<String, AdminError> {

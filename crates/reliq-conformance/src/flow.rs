@@ -2,6 +2,7 @@
 //! backpressure on a large backlog, per-key order with concurrency, graceful shutdown,
 //! and batch handlers.
 
+use reliq_core::sync::lock;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
@@ -63,11 +64,11 @@ pub async fn graceful_shutdown_loses_nothing_and_settles_once(
         move |d: Delivery| {
             let (r, running) = (rec.clone(), running.clone());
             async move {
-                let lock = || running.lock().unwrap_or_else(|p| p.into_inner());
-                lock().push((d.id().clone(), Instant::now()));
+                let running_now = || lock(&running);
+                running_now().push((d.id().clone(), Instant::now()));
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 r.effect(d.id());
-                lock().retain(|(id, _)| id != d.id());
+                running_now().retain(|(id, _)| id != d.id());
                 Ok::<(), BoxError>(())
             }
         }
@@ -145,11 +146,7 @@ pub async fn per_key_order_kept_with_concurrency(b: &dyn Backend) -> anyhow::Res
                 // Later messages finish faster: without per-key ordering they overtake.
                 tokio::time::sleep(Duration::from_millis(u64::from(40 - o.n % 40))).await;
                 let key = d.key().unwrap_or_default().to_owned();
-                seen.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .entry(key)
-                    .or_default()
-                    .push(o.n);
+                lock(&seen).entry(key).or_default().push(o.n);
                 Ok::<(), BoxError>(())
             }
         })
@@ -167,7 +164,7 @@ pub async fn per_key_order_kept_with_concurrency(b: &dyn Backend) -> anyhow::Res
     })
     .await?;
     let s = h.shutdown().await.stats;
-    let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let seen = lock(&seen).clone();
     for (k, v) in &seen {
         ensure!(
             v == &(0..40).collect::<Vec<u32>>(),
@@ -337,9 +334,7 @@ pub async fn batch_handler_gets_a_backlog_in_batches(b: &dyn Backend) -> anyhow:
         .consumer("c")
         .batch_size(BATCH)
         .start_batch(move |batch: Batch| {
-            s2.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(batch.len());
+            lock(&s2).push(batch.len());
             for d in &batch {
                 r.call(d);
                 r.effect(d.id());
@@ -349,7 +344,7 @@ pub async fn batch_handler_gets_a_backlog_in_batches(b: &dyn Backend) -> anyhow:
         .await?;
     wait_until("the backlog handled", soon(b), || rec.effect_count() == N).await?;
     let s = h.shutdown().await.stats;
-    let sizes = sizes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let sizes = lock(&sizes).clone();
     let effects = rec.effects();
     ensure!(
         effects.keys().cloned().collect::<HashSet<_>>() == ids,

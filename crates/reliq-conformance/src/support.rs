@@ -1,6 +1,7 @@
 //! What scenarios are built from: the [`Backend`] factory, a per-test [`Ctx`], a
 //! [`Recorder`] of handler calls, and condition waits with deadlines.
 
+use reliq_core::sync::lock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -351,25 +352,17 @@ impl Recorder {
                 .map(|(k, v)| (k.to_owned(), v.to_owned()))
                 .collect(),
         };
-        self.calls
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(call);
+        lock(&self.calls).push(call);
     }
 
     /// Record that the business effect of `id` happened.
     pub fn effect(&self, id: &MessageId) {
-        *self
-            .effects
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(id.clone())
-            .or_insert(0) += 1;
+        *lock(&self.effects).entry(id.clone()).or_insert(0) += 1;
     }
 
     /// All calls so far.
     pub fn calls(&self) -> Vec<Call> {
-        self.calls.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        lock(&self.calls).clone()
     }
 
     /// Calls for one id.
@@ -379,10 +372,7 @@ impl Recorder {
 
     /// Effects per id.
     pub fn effects(&self) -> HashMap<MessageId, u32> {
-        self.effects
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.effects).clone()
     }
 
     /// A handler that records each call and its effect, and succeeds.
@@ -439,7 +429,7 @@ impl Recorder {
 
     /// Number of ids with at least one effect.
     pub fn effect_count(&self) -> usize {
-        self.effects.lock().unwrap_or_else(|p| p.into_inner()).len()
+        lock(&self.effects).len()
     }
 }
 
@@ -520,10 +510,7 @@ impl CapturedLog {
 
     /// Every WARN and ERROR event so far, as `LEVEL target: message`.
     pub fn warnings(&self) -> Vec<String> {
-        self.events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.events).clone()
     }
 }
 
@@ -551,10 +538,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for CaptureLayer {
         let mut text = Text(String::new());
         event.record(&mut text);
         let line = format!("{level} {}:{}", event.metadata().target(), text.0);
-        self.events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(line);
+        lock(&self.events).push(line);
     }
 }
 

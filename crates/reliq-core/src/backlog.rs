@@ -1,7 +1,7 @@
 //! What waits in the broker for one consumer, as the broker itself tells it: the gauges an
 //! operator reads before anything else (is the consumer keeping up, how many retries are
-//! waiting, on which tier). Read by [`Broker::backlog`](crate::Broker::backlog); the DLQ's
-//! depth and oldest age are [`DeadLetters::count`](crate::DeadLetters::count).
+//! waiting, on which tier). Read by [`Broker::backlog`](crate::broker::Broker::backlog); the DLQ's
+//! depth and oldest age are [`DeadLetters::count`](crate::dead_letters::DeadLetters::count).
 //!
 //! Every number comes from the broker, never from reliq's own counters: a gauge that a
 //! crashed process cannot update would show a healthy zero exactly when it matters.
@@ -38,7 +38,7 @@ pub struct Backlog {
     /// tier is a route of its own (Kafka retry topics: the relay group's lag; RabbitMQ TTL
     /// queues: their message count). Empty where retries wait in place.
     ///
-    /// [`Subscription::retry_tiers`]: crate::Subscription::retry_tiers
+    /// [`Subscription::retry_tiers`]: crate::subscription::Subscription::retry_tiers
     pub retry_tiers: Vec<TierBacklog>,
 }
 

@@ -3,9 +3,9 @@
 //! A per-message handler pays the runtime's per-message costs (a task, a settlement, a
 //! span) once per message. Where the broker hands out records by the thousand (Kafka) and
 //! the work batches naturally (a bulk insert, one HTTP call for many items), a batch
-//! handler gets up to [`ConsumerBuilder::batch_size`](crate::ConsumerBuilder::batch_size)
+//! handler gets up to [`ConsumerBuilder::batch_size`](crate::consumer::ConsumerBuilder::batch_size)
 //! deliveries in one call and the runtime settles the successes with one
-//! [`Receiver::ack_batch`](crate::Receiver::ack_batch).
+//! [`Receiver::ack_batch`](crate::broker::Receiver::ack_batch).
 //!
 //! Failures stay per message: the handler names the deliveries that failed
 //! ([`BatchError::fail`]), or fails the whole batch ([`BatchError::all`]); each failed

@@ -38,7 +38,7 @@ use metrics::{counter, gauge};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::lock;
+use crate::sync::lock;
 use crate::telemetry::{CIRCUIT_STATE, CIRCUIT_TRANSITIONS};
 
 /// Where a breaker is.
@@ -130,7 +130,7 @@ impl std::fmt::Debug for Inner {
 }
 
 /// A circuit breaker on a consumer's handler outcomes (see the [module docs](self)).
-/// Give it to [`ConsumerBuilder::circuit_breaker`](crate::ConsumerBuilder::circuit_breaker).
+/// Give it to [`ConsumerBuilder::circuit_breaker`](crate::consumer::ConsumerBuilder::circuit_breaker).
 #[derive(Clone, Debug)]
 pub struct CircuitBreaker {
     inner: Arc<Inner>,

@@ -389,7 +389,7 @@ mod tests {
 
     #[test]
     fn reliq_broker_errors_are_classified_by_variant() {
-        use crate::BrokerError;
+        use crate::error::BrokerError;
         let timeout = BrokerError::Timeout(std::time::Duration::from_secs(5));
         assert_eq!(classify(Box::new(timeout)), ErrorClass::Transient);
         let lost = BrokerError::connection("publishing").caused_by(Misleading);
@@ -417,7 +417,7 @@ mod tests {
     #[test]
     fn broker_errors_keep_their_cause() {
         use std::error::Error as _;
-        let e = crate::BrokerError::rejected("nack").caused_by(Misleading);
+        let e = crate::error::BrokerError::rejected("nack").caused_by(Misleading);
         assert!(e.source().is_some_and(|s| s.is::<Misleading>()));
     }
 

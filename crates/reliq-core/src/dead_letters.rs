@@ -99,7 +99,7 @@ impl DeadLetterEntry {
     }
 
     /// The message's headers.
-    pub fn headers(&self) -> &crate::Headers {
+    pub fn headers(&self) -> &crate::headers::Headers {
         self.message.headers()
     }
 
@@ -140,7 +140,7 @@ pub struct DeadLetterCount {
 }
 
 /// A consumer's dead-letter queue, read without consuming it. Made by
-/// [`Broker::dead_letters`](crate::Broker::dead_letters).
+/// [`Broker::dead_letters`](crate::broker::Broker::dead_letters).
 ///
 /// # Cancel safety
 ///
@@ -236,7 +236,7 @@ impl DeadLetterCount {
     /// Take the dead-lettered-at of an entry with these headers into account for the
     /// oldest time (for backends that count natively but find the oldest time by reading
     /// entries).
-    pub fn note(&mut self, headers: &crate::Headers) {
+    pub fn note(&mut self, headers: &crate::headers::Headers) {
         if let Ok(record) = DeadLetter::read(headers) {
             let at = record.dead_lettered_at;
             self.oldest_dead_lettered_at = Some(match self.oldest_dead_lettered_at {

@@ -2,6 +2,7 @@
 //! [`RawMessage`] a backend may hand out instead of a decoded one, [`DeliveryPool`] and
 //! the [`RetryRequest`] a retry sends.
 
+use crate::sync::lock;
 use std::any::Any;
 use std::fmt;
 use std::sync::Arc;
@@ -243,10 +244,7 @@ impl DeliveryPool {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Arc<DeliveryInner>>> {
         // A panic while the lock was held cannot leave the list inconsistent.
-        self.0
-            .free
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        lock(&self.0.free)
     }
 }
 
@@ -414,7 +412,7 @@ pub struct RetryRequest {
     pub message: Message,
     /// How long to wait.
     pub delay: Duration,
-    /// Index into [`Subscription::retry_tiers`](crate::Subscription::retry_tiers) (for tiered brokers).
+    /// Index into [`Subscription::retry_tiers`](crate::subscription::Subscription::retry_tiers) (for tiered brokers).
     pub tier: usize,
 }
 

@@ -135,7 +135,7 @@ mod rfc3339 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Classifier, ErrorClass};
+    use crate::{classify::Classifier, classify::ErrorClass};
 
     #[derive(Debug, PartialEq, Serialize, Deserialize)]
     struct Order {
@@ -163,7 +163,7 @@ mod tests {
         };
         let bytes = serde_json::to_vec(&env).unwrap();
         let err = Envelope::<Order>::decode(&bytes, 1).unwrap_err();
-        let boxed: crate::BoxError = Box::new(err);
+        let boxed: crate::classify::BoxError = Box::new(err);
         assert_eq!(
             Classifier::default().classify(boxed.as_ref()),
             ErrorClass::Poison

@@ -11,7 +11,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// a bad configuration permanent), so a handler that returns one — its own publish failed
 /// — gets the retry budget the failure deserves.
 ///
-/// [`Classifier`]: crate::Classifier
+/// [`Classifier`]: crate::classify::Classifier
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BrokerError {

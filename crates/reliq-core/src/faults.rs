@@ -6,6 +6,7 @@
 //! cannot break it for one consumer alone; backends then consult this switch, handed to
 //! them in their options. Production code never sets it.
 
+use crate::sync::lock;
 use std::collections::HashSet;
 use std::sync::Mutex;
 
@@ -18,7 +19,7 @@ pub struct Faults {
 }
 
 fn switch(set: &Mutex<HashSet<String>>, consumer: &str, available: bool) {
-    let mut set = set.lock().unwrap_or_else(|p| p.into_inner());
+    let mut set = lock(set);
     if available {
         set.remove(consumer);
     } else {
@@ -27,9 +28,7 @@ fn switch(set: &Mutex<HashSet<String>>, consumer: &str, available: bool) {
 }
 
 fn is_set(set: &Mutex<HashSet<String>>, consumer: &str) -> bool {
-    set.lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .contains(consumer)
+    lock(set).contains(consumer)
 }
 
 impl Faults {

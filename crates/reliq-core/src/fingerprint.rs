@@ -154,7 +154,7 @@ impl Fnv1a {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ErrorClass;
+    use crate::classify::ErrorClass;
     use crate::headers::{DeadLetterReason, Origin};
     use std::time::SystemTime;
 

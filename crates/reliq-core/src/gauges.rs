@@ -8,6 +8,7 @@
 //! at their last value, counts `reliq_backlog_poll_failures_total`, and does not move
 //! `reliq_backlog_last_poll_timestamp_seconds` (alert on its age).
 
+use crate::sync::lock;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -117,7 +118,7 @@ impl BacklogGauges {
                 Err(e) => {
                     w.poll_failures.increment(1);
                     tracing::warn!(consumer = %w.sub.consumer, source = %w.sub.source,
-                        error = %crate::ErrorChain(&e), "reading the broker's backlog failed");
+                        error = %crate::classify::ErrorChain(&e), "reading the broker's backlog failed");
                     *w.dlq.lock().await = None; // opened again next time
                     failed.push((w.sub.consumer.clone(), e));
                 }
@@ -147,17 +148,17 @@ impl BacklogGauges {
             return;
         };
         let now = tokio::time::Instant::now();
-        let due = crate::lock(&w.topology_checked).is_none_or(|t| now >= t + every);
+        let due = lock(&w.topology_checked).is_none_or(|t| now >= t + every);
         if !due {
             return;
         }
         match tokio::time::timeout(self.interval, self.broker.check_topology(&w.sub)).await {
             Ok(Ok(report)) => {
                 report.record();
-                *crate::lock(&w.topology_checked) = Some(now);
+                *lock(&w.topology_checked) = Some(now);
             }
             Ok(Err(e)) => tracing::warn!(consumer = %w.sub.consumer, source = %w.sub.source,
-                error = %crate::ErrorChain(&e), "checking the topology failed"),
+                error = %crate::classify::ErrorChain(&e), "checking the topology failed"),
             Err(_) => tracing::warn!(consumer = %w.sub.consumer, source = %w.sub.source,
                 "checking the topology took longer than the poll interval"),
         }

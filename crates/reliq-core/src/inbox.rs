@@ -26,6 +26,7 @@
 //! }
 //! ```
 
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::sync::Mutex;
@@ -142,7 +143,7 @@ impl MemoryInbox {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, MessageId), State>> {
         // A panic while holding this lock cannot leave the map half-updated (single
         // insert/remove), so a poisoned lock is still consistent.
-        self.seen.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.seen)
     }
 }
 
@@ -202,12 +203,14 @@ mod tests {
     fn duplicate_is_found_through_the_source_chain() {
         assert_eq!(Claim::First.first_or_skip(), Ok(()));
         assert_eq!(Claim::Duplicate.first_or_skip(), Err(Duplicate));
-        let direct: crate::BoxError = Box::new(Duplicate);
+        let direct: crate::classify::BoxError = Box::new(Duplicate);
         assert!(Duplicate::is_in(direct.as_ref()));
-        let wrapped: crate::BoxError = Box::new(crate::Transient::new(Wrapper(Duplicate)));
+        let wrapped: crate::classify::BoxError =
+            Box::new(crate::classify::Transient::new(Wrapper(Duplicate)));
         assert!(Duplicate::is_in(wrapped.as_ref()));
         // Text never counts, only the type.
-        let text: crate::BoxError = "already handled by this consumer (inbox duplicate)".into();
+        let text: crate::classify::BoxError =
+            "already handled by this consumer (inbox duplicate)".into();
         assert!(!Duplicate::is_in(text.as_ref()));
     }
 }

@@ -69,6 +69,7 @@ pub mod retry;
 pub mod seam;
 pub mod secrets;
 mod subscription;
+pub mod sync;
 pub mod telemetry;
 pub mod topology;
 
@@ -105,10 +106,6 @@ pub use retry::{Decision, Failure, FinalRoute, PanicAction, PolicyError, RetryPo
 pub use subscription::{Capabilities, Destination, Subscription};
 pub use telemetry::Clock;
 
-/// Lock `m`, taking the value of a poisoned lock (a panic elsewhere leaves plain data).
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 pub use topology::{
     Difference, Drift, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan,
     PlannedObject, Setting, Severity, StartupCheck, TopologyReport, Wanted,

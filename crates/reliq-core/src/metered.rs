@@ -3,6 +3,7 @@
 //! `reliq_publish_duration_seconds`) and a `send <destination>` span per publish (see
 //! [`telemetry`](crate::telemetry)).
 
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -69,7 +70,7 @@ impl MeteredBroker {
     }
 
     fn topic(&self, topic: &str) -> Arc<TopicMetrics> {
-        let mut topics = self.topics.lock().unwrap_or_else(|p| p.into_inner());
+        let mut topics = lock(&self.topics);
         if let Some(m) = topics.get(topic) {
             return m.clone();
         }
@@ -161,15 +162,18 @@ impl Broker for MeteredBroker {
         self.inner.backlog(subscription).await
     }
 
-    async fn plan(&self, subscription: &Subscription) -> Result<crate::Plan, BrokerError> {
+    async fn plan(
+        &self,
+        subscription: &Subscription,
+    ) -> Result<crate::topology::Plan, BrokerError> {
         self.inner.plan(subscription).await
     }
 
     async fn inspect(
         &self,
         subscription: &Subscription,
-        plan: &crate::Plan,
-    ) -> Result<crate::LiveTopology, BrokerError> {
+        plan: &crate::topology::Plan,
+    ) -> Result<crate::topology::LiveTopology, BrokerError> {
         self.inner.inspect(subscription, plan).await
     }
 
@@ -226,15 +230,15 @@ mod tests {
             Err(BrokerError::Closed)
         }
 
-        async fn plan(&self, _: &Subscription) -> Result<crate::Plan, BrokerError> {
+        async fn plan(&self, _: &Subscription) -> Result<crate::topology::Plan, BrokerError> {
             Err(BrokerError::Closed)
         }
 
         async fn inspect(
             &self,
             _: &Subscription,
-            _: &crate::Plan,
-        ) -> Result<crate::LiveTopology, BrokerError> {
+            _: &crate::topology::Plan,
+        ) -> Result<crate::topology::LiveTopology, BrokerError> {
             Err(BrokerError::Closed)
         }
     }

@@ -2,7 +2,7 @@
 //!
 //! A consumer's objects are named by its subscription (the source, the retry tiers, the
 //! dead-letter queue, the backend's own groups or consumers): the same names
-//! [`Broker::plan`](crate::Broker::plan) lists. [`Broker::permissions`](crate::Broker::permissions)
+//! [`Broker::plan`](crate::broker::Broker::plan) lists. [`Broker::permissions`](crate::broker::Broker::permissions)
 //! turns an [`Access`] — the consumers a service runs and the destinations it publishes
 //! to — into [`Permissions`]: one [`Grant`] per resource with the operations reliq uses on
 //! it and why, and the same grants in the broker's own form ([`Permissions::document`]:
@@ -154,7 +154,7 @@ impl Grant {
     }
 }
 
-/// What a service's credentials must allow ([`Broker::permissions`](crate::Broker::permissions)).
+/// What a service's credentials must allow ([`Broker::permissions`](crate::broker::Broker::permissions)).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Permissions {
     /// The backend (`kafka`, `rabbit`, `nats`, `sqs`).

@@ -4,7 +4,7 @@
 //! Dry-run first ([`Replay::dry_run`] lists what would move), then [`Replay::execute`].
 //! Each replayed copy keeps its message id, loses the failure headers (so it gets a fresh
 //! retry budget), and carries `reliq-replay-count` / `reliq-replayed-at`. The DLQ is
-//! browsed without consuming it ([`crate::DeadLetters`]); an entry is removed only after
+//! browsed without consuming it ([`crate::dead_letters::DeadLetters`]); an entry is removed only after
 //! its replayed copy was confirmed; entries that do not match the filter are never
 //! touched. A run killed midway loses nothing: what was confirmed but not yet removed is
 //! sent again by the next run, with its id, and the consumer's inbox absorbs it. Every
@@ -26,7 +26,7 @@
 //! # Ok(()) }
 //! ```
 
-use crate::lock;
+use crate::sync::lock;
 use std::collections::HashSet;
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -480,7 +480,7 @@ impl Replay {
                             let _ = confirmed_tx.send(id);
                         }
                         Err(e) => {
-                            let why = crate::ErrorChain(&e).to_string();
+                            let why = crate::classify::ErrorChain(&e).to_string();
                             tracing::warn!(target: "reliq::audit", message_id = %id, error = %why, "replay publish failed; left in the DLQ");
                             failed_keys.extend(key);
                             tally.failed.fetch_add(1, Relaxed);
@@ -573,7 +573,7 @@ impl Replay {
                     missing = confirmed.len() - removed.len(), "replayed dead letters were no longer in the DLQ");
                 None
             }
-            Err(e) => Some(crate::ErrorChain(&e).to_string()),
+            Err(e) => Some(crate::classify::ErrorChain(&e).to_string()),
         };
         replayed_total.increment(confirmed.len() as u64);
         let mut failed = Vec::new();

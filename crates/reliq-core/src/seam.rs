@@ -49,7 +49,7 @@
 //!   [`DeliveryToken::extra_of`] or [`DeliveryToken::check`], which refuse another
 //!   receiver's delivery with [`BrokerError::ForeignDelivery`]); a backend whose client
 //!   hands out records it can read in place gives a [`RawMessage`] instead of a decoded
-//!   [`Message`](crate::Message) (`Delivery::raw`), decoded on first read. A backend
+//!   [`Message`](crate::message::Message) (`Delivery::raw`), decoded on first read. A backend
 //!   that builds deliveries in memory at a high rate makes them from a [`DeliveryPool`],
 //!   which recycles each one's allocation when its last clone drops.
 //! - [`RetryRequest`]: the copy to hold, its delay and its tier.

@@ -137,7 +137,7 @@ pub struct Capabilities {
     pub exact_retry_delay: bool,
     /// The broker enforces a delivery limit that catches crash loops.
     pub delivery_limit: bool,
-    /// [`Broker::send_to_consumer`](crate::Broker::send_to_consumer) is supported (replay goes to one consumer only).
+    /// [`Broker::send_to_consumer`](crate::broker::Broker::send_to_consumer) is supported (replay goes to one consumer only).
     pub consumer_redelivery: bool,
     /// The attempt number is the broker's delivery count (NATS `delivered`, SQS
     /// `ApproximateReceiveCount`), so every delivery — including one after a release or a
@@ -150,8 +150,8 @@ pub struct Capabilities {
     /// subject filters, filter tags). False where the broker cannot filter (Kafka):
     /// subscribing with a filter then fails naming it ([`Subscription::refuse_filter`]).
     pub filters: bool,
-    /// Retries wait apart from the source, where [`Broker::backlog`](crate::Broker::backlog) counts them
-    /// ([`Backlog::retries`](crate::Backlog::retries)): retry topics, TTL queues, schedules. False where a retry
+    /// Retries wait apart from the source, where [`Broker::backlog`](crate::broker::Broker::backlog) counts them
+    /// ([`Backlog::retries`](crate::backlog::Backlog::retries)): retry topics, TTL queues, schedules. False where a retry
     /// waits invisible in the source queue (SQS) or in the consumer process (Kafka's
     /// blocking mode).
     pub retries_counted_apart: bool,

@@ -10,7 +10,7 @@
 //!
 //! | span | kind | when |
 //! |---|---|---|
-//! | `send <destination>` | producer | each publish through a [`MeteredBroker`](crate::MeteredBroker) |
+//! | `send <destination>` | producer | each publish through a [`MeteredBroker`](crate::metered::MeteredBroker) |
 //! | `process <source>` | consumer | each delivery handled (child of the message's `traceparent` with the `otel` feature) |
 //! | `settle <source>` | client | a retry, a dead-lettering, a release (inside `process`), a group of acks |
 //! | `process <source>` (batch) | consumer | each batch-handler call, `messaging.batch.message_count` |
@@ -20,7 +20,7 @@
 //! `messaging.consumer.group.name`, `messaging.message.id`, `messaging.operation.type`
 //! (`send`, `process`, `settle`), `messaging.operation.name` (`send`, `process`, `ack`,
 //! `retry`, `dead_letter`, `release`), `error.type` (the error class, or the
-//! [`BrokerError::kind`](crate::BrokerError::kind) of a failed publish); reliq's own under
+//! [`BrokerError::kind`](crate::error::BrokerError::kind) of a failed publish); reliq's own under
 //! `reliq.*`: `reliq.attempt`, `reliq.decision` (`ack`, `retry`, `dead_letter`,
 //! `discard`, `duplicate`, `release`), `reliq.error.class`, `reliq.dead_letter.reason`.
 //! The process span also records the `traceparent`'s ids as `trace_id` and
@@ -56,21 +56,21 @@
 //! | `reliq_outbox_backlog_rows` | gauge (unsent rows, read from the store every 5 s) |
 //! | `reliq_outbox_oldest_age_seconds` | gauge (the oldest unsent row's age) |
 //!
-//! Publishes through a [`MeteredBroker`](crate::MeteredBroker) (what `reliq::connect`
+//! Publishes through a [`MeteredBroker`](crate::metered::MeteredBroker) (what `reliq::connect`
 //! returns) carry `backend` and `destination` (the topic):
 //!
 //! | name | type | extra labels |
 //! |---|---|---|
 //! | `reliq_messages_published_total` | counter | |
-//! | `reliq_publish_failures_total` | counter | `kind` ([`BrokerError::kind`](crate::BrokerError::kind)) |
+//! | `reliq_publish_failures_total` | counter | `kind` ([`BrokerError::kind`](crate::error::BrokerError::kind)) |
 //! | `reliq_publish_duration_seconds` | histogram | (until the broker's confirm, failures included) |
 //!
-//! What waits at the broker, read by a [`BacklogGauges`](crate::BacklogGauges) poller
+//! What waits at the broker, read by a [`BacklogGauges`](crate::gauges::BacklogGauges) poller
 //! (`reliq admin serve` runs one for its consumers), with `consumer` and `source`:
 //!
 //! | name | type | extra labels |
 //! |---|---|---|
-//! | `reliq_consumer_backlog_messages` | gauge | ([`Backlog::waiting`](crate::Backlog::waiting): Kafka's lag) |
+//! | `reliq_consumer_backlog_messages` | gauge | ([`Backlog::waiting`](crate::backlog::Backlog::waiting): Kafka's lag) |
 //! | `reliq_consumer_unsettled_messages` | gauge | (delivered, not settled; only where the broker says) |
 //! | `reliq_retry_waiting_messages` | gauge | `tier` (the delay, e.g. `30s`; `in_place` where retries wait without tiers) |
 //! | `reliq_dlq_messages` | gauge | |
@@ -86,7 +86,7 @@
 //! |---|---|---|
 //! | `reliq_topology_drift` | gauge | `severity` = `breaking\|cosmetic` (differences from the plan) |
 //!
-//! A [`CircuitBreaker`](crate::CircuitBreaker) records, with `breaker` (its name):
+//! A [`CircuitBreaker`](crate::breaker::CircuitBreaker) records, with `breaker` (its name):
 //!
 //! | name | type | extra labels |
 //! |---|---|---|
@@ -141,7 +141,7 @@ pub const OUTBOX_OLDEST_AGE: &str = "reliq_outbox_oldest_age_seconds";
 /// status "development").
 pub const SEMCONV_VERSION: &str = "1.37.0";
 
-/// `messaging.system` for a backend ([`Broker::kind`](crate::Broker::kind)): the
+/// `messaging.system` for a backend ([`Broker::kind`](crate::broker::Broker::kind)): the
 /// conventions' values where they have one (`kafka`, `rabbitmq`, `aws_sqs`), reliq's own
 /// otherwise (`nats`, `reliq_memory`, and the kind itself for other backends).
 pub fn messaging_system(kind: &'static str) -> &'static str {
@@ -204,7 +204,7 @@ pub(crate) fn continue_trace(span: &tracing::Span, traceparent: &TraceParent<'_>
 /// Link `span` to the creation context of each delivery that has a `traceparent` (a
 /// batch's process span: many messages, many parents).
 #[cfg(feature = "otel")]
-pub(crate) fn link_traces(span: &tracing::Span, deliveries: &[crate::Delivery]) {
+pub(crate) fn link_traces(span: &tracing::Span, deliveries: &[crate::delivery::Delivery]) {
     use tracing_opentelemetry::OpenTelemetrySpanExt as _;
     for remote in deliveries
         .iter()

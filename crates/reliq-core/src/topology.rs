@@ -12,9 +12,9 @@
 //! objects and says who set each value ([`Found::set_by`]: a policy, a broker default), and
 //! the comparison here is the same for every broker.
 //!
-//! [`Broker::plan`]: crate::Broker::plan
-//! [`Broker::inspect`]: crate::Broker::inspect
-//! [`Broker::check_topology`]: crate::Broker::check_topology
+//! [`Broker::plan`]: crate::broker::Broker::plan
+//! [`Broker::inspect`]: crate::broker::Broker::inspect
+//! [`Broker::check_topology`]: crate::broker::Broker::check_topology
 
 use std::fmt;
 
@@ -266,7 +266,7 @@ impl PlannedObject {
 /// What a consumer with one subscription needs at the broker.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Plan {
-    /// The backend ([`Broker::kind`](crate::Broker::kind)).
+    /// The backend ([`Broker::kind`](crate::broker::Broker::kind)).
     pub backend: String,
     /// The consumer (group).
     pub consumer: String,
@@ -280,7 +280,7 @@ pub struct Plan {
 
 impl Plan {
     /// An empty plan for `subscription` on `backend`.
-    pub fn new(backend: &str, subscription: &crate::Subscription) -> Self {
+    pub fn new(backend: &str, subscription: &crate::subscription::Subscription) -> Self {
         Self {
             backend: backend.to_owned(),
             consumer: subscription.consumer.clone(),
@@ -649,7 +649,7 @@ impl fmt::Display for TopologyReport {
 }
 
 /// What a consumer does with the topology check at start-up
-/// ([`ConsumerBuilder::check_topology`](crate::ConsumerBuilder::check_topology)).
+/// ([`ConsumerBuilder::check_topology`](crate::consumer::ConsumerBuilder::check_topology)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StartupCheck {
     /// No check (the default: on RabbitMQ it needs the management API).
@@ -665,7 +665,7 @@ pub enum StartupCheck {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Subscription;
+    use crate::subscription::Subscription;
     use serde_json::json;
 
     fn plan() -> Plan {

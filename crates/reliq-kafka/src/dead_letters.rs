@@ -56,9 +56,9 @@ use reliq_core::{
 use crate::client::Inner;
 use crate::codec::decode;
 use crate::error::{KafkaError, client_error, passes_with_an_election};
-use crate::lock;
 use crate::names::{browse_group, ledger_topic};
 use crate::oauth::{SignIn, TokenSource};
+use reliq_core::sync::lock;
 
 /// Longest one read (a page, the ledger, the index) may take.
 const READ_TIMEOUT: Duration = Duration::from_secs(30);

@@ -103,12 +103,6 @@ mod relay;
 mod routes;
 mod topology;
 
-/// A std mutex's guard, through poisoning: every critical section in this crate leaves
-/// what it guards consistent, so a poisoned lock is usable.
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 pub use client::KafkaBroker;
 pub use codec::{DUE_AT_HEADER, SOURCE_OFFSET_HEADER, SOURCE_PARTITION_HEADER};
 pub use error::KafkaError;

@@ -1,4 +1,4 @@
-//! AWS MSK IAM sign-in ([`MskIamSettings`](crate::MskIamSettings)): the OAUTHBEARER
+//! AWS MSK IAM sign-in ([`MskIamSettings`](crate::options::MskIamSettings)): the OAUTHBEARER
 //! token an MSK broker accepts is a SigV4 *presigned* `kafka-cluster:Connect` request,
 //! base64url-encoded without padding — what AWS's `aws-msk-iam-sasl-signer` libraries
 //! make (the unit test pins the Python signer's output for the same inputs).
@@ -14,6 +14,7 @@
 //! runtime that resolves credentials, and caches them until five minutes before they
 //! expire.
 
+use reliq_core::sync::lock;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
@@ -213,10 +214,6 @@ fn config_error(field: &str, reason: String) -> KafkaError {
         field: field.to_owned(),
         reason,
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! [`Subscription::retry_name`]) and its DLQ (`<topic>.<group>.dlq`,
 //! [`Subscription::dead_letter_name`]) are reliq's portable names; the Kafka backend adds
 //! the ones below. Every group id also gets the configured `reliq.group.prefix` when a
-//! consumer is made ([`KafkaConfig`](crate::KafkaConfig)).
+//! consumer is made ([`KafkaConfig`](crate::options::KafkaConfig)).
 
 use std::time::Duration;
 

@@ -1,5 +1,5 @@
 //! OAUTHBEARER tokens reliq makes itself and hands to librdkafka: AWS MSK IAM
-//! ([`MskIamSettings`](crate::MskIamSettings)).
+//! ([`MskIamSettings`](crate::options::MskIamSettings)).
 //!
 //! librdkafka asks a client for a token when OAUTHBEARER has no built-in method (not
 //! `oidc`, not the unsecured test JWT), through an event the client's poll loop serves.
@@ -30,7 +30,7 @@ const PRINCIPAL: &str = "aws-msk-iam";
 const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(10);
 
 /// Where a connection's OAUTHBEARER tokens come from (none: librdkafka's own methods or
-/// another mechanism). Cheap to clone; one per [`KafkaBroker`](crate::KafkaBroker).
+/// another mechanism). Cheap to clone; one per [`KafkaBroker`](crate::client::KafkaBroker).
 #[derive(Clone, Default)]
 pub(crate) struct TokenSource {
     msk_iam: Option<Arc<MskIam>>,

@@ -35,7 +35,7 @@ pub enum RetryMode {
     Blocking,
 }
 
-/// Settings of a [`KafkaBroker`](crate::KafkaBroker).
+/// Settings of a [`KafkaBroker`](crate::client::KafkaBroker).
 ///
 /// Built from a URL `kafka://host:port[,host:port]?key=value&…`: keys starting with
 /// `reliq.` are reliq's own settings (below); every other key is passed unchanged to

@@ -19,7 +19,7 @@ use rdkafka::error::{KafkaError as RdError, RDKafkaErrorCode};
 use reliq_core::BrokerError;
 use tokio::sync::watch;
 
-use crate::lock;
+use reliq_core::sync::lock;
 
 /// A refusal seen this recently fails the next request at once: librdkafka tries again
 /// after at most `reconnect.backoff.max.ms` (10 s), and would be refused the same way.

@@ -11,8 +11,9 @@ use reliq_core::{
 };
 
 use crate::dead_letters::MemoryDeadLetters;
-use crate::queue::{Entry, FastHash, Queue, Switches, lock};
+use crate::queue::{Entry, FastHash, Queue, Switches};
 use crate::receiver::MemoryReceiver;
+use reliq_core::sync::lock;
 
 /// The in-process broker. Cheap to clone (shared state).
 #[derive(Clone, Default)]

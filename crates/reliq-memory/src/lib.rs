@@ -43,6 +43,8 @@
 //! # Ok(()) }
 //! ```
 
+use reliq_core::sync::lock;
+
 mod broker;
 mod dead_letters;
 mod queue;
@@ -68,10 +70,7 @@ pub async fn connect(
         .map_or(url, |(_, rest)| rest)
         .trim_end_matches('/');
     let name = if name.is_empty() { "default" } else { name };
-    let broker = REGISTRY
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+    let broker = lock(REGISTRY.get_or_init(Default::default))
         .entry(name.to_owned())
         .or_default()
         .clone();

@@ -1,6 +1,7 @@
 //! A queue: what one consumer group (or one dead-letter queue) holds — ready messages,
 //! retries waiting on the timer, and unsettled deliveries with their leases.
 
+use reliq_core::sync::lock;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 
@@ -174,13 +175,6 @@ fn route_matches(pattern: &str, route: &str) -> bool {
     let p: Vec<&str> = pattern.split('.').collect();
     let r: Vec<&str> = route.split('.').collect();
     go(&p, &r)
-}
-
-/// Lock `m`, poisoned or not.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every critical section here leaves the state consistent even if a panic
-    // unwinds through it (single pushes/removes), so a poisoned lock is usable.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

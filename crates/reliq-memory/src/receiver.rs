@@ -394,7 +394,7 @@ mod tests {
     use reliq_core::{Broker, Destination};
 
     use super::*;
-    use crate::MemoryBroker;
+    use crate::broker::MemoryBroker;
 
     #[tokio::test(start_paused = true)]
     async fn lease_expiry_redelivers() {

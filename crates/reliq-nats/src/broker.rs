@@ -2,6 +2,7 @@
 //! operator tools use, mapped onto the connection (`client`), the receiver, the advisory
 //! relay, the dead-letter reader and the topology modules.
 
+use reliq_core::sync::lock;
 use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
 
@@ -112,7 +113,7 @@ impl Broker for NatsBroker {
 impl NatsBroker {
     fn ensure_relay(&self, sub: &Subscription) {
         let key = (stream_name(&sub.source), consumer_name(&sub.consumer));
-        let mut relays = self.inner.relays.lock().unwrap_or_else(|p| p.into_inner());
+        let mut relays = lock(&self.inner.relays);
         if relays.get(&key).is_some_and(|h| !h.is_finished()) {
             return;
         }

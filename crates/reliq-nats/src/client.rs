@@ -1,6 +1,7 @@
 //! The connection: publishing and topology. The [`Broker`](reliq_core::Broker)
 //! implementation is in `broker`.
 
+use reliq_core::sync::lock;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -36,12 +37,7 @@ pub(crate) struct Inner {
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        for (_, relay) in self
-            .relays
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain()
-        {
+        for (_, relay) in lock(&self.relays).drain() {
             relay.abort();
         }
     }
@@ -219,7 +215,7 @@ impl NatsBroker {
     }
 
     /// Declare the source stream (idempotent): subjects `<source>` and `<source>.>`, and
-    /// [`retry_subjects`](crate::retry_subjects) `retry.<stream>.>` with message schedules
+    /// [`retry_subjects`](crate::names::retry_subjects) `retry.<stream>.>` with message schedules
     /// allowed, where its consumers' retries wait (NATS 2.12+). A stream that exists
     /// without them (made by another tool, or by an older reliq) is updated to have them.
     pub async fn declare_source(&self, source: &str) -> Result<(), BrokerError> {

@@ -1,6 +1,7 @@
 //! The crate's error type and the conversions of client errors into reliq's: each keeps
 //! the client's error as its source and says what was being done.
 
+use reliq_core::sync::lock;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -40,7 +41,7 @@ pub(crate) fn record_violation(report: &str) {
     let Some(subject) = report.split('"').nth(1).filter(|s| !s.is_empty()) else {
         return;
     };
-    let mut seen = VIOLATIONS.lock().unwrap_or_else(|p| p.into_inner());
+    let mut seen = lock(&VIOLATIONS);
     seen.retain(|(at, _)| at.elapsed() < VIOLATION_WINDOW);
     if seen.len() >= VIOLATIONS_KEPT {
         seen.remove(0);
@@ -53,7 +54,7 @@ pub(crate) fn record_violation(report: &str) {
 /// call's failure.
 fn violation_for(action: &str) -> Option<String> {
     let names: Vec<&str> = action.split('`').skip(1).step_by(2).collect();
-    let seen = VIOLATIONS.lock().unwrap_or_else(|p| p.into_inner());
+    let seen = lock(&VIOLATIONS);
     seen.iter()
         .rev()
         .filter(|(at, _)| at.elapsed() < VIOLATION_WINDOW)

@@ -7,8 +7,8 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use reliq_core::{Backlog, BrokerError, Subscription, TierBacklog};
 
-use crate::RabbitError;
 use crate::client::Inner;
+use crate::error::RabbitError;
 use crate::error::reply_code;
 use crate::names::{Names, short};
 

@@ -7,7 +7,7 @@ use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiv
 use crate::client::{RabbitBroker, Target};
 use crate::dead_letters::RabbitDeadLetters;
 use crate::receiver::RabbitReceiver;
-use crate::{QueueType, topology};
+use crate::{options::QueueType, topology};
 
 #[async_trait]
 impl Broker for RabbitBroker {
@@ -100,7 +100,7 @@ impl Broker for RabbitBroker {
     }
 
     /// Ready messages of the consumer queue and each TTL queue; unacknowledged ones from
-    /// the management API when [`RabbitOptions::management_url`](crate::RabbitOptions::management_url) is set.
+    /// the management API when [`RabbitOptions::management_url`](crate::options::RabbitOptions::management_url) is set.
     async fn backlog(
         &self,
         subscription: &Subscription,

@@ -2,6 +2,7 @@
 //! connection, the publishing channel (confirms + mandatory), the exchanges known to
 //! exist and where queue settings live. The [`Broker`](reliq_core::Broker) implementation is in `broker.rs`.
 
+use reliq_core::sync::lock;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
@@ -20,7 +21,7 @@ use crate::error::{refused_connection, reply_code};
 use crate::management::Management;
 use crate::names::{Names, short};
 use crate::options::Nodes;
-use crate::{QueueSettings, RabbitError, RabbitOptions, codec, topology};
+use crate::{codec, error::RabbitError, options::QueueSettings, options::RabbitOptions, topology};
 
 /// Where a publish goes, for error messages (formatted only when one is needed).
 #[derive(Clone, Copy)]
@@ -189,15 +190,13 @@ impl Inner {
         ch.confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(|e| RabbitError::client("confirm.select", e))?;
-        *self.publisher.lock().unwrap_or_else(|p| p.into_inner()) = Some(ch.clone());
+        *lock(&self.publisher) = Some(ch.clone());
         Ok(ch)
     }
 
     /// The publishing channel, if it is open.
     fn open_publisher(&self) -> Option<Channel> {
-        self.publisher
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        lock(&self.publisher)
             .as_ref()
             .filter(|ch| ch.status().connected())
             .cloned()
@@ -207,13 +206,7 @@ impl Inner {
     /// to a missing exchange would close the shared publishing channel under every
     /// concurrent publish.
     async fn ensure_exchange(&self, exchange: &str) -> Result<(), BrokerError> {
-        if exchange.is_empty()
-            || self
-                .exchanges
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .contains(exchange)
-        {
+        if exchange.is_empty() || lock(&self.exchanges).contains(exchange) {
             return Ok(());
         }
         let name = short("exchange", exchange)?;
@@ -243,17 +236,11 @@ impl Inner {
     }
 
     pub(crate) fn known_exchange(&self, exchange: &str) {
-        self.exchanges
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(exchange.to_owned());
+        lock(&self.exchanges).insert(exchange.to_owned());
     }
 
     fn forget_exchange(&self, exchange: &str) {
-        self.exchanges
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(exchange);
+        lock(&self.exchanges).remove(exchange);
     }
 
     /// Publish `message` to `exchange` with `routing_key`, mandatory and persistent, and
@@ -495,7 +482,7 @@ impl RabbitBroker {
     }
 
     /// What [`Broker::subscribe`] declares for `sub` and the equivalent policies as
-    /// `rabbitmqctl` commands (see [`plan_text`](crate::plan_text)), for the probed server
+    /// `rabbitmqctl` commands (see [`plan_text`](crate::topology::plan_text)), for the probed server
     /// version. [`Broker::plan`] is the same plan as data.
     pub async fn plan_text(&self, sub: &Subscription) -> String {
         let version = self.server_version().await;

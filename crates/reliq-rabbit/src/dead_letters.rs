@@ -22,7 +22,7 @@ use tokio::sync::{Mutex, watch};
 use crate::client::{Inner, Target};
 use crate::error::reply_code;
 use crate::names::{Names, short};
-use crate::{RabbitError, codec, topology};
+use crate::{codec, error::RabbitError, topology};
 
 /// How long a read waits for an offset it knows the stream holds.
 const STALL: Duration = Duration::from_secs(15);

@@ -1,4 +1,4 @@
-//! Settings of a [`RabbitBroker`](crate::RabbitBroker): queue type, confirm timeout,
+//! Settings of a [`RabbitBroker`](crate::client::RabbitBroker): queue type, confirm timeout,
 //! reconnect policy, where queue settings live (policies or arguments), TLS trust and
 //! client certificate.
 
@@ -86,9 +86,9 @@ pub enum QueueSettings {
     /// One policy per queue (`reliq-<queue>`, pattern `^<queue>$`), put through the
     /// management API before the queue is declared; the queue carries only its type, so
     /// the settings can change without recreating it. Needs
-    /// [`RabbitOptions::management_url`]; an unreachable API fails [`RabbitBroker::connect_with`](crate::RabbitBroker::connect_with).
+    /// [`RabbitOptions::management_url`]; an unreachable API fails [`RabbitBroker::connect_with`](crate::client::RabbitBroker::connect_with).
     /// Policies are not removed with their queues (delete them with
-    /// [`Management::delete_policy`](crate::Management::delete_policy) when a consumer is retired), and every policy change
+    /// [`Management::delete_policy`](crate::management::Management::delete_policy) when a consumer is retired), and every policy change
     /// makes RabbitMQ re-match all queues of the vhost: fine for long-lived consumers,
     /// not for thousands of short-lived ones (use `Arguments` there).
     Policies,
@@ -248,7 +248,7 @@ impl LoadedTls {
     }
 }
 
-/// Settings of a [`RabbitBroker`](crate::RabbitBroker).
+/// Settings of a [`RabbitBroker`](crate::client::RabbitBroker).
 #[derive(Clone)]
 pub struct RabbitOptions {
     /// Queue type of every queue reliq declares (default quorum).
@@ -405,7 +405,7 @@ impl RabbitOptions {
 /// The nodes an AMQP URL names. A cluster's URL lists them in its authority, separated
 /// by commas — `amqp://user:password@host1:5672,host2:5672,host3:5672/vhost?query` — and
 /// every node gets the same credentials, vhost and query. lapin connects to one host; the
-/// broker tries the nodes in turn (see [`crate::RabbitBroker`]).
+/// broker tries the nodes in turn (see [`crate::client::RabbitBroker`]).
 #[derive(Clone, PartialEq, Eq)]
 pub(crate) struct Nodes {
     /// `scheme://` and the user info with its `@`.

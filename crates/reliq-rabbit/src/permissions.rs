@@ -19,7 +19,7 @@
 //! Passive declarations (reliq's existence checks and backlog counts) need nothing.
 //! The retry queues are granted by prefix (`<source>.<consumer>.retry.`), so the queues of
 //! a changed retry policy are covered without a new grant. Policies
-//! ([`QueueSettings::Policies`](crate::QueueSettings)) are set through the management
+//! ([`QueueSettings::Policies`](crate::options::QueueSettings)) are set through the management
 //! API, which wants the user tag `policymaker` besides these permissions.
 
 use reliq_core::{Access, Grant, NamePattern, Permissions, Subscription};

@@ -1,6 +1,7 @@
 //! A receiver: one channel per receiver, `basic.qos(prefetch)`, `basic.consume` with
 //! manual ack; retry and dead-letter copies go out on the broker's confirmed publisher.
 
+use reliq_core::sync::lock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
@@ -18,7 +19,7 @@ use tokio::sync::Mutex;
 
 use crate::client::{Inner, Target};
 use crate::names::{Names, short};
-use crate::{RabbitError, codec, topology};
+use crate::{codec, error::RabbitError, topology};
 
 struct Live {
     consumer: lapin::Consumer,
@@ -77,9 +78,10 @@ impl RabbitReceiver {
             }
         };
         *rx.live.lock().await = Some(live);
-        *rx.relay.lock().unwrap_or_else(|p| p.into_inner()) = Some(
-            crate::dead_letters::spawn_relay(rx.inner.clone(), sub.clone()),
-        );
+        *lock(&rx.relay) = Some(crate::dead_letters::spawn_relay(
+            rx.inner.clone(),
+            sub.clone(),
+        ));
         Ok(rx)
     }
 
@@ -106,7 +108,7 @@ impl RabbitReceiver {
             .await
             .map_err(|e| RabbitError::client("basic.consume", e))?;
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
-        *self.settle.lock().unwrap_or_else(|p| p.into_inner()) = Some((ch, generation));
+        *lock(&self.settle) = Some((ch, generation));
         tracing::debug!(queue = self.queue(), prefetch, generation, "consuming");
         Ok(Live {
             consumer,
@@ -170,7 +172,7 @@ impl RabbitReceiver {
     /// The channel `delivery` came on, if it is still open.
     fn channel_of(&self, delivery: &Delivery) -> Result<Channel, BrokerError> {
         let token = delivery.token().check(self.owner)?;
-        let guard = self.settle.lock().unwrap_or_else(|p| p.into_inner());
+        let guard = lock(&self.settle);
         match guard.as_ref() {
             Some((ch, generation))
                 if i64::try_from(*generation).ok() == Some(token.lane())
@@ -324,8 +326,8 @@ impl Receiver for RabbitReceiver {
 
     async fn close(&self) -> Result<(), BrokerError> {
         self.closed.store(true, Ordering::SeqCst);
-        drop(self.relay.lock().unwrap_or_else(|p| p.into_inner()).take());
-        let ch = self.settle.lock().unwrap_or_else(|p| p.into_inner()).take();
+        drop(lock(&self.relay).take());
+        let ch = lock(&self.settle).take();
         if let Some((ch, _)) = ch
             && ch.status().connected()
         {
@@ -341,7 +343,7 @@ impl Drop for RabbitReceiver {
     /// Closing the channel returns every unacked delivery to the queue.
     fn drop(&mut self) {
         self.closed.store(true, Ordering::SeqCst);
-        let ch = self.settle.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let ch = lock(&self.settle).take();
         if let (Some((ch, _)), Ok(rt)) = (ch, tokio::runtime::Handle::try_current())
             && ch.status().connected()
         {

@@ -11,15 +11,15 @@ use sqlx::{Database, Encode, Pool, Type};
 use crate::driver::{Driver, Statement};
 
 /// A duration the database cannot add to a moment (it becomes
-/// [`Error::Duration`](crate::Error::Duration)).
+/// [`Error::Duration`](crate::error::Error::Duration)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OutOfRange(pub Duration);
 
 /// One database's side of the stores, implemented by reliq-postgres (`PgStore`) and
 /// reliq-sqlite (`SqliteStore`) for the schema their migrations create.
 ///
-/// Each statement's parameters are listed in the order [`Inbox`](crate::Inbox) and
-/// [`Outbox`](crate::Outbox) bind them (`$1`, `$2`, … in PostgreSQL, `?1`, `?2`, … in
+/// Each statement's parameters are listed in the order [`Inbox`](crate::inbox::Inbox) and
+/// [`Outbox`](crate::outbox::Outbox) bind them (`$1`, `$2`, … in PostgreSQL, `?1`, `?2`, … in
 /// SQLite). A **time** parameter is a [`StoreSql::Moment`]; statements marked **now**
 /// then take the current time through [`StoreSql::bind_now`], after their listed
 /// parameters (a database whose statements read the clock themselves binds nothing).

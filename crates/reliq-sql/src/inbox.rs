@@ -7,7 +7,7 @@ use reliq_core::{Claim, InboxError, MessageId};
 use sqlx::{Database, Pool};
 
 use crate::driver::{Bind, Driver};
-use crate::{Error, StoreSql};
+use crate::{dialect::StoreSql, error::Error};
 
 /// Rows deleted per statement by [`Inbox::purge`].
 const PURGE_BATCH: i64 = 10_000;

@@ -3,7 +3,7 @@
 use sqlx::Pool;
 use sqlx::migrate::Migrator;
 
-use crate::{Error, StoreSql};
+use crate::{dialect::StoreSql, error::Error};
 
 /// The table where the stores' `migrate` records the migrations it applied.
 pub const MIGRATIONS_TABLE: &str = "_reliq_migrations";

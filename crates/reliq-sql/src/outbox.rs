@@ -12,7 +12,7 @@ use reliq_core::{Broker, Destination, Message, Relay};
 use sqlx::{Database, Pool};
 
 use crate::driver::{Bind, Driver};
-use crate::{Error, StoreSql};
+use crate::{dialect::StoreSql, error::Error};
 
 /// The outbox (`reliq_outbox`) on database `S` (`PgOutbox`, `SqliteOutbox`). Cheap to
 /// clone.

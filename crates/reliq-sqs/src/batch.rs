@@ -1,5 +1,5 @@
 //! Batching of `SendMessage` and `DeleteMessage` calls: requests for one queue that
-//! arrive within a short window ([`crate::SqsOptions::batch_window`]) go out as one
+//! arrive within a short window ([`crate::options::SqsOptions::batch_window`]) go out as one
 //! `SendMessageBatch` / `DeleteMessageBatch` (≤ 10 entries, ≤ 256 KiB). Each caller
 //! still waits for its own entry's result: a per-entry failure is that caller's error,
 //! never ignored.
@@ -15,8 +15,8 @@ use futures::future::BoxFuture;
 use reliq_core::BrokerError;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::SqsError;
 use crate::codec::Encoded;
+use crate::error::SqsError;
 use crate::error::sdk_error;
 
 const MAX_ENTRIES: usize = 10;

@@ -2,6 +2,7 @@
 //! convention and publishing. The [`Broker`](reliq_core::Broker) implementation is in
 //! `broker`.
 
+use reliq_core::sync::lock;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -742,21 +743,12 @@ impl SqsBroker {
     }
 
     pub(crate) fn forget_topic(&self, topic: &str) {
-        self.inner
-            .topics
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(topic);
+        lock(&self.inner.topics).remove(topic);
     }
 
     /// The consumer queues of `topic` (cached for [`SqsOptions::topic_cache_ttl`]).
     async fn targets(&self, topic: &str) -> Result<Arc<Vec<Target>>, BrokerError> {
-        if let Some((at, targets)) = self
-            .inner
-            .topics
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(topic)
+        if let Some((at, targets)) = lock(&self.inner.topics).get(topic)
             && at.elapsed() < self.inner.options.topic_cache_ttl
         {
             return Ok(targets.clone());
@@ -782,13 +774,7 @@ impl SqsBroker {
         }
         let mut targets = Vec::new();
         for url in urls {
-            let known = self
-                .inner
-                .tags
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&url)
-                .cloned();
+            let known = lock(&self.inner.tags).get(&url).cloned();
             let target = match known {
                 Some(t) => t,
                 None => {
@@ -822,11 +808,7 @@ impl SqsBroker {
                                 },
                             )
                         });
-                    self.inner
-                        .tags
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(url.clone(), t.clone());
+                    lock(&self.inner.tags).insert(url.clone(), t.clone());
                     t
                 }
             };
@@ -838,11 +820,7 @@ impl SqsBroker {
         }
         let targets = Arc::new(targets);
         if !targets.is_empty() {
-            self.inner
-                .topics
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(topic.to_owned(), (Instant::now(), targets.clone()));
+            lock(&self.inner.topics).insert(topic.to_owned(), (Instant::now(), targets.clone()));
         }
         Ok(targets)
     }

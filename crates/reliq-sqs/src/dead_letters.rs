@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::client::whole_seconds;
 use crate::error::sdk_error;
 use crate::receiver::system_attributes;
-use crate::{SqsBroker, codec};
+use crate::{client::SqsBroker, codec};
 
 /// How long a scan that saw fewer entries than SQS counts keeps trying again (another
 /// scan may hold the rest for a moment).
@@ -89,9 +89,9 @@ const SETTLE: Duration = Duration::from_secs(2);
 ///   needs a scan, which reads at most [`SqsOptions::dead_letter_count_scan_max`] entries:
 ///   beyond that, it is the oldest of those read.
 ///
-/// [`SqsOptions::dead_letter_lease`]: crate::SqsOptions::dead_letter_lease
-/// [`SqsOptions::dead_letter_scan_max`]: crate::SqsOptions::dead_letter_scan_max
-/// [`SqsOptions::dead_letter_count_scan_max`]: crate::SqsOptions::dead_letter_count_scan_max
+/// [`SqsOptions::dead_letter_lease`]: crate::options::SqsOptions::dead_letter_lease
+/// [`SqsOptions::dead_letter_scan_max`]: crate::options::SqsOptions::dead_letter_scan_max
+/// [`SqsOptions::dead_letter_count_scan_max`]: crate::options::SqsOptions::dead_letter_count_scan_max
 pub struct SqsDeadLetters {
     reader: Arc<Reader>,
 }

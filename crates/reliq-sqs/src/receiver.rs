@@ -1,6 +1,7 @@
 //! Receiving from a consumer queue (a background long poll bounded by the prefetch, a
 //! visibility extender per delivery).
 
+use reliq_core::sync::lock;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -18,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::client::{Declared, whole_seconds};
 use crate::error::sdk_error;
-use crate::{SqsBroker, codec};
+use crate::{client::SqsBroker, codec};
 
 /// Deliveries received from SQS and not yet settled (buffered or handed out).
 #[derive(Default)]
@@ -45,18 +46,11 @@ struct Lease {
 
 impl Lease {
     fn receipts(&self) -> Vec<String> {
-        self.receipts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        lock(&self.receipts).clone()
     }
 
     fn latest(&self) -> Option<String> {
-        self.receipts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .last()
-            .cloned()
+        lock(&self.receipts).last().cloned()
     }
 }
 
@@ -76,11 +70,7 @@ impl SqsToken {
     fn finish(&self) {
         self.lease.settled.cancel();
         if !self.done.swap(true, Ordering::AcqRel) {
-            self.counter
-                .held
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&self.sqs_id);
+            lock(&self.counter.held).remove(&self.sqs_id);
             self.counter.outstanding.fetch_sub(1, Ordering::AcqRel);
             self.counter.demand.notify_one();
         }
@@ -167,16 +157,12 @@ impl Shared {
     fn convert(&self, m: &aws_sdk_sqs::types::Message) -> Option<Delivery> {
         let receipt = m.receipt_handle()?.to_owned();
         let sqs_id = m.message_id().unwrap_or(&receipt).to_owned();
-        let mut held = self.counter.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = lock(&self.counter.held);
         if let Some(lease) = held.get(&sqs_id) {
             // A second copy of a message this receiver holds: settled with it, not
             // handed out again.
             tracing::debug!(sqs_message_id = %sqs_id, "a second copy of a held message; settled with the first");
-            lease
-                .receipts
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(receipt);
+            lock(&lease.receipts).push(receipt);
             return None;
         }
         let (attempt, sent) = system_attributes(m);
@@ -225,12 +211,7 @@ impl Shared {
 
     /// Give back every delivery received but not handed out.
     async fn release_buffered(&self) {
-        let mut left: Vec<Delivery> = self
-            .buffer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect();
+        let mut left: Vec<Delivery> = lock(&self.buffer).drain(..).collect();
         left.extend(self.lock_groups().drain_all());
         self.give_back(left).await;
     }
@@ -248,7 +229,7 @@ impl Shared {
     }
 
     fn lock_groups(&self) -> std::sync::MutexGuard<'_, Groups> {
-        self.groups.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.groups)
     }
 
     /// A FIFO group's message was settled for good (deleted): the group's messages
@@ -260,7 +241,7 @@ impl Shared {
         if waiting.is_empty() {
             return;
         }
-        let mut buffer = self.buffer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut buffer = lock(&self.buffer);
         for d in waiting.into_iter().rev() {
             buffer.push_front(d);
         }
@@ -275,7 +256,7 @@ impl Shared {
         let Some(group) = &t.group else { return };
         let mut back: Vec<Delivery> = self.lock_groups().release(group).into();
         back.extend({
-            let mut buffer = self.buffer.lock().unwrap_or_else(|p| p.into_inner());
+            let mut buffer = lock(&self.buffer);
             let (same, other): (VecDeque<Delivery>, VecDeque<Delivery>) = buffer
                 .drain(..)
                 .partition(|d| token(d).ok().and_then(|t| t.group.as_ref()) == Some(group));
@@ -440,11 +421,7 @@ async fn poll(shared: Arc<Shared>) {
                 let mut got = 0;
                 for m in messages {
                     if let Some(d) = shared.convert(m) {
-                        shared
-                            .buffer
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .push_back(d);
+                        lock(&shared.buffer).push_back(d);
                         got += 1;
                     }
                 }
@@ -464,7 +441,7 @@ async fn poll(shared: Arc<Shared>) {
                     .saturating_mul(2u32.saturating_pow(failures.min(6)))
                     .min(Duration::from_secs(5));
                 tracing::warn!(error = %e, retry_in = ?pause, "receiving from SQS failed");
-                *shared.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                *lock(&shared.error) = Some(e);
                 shared.ready.notify_one();
                 tokio::select! {
                     _ = tokio::time::sleep(pause) => {}
@@ -519,11 +496,7 @@ impl SqsReceiver {
 impl SqsReceiver {
     /// The oldest message the pollers buffered, if any.
     fn pop_buffered(&self) -> Option<Delivery> {
-        self.shared
-            .buffer
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop_front()
+        lock(&self.shared.buffer).pop_front()
     }
 }
 
@@ -538,13 +511,7 @@ impl Receiver for SqsReceiver {
                     None => continue, // waits behind its FIFO group's message
                 }
             }
-            if let Some(e) = self
-                .shared
-                .error
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .take()
-            {
+            if let Some(e) = lock(&self.shared.error).take() {
                 return Err(e);
             }
             if self.shared.closed.is_cancelled() {

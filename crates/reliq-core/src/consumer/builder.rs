@@ -105,7 +105,7 @@ impl ConsumerBuilder {
 
     /// Only what matches `pattern`: a routing-key pattern or subject (`*` one word, `#`
     /// any number of words). Where the broker cannot filter (Kafka:
-    /// [`Capabilities::filters`](crate::Capabilities::filters) is false), `start` fails
+    /// [`Capabilities::filters`](crate::subscription::Capabilities::filters) is false), `start` fails
     /// with a config error naming `filter`.
     pub fn filter(mut self, pattern: impl Into<String>) -> Self {
         self.filter = Some(pattern.into());
@@ -341,7 +341,7 @@ impl ConsumerBuilder {
         let report = match self.broker.check_topology(subscription).await {
             Ok(report) => report,
             Err(e) if check == StartupCheck::Warn => {
-                tracing::warn!(consumer = %subscription.consumer, error = %crate::ErrorChain(&e),
+                tracing::warn!(consumer = %subscription.consumer, error = %crate::classify::ErrorChain(&e),
                     "cannot check the broker's topology; starting anyway");
                 return Ok(());
             }
@@ -381,7 +381,7 @@ impl ConsumerBuilder {
         );
         if let Err(e) = self.startup_check(&subscription).await {
             if let Err(close) = receiver.close().await {
-                tracing::debug!(error = %crate::ErrorChain(&close), "closing the refused receiver");
+                tracing::debug!(error = %crate::classify::ErrorChain(&close), "closing the refused receiver");
             }
             return Err(e);
         }

@@ -21,11 +21,11 @@ pub enum ConsumerError {
     /// The broker refused the subscription.
     #[error("subscribing failed: {0}")]
     Subscribe(#[source] BrokerError),
-    /// The start-up topology check ([`StartupCheck::Refuse`](crate::StartupCheck::Refuse))
+    /// The start-up topology check ([`StartupCheck::Refuse`](crate::topology::StartupCheck::Refuse))
     /// found a difference that breaks delivery guarantees; the report names each.
     #[error("the broker's topology breaks this consumer's guarantees: {0}")]
-    Topology(Box<crate::TopologyReport>),
-    /// The start-up topology check ([`StartupCheck::Refuse`](crate::StartupCheck::Refuse))
+    Topology(Box<crate::topology::TopologyReport>),
+    /// The start-up topology check ([`StartupCheck::Refuse`](crate::topology::StartupCheck::Refuse))
     /// could not read the broker.
     #[error("checking the topology failed: {0}")]
     TopologyCheck(#[source] BrokerError),

@@ -10,6 +10,7 @@ use crate::batch::{Batch, BatchError};
 use crate::classify::BoxError;
 use crate::delivery::Delivery;
 use crate::error::BrokerError;
+use crate::sync::lock;
 use futures::stream::StreamExt as _;
 use futures_buffered::FuturesUnorderedBounded;
 use std::collections::{HashMap, VecDeque};
@@ -162,7 +163,7 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
         if let Some(breaker) = &shared.settler().breaker {
             if probes {
                 breaker.unused(permits.num_permits().saturating_sub(batch.len()));
-            } else if !batch.is_empty() && breaker.state() != crate::CircuitState::Closed {
+            } else if !batch.is_empty() && breaker.state() != crate::breaker::CircuitState::Closed {
                 // Received under a closed breaker that opened meanwhile: held (leased)
                 // until it lets deliveries through again. Stopping releases them below.
                 tokio::select! {
@@ -181,7 +182,7 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
             Err(e) => {
                 receive_errors = receive_errors.saturating_add(1);
                 let wait = shared.settler().backoff.delay_for(receive_errors);
-                tracing::warn!(consumer = %shared.settler().name, error = %crate::ErrorChain(&e), retry_in = ?wait, "receive failed");
+                tracing::warn!(consumer = %shared.settler().name, error = %crate::classify::ErrorChain(&e), retry_in = ?wait, "receive failed");
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     _ = &mut stopped => break,
@@ -356,11 +357,6 @@ impl Drop for CloseOnDrop<'_> {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Nothing panics while these locks are held; a poisoned one is still consistent.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 /// A group runner: run the group handed over, park, repeat until the runners close.
 async fn run_groups<F, Fut>(shared: Arc<Shared<F>>, me: Arc<GroupRunner>)
 where
@@ -442,7 +438,7 @@ where
     Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
 {
     {
-        let mut keyed = shared.keyed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut keyed = lock(&shared.keyed);
         if let Some(queue) = keyed.get_mut(&key) {
             // A delivery of this key is being handled: queue behind it.
             queue.push_back(held);
@@ -456,7 +452,7 @@ where
         while let Some((delivery, permit)) = next {
             process(shared.handling.clone(), delivery).await;
             drop(permit);
-            let mut keyed = shared.keyed.lock().unwrap_or_else(|p| p.into_inner());
+            let mut keyed = lock(&shared.keyed);
             next = keyed.get_mut(&key).and_then(VecDeque::pop_front);
             if next.is_none() {
                 keyed.remove(&key);

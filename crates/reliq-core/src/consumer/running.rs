@@ -44,8 +44,10 @@ impl ConsumerHandle {
     }
 
     /// Where the consumer's circuit breaker is (`None`: it has none).
-    pub fn circuit_state(&self) -> Option<crate::CircuitState> {
-        self.shared.breaker().map(crate::CircuitBreaker::state)
+    pub fn circuit_state(&self) -> Option<crate::breaker::CircuitState> {
+        self.shared
+            .breaker()
+            .map(crate::breaker::CircuitBreaker::state)
     }
 
     /// Stop receiving, wait up to the shutdown timeout for in-flight handlers, release
@@ -67,7 +69,7 @@ impl ConsumerHandle {
             tracker.wait().await;
         }
         if let Err(e) = self.receiver.close().await {
-            tracing::warn!(error = %crate::ErrorChain(&e), "closing the receiver failed");
+            tracing::warn!(error = %crate::classify::ErrorChain(&e), "closing the receiver failed");
         }
         ShutdownReport {
             drained,
@@ -96,7 +98,7 @@ pub(super) trait Control: Send + Sync {
     fn stats(&self) -> &Stats;
     fn tracker(&self) -> &TaskTracker;
     fn hard_stop(&self) -> &Signal;
-    fn breaker(&self) -> Option<&crate::CircuitBreaker>;
+    fn breaker(&self) -> Option<&crate::breaker::CircuitBreaker>;
     #[cfg(feature = "test-util")]
     fn crash(&self) -> &Signal;
 }
@@ -111,7 +113,7 @@ impl<F: Send + Sync> Control for Shared<F> {
     fn hard_stop(&self) -> &Signal {
         &self.settler().hard_stop
     }
-    fn breaker(&self) -> Option<&crate::CircuitBreaker> {
+    fn breaker(&self) -> Option<&crate::breaker::CircuitBreaker> {
         self.settler().breaker.as_ref()
     }
     #[cfg(feature = "test-util")]

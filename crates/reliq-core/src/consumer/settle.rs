@@ -104,7 +104,7 @@ impl Settler {
                 false
             }
             Err(e) => {
-                tracing::warn!(error = %crate::ErrorChain(&e), "inbox claim failed; releasing the delivery");
+                tracing::warn!(error = %crate::classify::ErrorChain(&e), "inbox claim failed; releasing the delivery");
                 let wait = self.backoff.failed();
                 self.release(d, wait).await;
                 false
@@ -188,7 +188,7 @@ impl Settler {
         if let Some(inbox) = &self.inbox
             && let Err(e) = inbox.complete(&self.name, d.id()).await
         {
-            tracing::warn!(error = %crate::ErrorChain(&e), id = %d.id(), "inbox complete failed");
+            tracing::warn!(error = %crate::classify::ErrorChain(&e), id = %d.id(), "inbox complete failed");
         }
     }
 
@@ -197,7 +197,7 @@ impl Settler {
         if let Some(inbox) = &self.inbox
             && let Err(e) = inbox.abandon(&self.name, d.id()).await
         {
-            tracing::warn!(error = %crate::ErrorChain(&e), "inbox abandon failed");
+            tracing::warn!(error = %crate::classify::ErrorChain(&e), "inbox abandon failed");
         }
     }
 
@@ -347,7 +347,7 @@ impl Settler {
         // The effect is done; the broker will redeliver and the inbox absorbs it.
         Stats::bump(&self.stats.settle_failures);
         self.metrics.settle_failures[SettleOp::Ack as usize].increment(1);
-        tracing::warn!(error = %crate::ErrorChain(e), id, "ack failed; the message may be delivered again");
+        tracing::warn!(error = %crate::classify::ErrorChain(e), id, "ack failed; the message may be delivered again");
     }
 
     /// Send a retry or dead-letter copy (`send`: the receiver's `retry` / `dead_letter`)
@@ -386,7 +386,7 @@ impl Settler {
                     return false;
                 }
                 BrokerError::NotHeld(_) => {
-                    tracing::warn!(operation = op_name, %id, attempt, error = %crate::ErrorChain(&e),
+                    tracing::warn!(operation = op_name, %id, attempt, error = %crate::classify::ErrorChain(&e),
                         "settlement failed; the delivery is no longer held here and the broker delivers it again");
                     return false;
                 }
@@ -395,7 +395,7 @@ impl Settler {
                 | BrokerError::Config { .. } => {
                     // No later try can succeed on this receiver.
                     let wait = self.backoff.failed();
-                    tracing::error!(operation = op_name, %id, attempt, error = %crate::ErrorChain(&e), release_delay = ?wait,
+                    tracing::error!(operation = op_name, %id, attempt, error = %crate::classify::ErrorChain(&e), release_delay = ?wait,
                         "settlement failed; the source message is released, not acknowledged");
                     self.release(d, wait).await;
                     return false;
@@ -403,7 +403,7 @@ impl Settler {
                 _ => {}
             }
             let wait = self.backoff.failed();
-            tracing::error!(operation = op_name, %id, attempt, error = %crate::ErrorChain(&e), retry_in = ?wait,
+            tracing::error!(operation = op_name, %id, attempt, error = %crate::classify::ErrorChain(&e), retry_in = ?wait,
                 "settlement failed; the delivery is held and its copy sent again");
             if self
                 .hard_stop
@@ -435,7 +435,7 @@ impl Settler {
                 span.record("error.type", e.kind());
                 Stats::bump(&self.stats.settle_failures);
                 self.metrics.settle_failures[SettleOp::Release as usize].increment(1);
-                tracing::warn!(error = %crate::ErrorChain(&e), "release failed; the broker redelivers after the lease");
+                tracing::warn!(error = %crate::classify::ErrorChain(&e), "release failed; the broker redelivers after the lease");
             }
         }
     }

@@ -32,10 +32,10 @@ pub struct StatsSnapshot {
     pub retried: u64,
     /// Dead-lettered (confirmed).
     pub dead_lettered: u64,
-    /// Dropped by [`crate::FinalRoute::Discard`].
+    /// Dropped by [`crate::retry::FinalRoute::Discard`].
     pub discarded: u64,
     /// Skipped as duplicates: found by the runtime's inbox, or reported by the handler
-    /// with [`Duplicate`](crate::Duplicate).
+    /// with [`Duplicate`](crate::inbox::Duplicate).
     pub duplicates: u64,
     /// Released back to the broker unsettled (failed settlement, shutdown).
     pub released: u64,

@@ -306,7 +306,7 @@ impl RelayInner {
             .store_failures
             .fetch_add(1, AtomicOrdering::Relaxed);
         self.metrics.store_failures.increment(1);
-        tracing::warn!(relay = %self.owner, error = %crate::ErrorChain(e), "outbox store: {what} failed");
+        tracing::warn!(relay = %self.owner, error = %crate::classify::ErrorChain(e), "outbox store: {what} failed");
     }
 
     /// Set the backlog gauges from the store's count of unsent rows.

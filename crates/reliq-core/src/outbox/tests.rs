@@ -128,20 +128,20 @@ impl Broker for TestBroker {
     async fn dead_letters(
         &self,
         _: &Subscription,
-    ) -> Result<Box<dyn crate::DeadLetters>, BrokerError> {
+    ) -> Result<Box<dyn crate::dead_letters::DeadLetters>, BrokerError> {
         Err(BrokerError::Unsupported {
             backend: "test",
             what: "dead_letters",
         })
     }
-    async fn backlog(&self, _: &Subscription) -> Result<crate::Backlog, BrokerError> {
+    async fn backlog(&self, _: &Subscription) -> Result<crate::backlog::Backlog, BrokerError> {
         Err(BrokerError::Unsupported {
             backend: "test",
             what: "backlog",
         })
     }
 
-    async fn plan(&self, _: &Subscription) -> Result<crate::Plan, BrokerError> {
+    async fn plan(&self, _: &Subscription) -> Result<crate::topology::Plan, BrokerError> {
         Err(BrokerError::Unsupported {
             backend: "test",
             what: "plan",
@@ -151,8 +151,8 @@ impl Broker for TestBroker {
     async fn inspect(
         &self,
         _: &Subscription,
-        _: &crate::Plan,
-    ) -> Result<crate::LiveTopology, BrokerError> {
+        _: &crate::topology::Plan,
+    ) -> Result<crate::topology::LiveTopology, BrokerError> {
         Err(BrokerError::Unsupported {
             backend: "test",
             what: "inspect",

@@ -9,7 +9,7 @@ use reliq_core::{BrokerError, Clock, Delivery};
 
 use super::shared::{Ctx, Record, Shared};
 use crate::client::route_produce;
-use crate::lock;
+use reliq_core::sync::lock;
 
 /// Prefix of the commit metadata that carries the crash-loop counter.
 const COUNTER_PREFIX: &str = "reliq-deliveries";

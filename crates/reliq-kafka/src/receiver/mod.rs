@@ -41,10 +41,10 @@ use self::shared::{Client, ClientConsumer, ConsumerHandle, Ctx, Inbound, Role, S
 use self::token::MAX_CLIENTS;
 use crate::client::Inner;
 use crate::error::KafkaError;
-use crate::lock;
 use crate::names::relay_group;
 use crate::options::RetryMode;
 use crate::relay::stale_tiers;
+use reliq_core::sync::lock;
 
 /// How long `subscribe` waits for the source consumer's first partition assignment.
 const ASSIGN_WAIT: Duration = Duration::from_secs(10);

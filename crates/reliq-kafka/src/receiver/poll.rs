@@ -18,7 +18,7 @@ use super::flow::{FULL_RECHECK, Flow, RelayHold, buffer_bound, refill_room};
 use super::shared::{ConsumerHandle, Ctx, Held, Polled, Record, Role, Shared, State};
 use super::token::TokenInfo;
 use crate::codec::decode;
-use crate::lock;
+use reliq_core::sync::lock;
 
 /// Longest a poll blocks, so settlements (commits, resumes) are applied promptly.
 const POLL_SLICE: Duration = Duration::from_millis(20);

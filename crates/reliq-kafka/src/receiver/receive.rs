@@ -5,7 +5,7 @@ use reliq_core::{BrokerError, Delivery};
 use super::fetch::LazyRecord;
 use super::flow::{buffer_bound, refill_room};
 use super::shared::{Inbound, Record, Shared};
-use crate::lock;
+use reliq_core::sync::lock;
 
 impl Shared {
     pub(super) async fn receive_batch(

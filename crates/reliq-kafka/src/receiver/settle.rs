@@ -9,7 +9,7 @@ use super::shared::{Held, Record, Shared, State};
 use super::token::TokenInfo;
 use crate::client::route_produce;
 use crate::codec::source_headers;
-use crate::lock;
+use reliq_core::sync::lock;
 
 impl Shared {
     pub(super) fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {

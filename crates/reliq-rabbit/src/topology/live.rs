@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use super::spec::{ArgValue, QUEUE_TYPE, QueueSpec, dead_letter_specs, main_spec, retry_specs};
 use crate::names::Names;
-use crate::{QueueType, RabbitOptions};
+use crate::{options::QueueType, options::RabbitOptions};
 
 /// Where RabbitMQ takes the smallest of argument, policy and operator policy.
 const SMALLEST_WINS: &[&str] = &[

@@ -23,7 +23,7 @@
 //! straight into the stream: on 3.10 a message dead-lettered into a stream loses its
 //! `x-death` table (the stream keeps only flat headers), so neither the time nor the
 //! routing key of the move could be read back. reliq moves each landed message into the
-//! stream with a reliq record made from its `x-death` (see [`crate::RabbitDeadLetters`]),
+//! stream with a reliq record made from its `x-death` (see [`crate::dead_letters::RabbitDeadLetters`]),
 //! confirmed before it acks the landing copy.
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
@@ -34,7 +34,7 @@ use std::fmt::Write as _;
 
 use crate::management::{Management, Policy};
 use crate::names::{Names, short};
-use crate::{QueueType, RabbitError, RabbitOptions};
+use crate::{error::RabbitError, options::QueueType, options::RabbitOptions};
 
 pub(crate) mod live;
 mod spec;
@@ -250,7 +250,7 @@ pub(crate) fn apply_to(queue_type: QueueType, server_version: Option<&str>) -> &
     }
 }
 
-/// What [`Broker::subscribe`](reliq_core::Broker::subscribe) on a [`crate::RabbitBroker`] declares for `sub`, as text: every exchange,
+/// What [`Broker::subscribe`](reliq_core::Broker::subscribe) on a [`crate::client::RabbitBroker`] declares for `sub`, as text: every exchange,
 /// queue, argument and binding, followed by the equivalent `rabbitmqctl set_policy`
 /// commands (for operators who prefer policies, which can be changed without deleting a
 /// queue). `server_version` picks the policy `--apply-to` value: `quorum_queues` on 3.12+,

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::management::Policy;
 use crate::names::Names;
-use crate::{QueueType, RabbitOptions};
+use crate::{options::QueueType, options::RabbitOptions};
 
 fn long(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.to_owned()))
