@@ -257,7 +257,8 @@ pub(crate) fn apply_to(queue_type: QueueType, server_version: Option<&str>) -> &
 /// `queues` before (3.10 rejects `quorum_queues`); unknown = `queues`.
 ///
 /// ```
-/// /// use reliq_core::Subscription;
+/// use std::time::Duration;
+/// use reliq_core::Subscription;
 /// let mut sub = Subscription::new("inventory", "orders");
 /// sub.retry_tiers = vec![Duration::from_secs(5)];
 /// let plan = reliq_rabbit::plan_text(&sub, &reliq_rabbit::RabbitOptions::default(), Some("3.10.8"));
