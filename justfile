@@ -94,6 +94,9 @@ lint:
     # No import circle between the files of any crate (and the check still catches one).
     scripts/import-circles --self-test
     scripts/import-circles
+    # Every public item of reliq-core has one path (the list: scripts/public-paths).
+    scripts/public-paths --self-test
+    scripts/public-paths --check
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
     # The OTLP example builds only with its feature (opentelemetry-otlp stays out of the test build).

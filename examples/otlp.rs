@@ -7,7 +7,7 @@
 //! `traceparent`) → `settle orders` — and for the failing one both attempts, the retry and
 //! the dead-lettering, with the messaging attributes and reliq's own (`reliq.attempt`,
 //! `reliq.decision`, …). The span names and attributes are listed in
-//! `reliq_core::telemetry`.
+//! `reliq_core::metrics`.
 //!
 //! Run: `cargo run -p reliq-examples --example otlp --features otel`.
 

@@ -4,4 +4,6 @@
 
 pub mod orders;
 
+pub mod guide;
+
 pub mod metrics;

@@ -5,7 +5,7 @@
 //! `cargo test` the tests of a binary take turns on a lock.
 
 use anyhow::Context as _;
-use reliq_core::sync::lock;
+use reliq_core::seam::lock;
 
 /// Every variable of the default chain (and of endpoints) a machine may have set.
 pub const AWS_VARS: &[&str] = &[

@@ -16,7 +16,10 @@
 //! the orders with their outbox (the driver places them and runs the relay) and the
 //! inventory's stock, reservations and inbox (the consumer writes them).
 
-use reliq_core::sync::lock;
+use reliq_core::{
+    BoxError, Broker, ConsumerBuilder, ConsumerHandle, Delivery, Duplicate, MessageId,
+    StatsSnapshot, seam::lock,
+};
 use std::collections::{HashMap, HashSet};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
@@ -27,10 +30,6 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 use async_trait::async_trait;
 use futures::future::BoxFuture;
-use reliq_core::{
-    BoxError, Broker, ConsumerBuilder, ConsumerHandle, Delivery, Duplicate, MessageId,
-    StatsSnapshot,
-};
 use reliq_examples::orders::{self, CONSUMER, Db, Expected};
 use reliq_memory::MemoryBroker;
 use tokio::io::{AsyncBufReadExt, BufReader};

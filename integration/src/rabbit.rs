@@ -70,7 +70,7 @@ impl RabbitBackend {
         };
         RabbitBroker::connect_with(&stripped, options)
             .await
-            .with_context(|| format!("RabbitMQ at {}", reliq_core::secrets::redact_url(url)))
+            .with_context(|| format!("RabbitMQ at {}", reliq_core::seam::secrets::redact_url(url)))
     }
 
     fn vhost(&self) -> &str {

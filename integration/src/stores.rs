@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use async_trait::async_trait;
-use reliq_core::outbox::{OutboxError, OutboxRecord, OutboxStore, Relay};
 use reliq_core::{
-    BoxError, Broker, Claim, Consumer, Delivery, Destination, Inbox, Message, MessageId, Receiver,
-    RetryPolicy, Subscription, Transient,
+    BoxError, Broker, Claim, Consumer, Delivery, Destination, Inbox, Message, MessageId,
+    OutboxError, OutboxRecord, OutboxStore, Relay, RetryPolicy, Subscription, Transient,
+    seam::Receiver,
 };
 use reliq_memory::MemoryBroker;
 use reliq_postgres::sqlx::{self, PgPool, Postgres, SqlitePool, Transaction};

@@ -25,7 +25,7 @@
 //! busy through every fault), `RELIQ_CRASH_SEED` as in the crash harness,
 //! `RELIQ_CHAOS_FAULTS=node,dlq,stall` to inject only some.
 
-use reliq_core::sync::lock;
+use reliq_core::seam::lock;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

@@ -23,7 +23,7 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use reliq_conformance::Backend;
 use reliq_conformance::support::Ctx;
-use reliq_core::{BoxError, Cursor, Delivery, Message, Poison, headers};
+use reliq_core::{BoxError, Cursor, Delivery, Message, Poison, seam::headers};
 use reliq_integration::settings;
 
 /// The test's own header: which generated message this is.
@@ -375,7 +375,7 @@ async fn check(backend: &dyn Backend, raw: &impl RawPublisher) -> anyhow::Result
         // A fuzz-seq no message was sent with would be counted for none of them.
         ensure!(seq < n, "a DLQ entry with fuzz-seq {seq}, sent were 0..{n}");
         ensure!(
-            record.reason == reliq_core::headers::DeadLetterReason::MaxDeliveries
+            record.reason == reliq_core::DeadLetterReason::MaxDeliveries
                 || record.error.as_deref().is_some_and(|e| !e.is_empty()),
             "message {seq} parked ({}) without an error text",
             record.reason

@@ -1,16 +1,15 @@
 //! NATS JetStream behaviour beyond the portable suite (the server from scripts/brokers).
 
-use reliq_core::sync::lock;
+use reliq_core::{
+    BoxError, Broker, Consumer, Cursor, DeadLetter, DeadLetterEntry, DeadLetterReason, DeadLetters,
+    Delivery, Destination, Message, RetryPolicy, Subscription, seam::lock,
+};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use reliq_conformance::support::unique;
-use reliq_core::{
-    BoxError, Broker, Consumer, Cursor, DeadLetter, DeadLetterEntry, DeadLetterReason, DeadLetters,
-    Delivery, Destination, Message, RetryPolicy, Subscription,
-};
 use reliq_integration::nats::NatsBackend;
 
 /// A handler running 3× the ack wait is kept leased by in-progress acks: not redelivered.
@@ -499,12 +498,12 @@ async fn retry_copy_keeps_origin_and_crash_loop_net() -> anyhow::Result<()> {
     ensure!(first.attempt() == 1 && first.origin().route.as_deref() == Some("created"));
     let mut copy = first.message().clone();
     copy.headers_mut()
-        .insert(reliq_core::headers::ATTEMPT, "2".to_owned());
+        .insert(reliq_core::seam::headers::ATTEMPT, "2".to_owned());
     let delay = Duration::from_millis(500);
     let retried_at = tokio::time::Instant::now();
     rx.retry(
         &first,
-        reliq_core::RetryRequest {
+        reliq_core::seam::RetryRequest {
             message: copy,
             delay,
             tier: 0,

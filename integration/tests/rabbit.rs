@@ -11,11 +11,10 @@ use anyhow::{Context as _, ensure};
 use async_trait::async_trait;
 use reliq_conformance::browse_all;
 use reliq_conformance::support::{Recorder, unique, wait_until};
-use reliq_core::headers;
 use reliq_core::{
     BoxError, Broker, BrokerError, Capabilities, Consumer, DeadLetter, DeadLetterReason, Delivery,
-    Destination, MemoryInbox, Message, Receiver, RetryPolicy, RetryRequest, Subscription,
-    Transient,
+    Destination, MemoryInbox, Message, RetryPolicy, Subscription, Transient,
+    seam::{Receiver, RetryRequest, headers},
 };
 use reliq_integration::rabbit::RabbitBackend;
 use reliq_rabbit::{Names, RabbitBroker};
@@ -1000,9 +999,9 @@ async fn landed_dead_letters_are_moved_into_the_stream_by_the_reader() -> anyhow
         first_failure_at: None,
         dead_lettered_at: legacy_at,
         consumer: "c".into(),
-        origin: headers::Origin {
+        origin: reliq_core::Origin {
             destination: topic.as_str().into(),
-            ..headers::Origin::default()
+            ..reliq_core::Origin::default()
         },
     }
     .write(legacy_dead.headers_mut());

@@ -177,7 +177,7 @@ async fn scram_sha_256_without_tls_and_plain_and_oauthbearer_over_tls_connect() 
             .map_err(|e| {
                 anyhow::anyhow!(
                     "{}: {}",
-                    reliq_core::secrets::redact_url(&url),
+                    reliq_core::seam::secrets::redact_url(&url),
                     reliq_core::ErrorChain(&e)
                 )
             })?;

@@ -1,4 +1,4 @@
-//! Spans after OpenTelemetry's messaging conventions (`reliq_core::telemetry`), exported
+//! Spans after OpenTelemetry's messaging conventions (`reliq_core::metrics`), exported
 //! through `tracing-opentelemetry` to the SDK's in-memory exporter, on the embedded
 //! broker and on RabbitMQ: one message published and failing transiently until its
 //! budget runs out makes the chain `send` (producer) → `process` attempt 1 (consumer,

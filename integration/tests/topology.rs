@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
 use reliq_conformance::Ctx;
-use reliq_core::topology::{Difference, Drift, Severity, TopologyReport};
-use reliq_core::{Broker, Subscription};
+use reliq_core::{Broker, Difference, Drift, Severity, Subscription, TopologyReport};
 use serde_json::{Value, json};
 
 /// The one difference on `object` (by name, or its suffix) about `setting` — `None` for

@@ -3,7 +3,7 @@
 //! appended as one JSON line to a file. Tokens and payloads never appear in it: a record
 //! has no field that could carry them.
 
-use reliq_core::sync::lock;
+use reliq_core::seam::lock;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -96,7 +96,7 @@ impl AuditLog {
 
     /// Write one record (its `at` is set here).
     pub fn write(&self, mut record: AuditRecord) {
-        record.at = reliq_core::headers::format_time(SystemTime::now());
+        record.at = reliq_core::seam::headers::format_time(SystemTime::now());
         let line = match serde_json::to_string(&record) {
             Ok(line) => line,
             Err(e) => {

@@ -13,7 +13,7 @@
 //!
 //! A presented token is hashed and compared with every entry in constant time.
 
-use reliq_core::sync::lock;
+use reliq_core::seam::lock;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::SystemTime;

@@ -2,13 +2,12 @@
 //! others, cancelled by one more. A job lives in this process (a restarted server forgets
 //! it — and loses nothing: a replay interrupted midway is simply run again).
 
-use reliq_core::sync::lock;
+use reliq_core::{Progress, seam::lock};
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use reliq_core::Progress;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -126,7 +125,7 @@ impl Jobs {
                 actor: actor.to_owned(),
                 state: JobState::Running,
                 progress: Progress::default(),
-                started_at: reliq_core::headers::format_time(SystemTime::now()),
+                started_at: reliq_core::seam::headers::format_time(SystemTime::now()),
                 finished_at: None,
                 outcome: None,
                 error: None,
@@ -139,7 +138,7 @@ impl Jobs {
         tokio::spawn(async move {
             let result = task.await;
             let mut view = lock(&job.view);
-            view.finished_at = Some(reliq_core::headers::format_time(SystemTime::now()));
+            view.finished_at = Some(reliq_core::seam::headers::format_time(SystemTime::now()));
             let (outcome, status, reason, counts) = match result {
                 Ok(done) => {
                     view.state = if done.cancelled {

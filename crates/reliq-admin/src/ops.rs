@@ -544,7 +544,7 @@ impl Dlq {
                     value: pair.chars().take(80).collect(),
                     expected: "name=value".into(),
                 })?;
-            if name.starts_with(reliq_core::headers::PREFIX) {
+            if name.starts_with(reliq_core::seam::headers::PREFIX) {
                 return Err(AdminError::InvalidInput {
                     field: "header",
                     value: name.chars().take(80).collect(),
@@ -688,7 +688,7 @@ fn detail(entry: &DeadLetterEntry) -> EntryDetail {
 }
 
 fn format_time(t: SystemTime) -> String {
-    reliq_core::headers::format_time(t)
+    reliq_core::seam::headers::format_time(t)
 }
 
 /// Entries read per browse.

@@ -1,6 +1,6 @@
 //! The web console's signed-in sessions (see the `console` module's docs).
 
-use reliq_core::sync::lock;
+use reliq_core::seam::lock;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

@@ -1,8 +1,11 @@
 //! The web console over HTTP on the embedded broker: sign-in and the session cookie, a
 //! reader's pages without actions and its forged posts refused, the CSRF token, an
 //! operator's dry run, replay (a job) and edit, an admin's purge and audit page, sign-out,
-//! and a removed token ending its session.
+//! and a removed token ending its session. Each test builds its own broker, dead letters,
+//! tokens and console through [`fixture`], and ends checking that no token reached the
+//! audit log.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -13,7 +16,10 @@ use axum::http::{Request, StatusCode, header};
 use http_body_util::BodyExt;
 use reliq_admin::http::{AdminState, Limits, router};
 use reliq_admin::{AuditLog, Role, Tokens, new_token};
-use reliq_core::{BoxError, Broker, Consumer, Delivery, Destination, Message, Poison, headers};
+use reliq_core::{
+    BoxError, Broker, Consumer, ConsumerHandle, Delivery, Destination, Message, Poison,
+    seam::headers,
+};
 use reliq_memory::MemoryBroker;
 use tower::ServiceExt;
 
@@ -77,6 +83,200 @@ impl Console {
         let pair = set.split(';').next().unwrap_or_default().trim().to_owned();
         Ok((pair, set))
     }
+
+    /// Poll a job's page until the job no longer runs (up to 100 × 50 ms): the last page.
+    async fn job_end(&self, job: &str, cookie: &str) -> anyhow::Result<String> {
+        let mut state = String::new();
+        for _ in 0..100 {
+            state = self.send("GET", job, Some(cookie), None).await?.body;
+            if !state.contains(r#"data-testid="job-state">running"#) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(state)
+    }
+}
+
+/// A signed-in session: its cookie, and the group page of consumer `billing` as it saw it
+/// with that page's CSRF token.
+struct Session {
+    cookie: String,
+    groups: String,
+    csrf: String,
+}
+
+/// A console on its own embedded broker: consumer `billing` of `invoices` dead-letters
+/// every first-time message as poison ("bad field at byte N") and counts replayed ones;
+/// 3 dead letters are parked; a tokens file with a reader (rita), an operator (oscar) and
+/// an admin (ada); an audit log file.
+struct Fixture {
+    console: Console,
+    memory: MemoryBroker,
+    broker: Arc<dyn Broker>,
+    handle: ConsumerHandle,
+    replayed: Arc<AtomicUsize>,
+    tokens_path: PathBuf,
+    audit_path: PathBuf,
+    reader: String,
+    reader_entry: String,
+    operator: String,
+    admin: String,
+    admin_entry: String,
+    _dir: tempfile::TempDir,
+}
+
+async fn fixture() -> anyhow::Result<Fixture> {
+    let memory = MemoryBroker::new();
+    let broker: Arc<dyn Broker> = Arc::new(memory.clone());
+    let replayed = Arc::new(AtomicUsize::new(0));
+    let seen = replayed.clone();
+    let handle = Consumer::builder(broker.clone(), "billing")
+        .subscribe("invoices")
+        .start(move |d: Delivery| {
+            let seen = seen.clone();
+            async move {
+                if d.headers().get(headers::REPLAY_COUNT).is_some() {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                    return Ok(());
+                }
+                Err::<(), BoxError>(
+                    Poison::msg(format!("bad field at byte {}", d.payload().len())).into(),
+                )
+            }
+        })
+        .await?;
+    let dir = tempfile::tempdir()?;
+    let tokens_path = dir.path().join("tokens.toml");
+    let (reader, reader_entry) = new_token("rita", Role::Reader, None)?;
+    let (operator, operator_entry) = new_token("oscar", Role::Operator, None)?;
+    let (admin, admin_entry) = new_token("ada", Role::Admin, None)?;
+    std::fs::write(
+        &tokens_path,
+        format!("{reader_entry}\n{operator_entry}\n{admin_entry}"),
+    )?;
+    let audit_path = dir.path().join("audit.jsonl");
+    let state = AdminState::new(
+        broker.clone(),
+        Tokens::open(&tokens_path)?,
+        AuditLog::to_file(&audit_path)?,
+    )
+    .with_consumers([reliq_admin::http::parse_consumer("billing=invoices")?]);
+    let f = Fixture {
+        console: Console {
+            app: router(Arc::new(state), Limits::default()),
+        },
+        memory,
+        broker,
+        handle,
+        replayed,
+        tokens_path,
+        audit_path,
+        reader,
+        reader_entry,
+        operator,
+        admin,
+        admin_entry,
+        _dir: dir,
+    };
+    f.publish(3).await?;
+    f.parked(3).await?;
+    Ok(f)
+}
+
+impl Fixture {
+    /// Publish `n` invoices (`{"invoice":0}`, `{"invoice":1}`, …).
+    async fn publish(&self, n: usize) -> anyhow::Result<()> {
+        for i in 0..n {
+            self.broker
+                .publish(
+                    &Destination::new("invoices"),
+                    Message::new(format!("{{\"invoice\":{i}}}")),
+                )
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Wait until the consumer has dead-lettered `n` messages in all.
+    async fn parked(&self, n: u64) -> anyhow::Result<()> {
+        within_10s(|| self.handle.stats().dead_lettered >= n).await
+    }
+
+    /// Wait until the consumer has handled `n` replayed messages in all.
+    async fn replayed(&self, n: usize) -> anyhow::Result<()> {
+        within_10s(|| self.replayed.load(Ordering::SeqCst) >= n).await
+    }
+
+    fn dead_letters(&self) -> usize {
+        self.memory
+            .dead_letter_depth(&reliq_core::Subscription::new("billing", "invoices"))
+    }
+
+    async fn get(&self, path: &str, cookie: &str) -> anyhow::Result<Answer> {
+        self.console.send("GET", path, Some(cookie), None).await
+    }
+
+    async fn post(
+        &self,
+        path: &str,
+        cookie: &str,
+        form: &[(&str, &str)],
+    ) -> anyhow::Result<Answer> {
+        self.console
+            .send("POST", path, Some(cookie), Some(form))
+            .await
+    }
+
+    /// Sign in with `token` and open the group page.
+    async fn session(&self, token: &str) -> anyhow::Result<Session> {
+        let (cookie, _) = self.console.sign_in(token).await?;
+        let groups = self.get("/console/consumers/billing", &cookie).await?.body;
+        let csrf = csrf_of(&groups)?;
+        Ok(Session {
+            cookie,
+            groups,
+            csrf,
+        })
+    }
+
+    /// As `s` (an operator), replay the group of `fingerprint` at 50/s: a job, which
+    /// succeeds, and the consumer then handles the group's 3.
+    async fn replay_the_group(&self, s: &Session, fingerprint: &str) -> anyhow::Result<()> {
+        let form = [
+            ("csrf", &*s.csrf),
+            ("fingerprint", fingerprint),
+            ("rate", "50"),
+        ];
+        let started = self
+            .post("/console/consumers/billing/replay", &s.cookie, &form)
+            .await?;
+        let job = started.location.clone().context("the job's page")?;
+        ensure!(
+            started.status == StatusCode::SEE_OTHER && job.starts_with("/console/jobs/"),
+            "{:?}",
+            started.location
+        );
+        let state = self.console.job_end(&job, &s.cookie).await?;
+        ensure!(
+            state.contains(r#"data-testid="job-state">succeeded"#),
+            "{state}"
+        );
+        self.replayed(3).await
+    }
+
+    /// The audit log holds none of the tokens; stop the consumer.
+    async fn finish(self) -> anyhow::Result<()> {
+        let audit = std::fs::read_to_string(&self.audit_path)?;
+        for token in [&self.reader, &self.operator, &self.admin] {
+            ensure!(
+                !audit.contains(token.as_str()),
+                "a token is in the audit log"
+            );
+        }
+        self.handle.shutdown().await;
+        Ok(())
+    }
 }
 
 /// Wait up to 10 s for `done`, polling every 20 ms.
@@ -99,66 +299,22 @@ fn csrf_of(page: &str) -> anyhow::Result<String> {
     Ok(rest[..rest.find('"').context("end of the CSRF value")?].to_owned())
 }
 
+/// The first failure group's fingerprint on a group page (its entries link).
+fn fingerprint_of(page: &str) -> anyhow::Result<String> {
+    let at = page.find("fingerprint=").context("a fingerprint link")? + "fingerprint=".len();
+    Ok(page
+        .get(at..at + 16)
+        .context("a 16-character fingerprint")?
+        .to_owned())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> anyhow::Result<()> {
-    let memory = MemoryBroker::new();
-    let broker: Arc<dyn Broker> = Arc::new(memory.clone());
-    let replayed = Arc::new(AtomicUsize::new(0));
-    let seen = replayed.clone();
-    let handle = Consumer::builder(broker.clone(), "billing")
-        .subscribe("invoices")
-        .start(move |d: Delivery| {
-            let seen = seen.clone();
-            async move {
-                if d.headers().get(headers::REPLAY_COUNT).is_some() {
-                    seen.fetch_add(1, Ordering::SeqCst);
-                    return Ok(());
-                }
-                Err::<(), BoxError>(
-                    Poison::msg(format!("bad field at byte {}", d.payload().len())).into(),
-                )
-            }
-        })
-        .await?;
-    let publish = async |n: usize| -> anyhow::Result<()> {
-        for i in 0..n {
-            broker
-                .publish(
-                    &Destination::new("invoices"),
-                    Message::new(format!("{{\"invoice\":{i}}}")),
-                )
-                .await?;
-        }
-        Ok(())
-    };
-    publish(3).await?;
-    let parked = |n: u64| handle.stats().dead_lettered >= n;
-    within_10s(|| parked(3)).await?;
-
-    let dir = tempfile::tempdir()?;
-    let tokens_path = dir.path().join("tokens.toml");
-    let (reader, reader_entry) = new_token("rita", Role::Reader, None)?;
-    let (operator, operator_entry) = new_token("oscar", Role::Operator, None)?;
-    let (admin, admin_entry) = new_token("ada", Role::Admin, None)?;
-    std::fs::write(
-        &tokens_path,
-        format!("{reader_entry}\n{operator_entry}\n{admin_entry}"),
-    )?;
-    let audit_path = dir.path().join("audit.jsonl");
-    let state = AdminState::new(
-        broker.clone(),
-        Tokens::open(&tokens_path)?,
-        AuditLog::to_file(&audit_path)?,
-    )
-    .with_consumers([reliq_admin::http::parse_consumer("billing=invoices")?]);
-    let console = Console {
-        app: router(Arc::new(state), Limits::default()),
-    };
-
-    // Signed out: every page sends you to sign in; a wrong token is refused.
-    let a = console.send("GET", "/console/", None, None).await?;
+async fn signed_out_pages_send_you_to_sign_in_and_a_wrong_token_is_refused() -> anyhow::Result<()> {
+    let f = fixture().await?;
+    let a = f.console.send("GET", "/console/", None, None).await?;
     ensure!(a.status == StatusCode::SEE_OTHER && a.location.as_deref() == Some("/console/sign-in"));
-    let a = console
+    let a = f
+        .console
         .send(
             "POST",
             "/console/sign-in",
@@ -171,17 +327,32 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
         "{}",
         a.status
     );
+    f.finish().await
+}
 
-    // A reader: the overview and the groups, no action; a forged post refused.
-    let (rita, attributes) = console.sign_in(&reader).await?;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sign_in_sets_a_strict_http_only_session_cookie_without_the_token() -> anyhow::Result<()> {
+    let f = fixture().await?;
+    let (_, attributes) = f.console.sign_in(&f.reader).await?;
     for attribute in ["HttpOnly", "SameSite=Strict", "Path=/console"] {
         ensure!(
             attributes.contains(attribute),
             "cookie without {attribute}: {attributes}"
         );
     }
-    ensure!(!attributes.contains(&reader), "the token is in the cookie");
-    let a = console.send("GET", "/console/", Some(&rita), None).await?;
+    ensure!(
+        !attributes.contains(&f.reader),
+        "the token is in the cookie"
+    );
+    f.finish().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_sees_the_pages_without_actions_and_its_forged_post_is_refused()
+-> anyhow::Result<()> {
+    let f = fixture().await?;
+    let rita = f.session(&f.reader).await?;
+    let a = f.get("/console/", &rita.cookie).await?;
     ensure!(
         a.status == StatusCode::OK
             && a.body.contains("billing")
@@ -190,26 +361,21 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
         "{}",
         a.body
     );
-    let groups = console
-        .send("GET", "/console/consumers/billing", Some(&rita), None)
-        .await?;
     ensure!(
-        groups.body.contains("bad field at byte &lt;n&gt;")
-            && groups.body.contains(r#"<td class="num">3</td>"#),
+        rita.groups.contains("bad field at byte &lt;n&gt;")
+            && rita.groups.contains(r#"<td class="num">3</td>"#),
         "{}",
-        groups.body
+        rita.groups
     );
     ensure!(
-        !groups.body.contains("/console/consumers/billing/replay"),
+        !rita.groups.contains("/console/consumers/billing/replay"),
         "a reader sees a replay button"
     );
-    let rita_csrf = csrf_of(&groups.body)?;
-    let forged = console
-        .send(
-            "POST",
+    let forged = f
+        .post(
             "/console/consumers/billing/replay",
-            Some(&rita),
-            Some(&[("csrf", &rita_csrf), ("dry_run", "true")]),
+            &rita.cookie,
+            &[("csrf", &rita.csrf), ("dry_run", "true")],
         )
         .await?;
     ensure!(
@@ -217,41 +383,39 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
         "{}",
         forged.status
     );
-    let audit_page = console
-        .send("GET", "/console/audit", Some(&rita), None)
-        .await?;
+    let audit_page = f.get("/console/audit", &rita.cookie).await?;
     ensure!(audit_page.status == StatusCode::FORBIDDEN);
-
-    // An operator: no CSRF token, refused; a dry run changes nothing; the replay runs as
-    // a job and the consumer handles exactly the group's 3.
-    let (oscar, _) = console.sign_in(&operator).await?;
-    let groups = console
-        .send("GET", "/console/consumers/billing", Some(&oscar), None)
-        .await?;
+    let audit = std::fs::read_to_string(&f.audit_path)?;
     ensure!(
-        groups.body.contains("/console/consumers/billing/replay"),
+        audit
+            .lines()
+            .any(|l| l.contains("\"status\":403") && l.contains("rita")),
+        "the forged post is not audited"
+    );
+    f.finish().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_post_without_its_own_sessions_csrf_token_is_refused() -> anyhow::Result<()> {
+    let f = fixture().await?;
+    let rita = f.session(&f.reader).await?;
+    let oscar = f.session(&f.operator).await?;
+    ensure!(
+        oscar.groups.contains("/console/consumers/billing/replay"),
         "an operator sees no replay button"
     );
     ensure!(
-        !groups.body.contains("/console/consumers/billing/purge"),
+        !oscar.groups.contains("/console/consumers/billing/purge"),
         "an operator sees a purge button"
     );
-    let csrf = csrf_of(&groups.body)?;
-    ensure!(csrf != rita_csrf, "two sessions share a CSRF token");
-    let fingerprint = {
-        let at = groups
-            .body
-            .find("fingerprint=")
-            .context("a fingerprint link")?
-            + "fingerprint=".len();
-        groups.body[at..at + 16].to_owned()
-    };
-    let no_csrf = console
-        .send(
-            "POST",
-            "/console/consumers/billing/replay",
-            Some(&oscar),
-            Some(&[("fingerprint", &fingerprint), ("dry_run", "true")]),
+    ensure!(oscar.csrf != rita.csrf, "two sessions share a CSRF token");
+    let fingerprint = fingerprint_of(&oscar.groups)?;
+    let replay = "/console/consumers/billing/replay";
+    let no_csrf = f
+        .post(
+            replay,
+            &oscar.cookie,
+            &[("fingerprint", &fingerprint), ("dry_run", "true")],
         )
         .await?;
     ensure!(
@@ -259,28 +423,35 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
         "{}",
         no_csrf.status
     );
-    let wrong_csrf = console
-        .send(
-            "POST",
-            "/console/consumers/billing/replay",
-            Some(&oscar),
-            Some(&[("csrf", &rita_csrf), ("fingerprint", &fingerprint)]),
+    let wrong_csrf = f
+        .post(
+            replay,
+            &oscar.cookie,
+            &[("csrf", &rita.csrf), ("fingerprint", &fingerprint)],
         )
         .await?;
     ensure!(
         wrong_csrf.status == StatusCode::FORBIDDEN,
         "another session's CSRF token was taken"
     );
-    let preview = console
-        .send(
-            "POST",
+    ensure!(f.dead_letters() == 3, "a refused post moved something");
+    f.finish().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_dry_run_changes_nothing() -> anyhow::Result<()> {
+    let f = fixture().await?;
+    let oscar = f.session(&f.operator).await?;
+    let fingerprint = fingerprint_of(&oscar.groups)?;
+    let preview = f
+        .post(
             "/console/consumers/billing/replay",
-            Some(&oscar),
-            Some(&[
-                ("csrf", &csrf),
+            &oscar.cookie,
+            &[
+                ("csrf", &oscar.csrf),
                 ("fingerprint", &fingerprint),
                 ("dry_run", "true"),
-            ]),
+            ],
         )
         .await?;
     ensure!(
@@ -291,54 +462,32 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
         "{}",
         preview.body
     );
-    ensure!(
-        memory.dead_letter_depth(&reliq_core::Subscription::new("billing", "invoices")) == 3,
-        "a dry run moved something"
-    );
-    ensure!(replayed.load(Ordering::SeqCst) == 0);
-    let started = console
-        .send(
-            "POST",
-            "/console/consumers/billing/replay",
-            Some(&oscar),
-            Some(&[
-                ("csrf", &csrf),
-                ("fingerprint", &fingerprint),
-                ("rate", "50"),
-            ]),
-        )
-        .await?;
-    let job = started.location.clone().context("the job's page")?;
-    ensure!(
-        started.status == StatusCode::SEE_OTHER && job.starts_with("/console/jobs/"),
-        "{:?}",
-        started.location
-    );
-    let mut state = String::new();
-    for _ in 0..100 {
-        let page = console.send("GET", &job, Some(&oscar), None).await?;
-        state = page.body;
-        if !state.contains(r#"data-testid="job-state">running"#) {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    ensure!(
-        state.contains(r#"data-testid="job-state">succeeded"#),
-        "{state}"
-    );
-    within_10s(|| replayed.load(Ordering::SeqCst) >= 3).await?;
+    ensure!(f.dead_letters() == 3, "a dry run moved something");
+    ensure!(f.replayed.load(Ordering::SeqCst) == 0);
+    f.finish().await
+}
 
-    // A message's page, and edit-and-replay.
-    publish(1).await?;
-    within_10s(|| parked(4)).await?;
-    let list = console
-        .send(
-            "GET",
-            "/console/consumers/billing/entries",
-            Some(&oscar),
-            None,
-        )
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_replay_runs_as_a_job_and_the_consumer_handles_the_group() -> anyhow::Result<()>
+{
+    let f = fixture().await?;
+    let oscar = f.session(&f.operator).await?;
+    let fingerprint = fingerprint_of(&oscar.groups)?;
+    f.replay_the_group(&oscar, &fingerprint).await?;
+    f.finish().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_opens_a_message_and_edits_and_replays_it() -> anyhow::Result<()> {
+    let f = fixture().await?;
+    let oscar = f.session(&f.operator).await?;
+    // The group replayed first, so the one new dead letter is the only entry.
+    f.replay_the_group(&oscar, &fingerprint_of(&oscar.groups)?)
+        .await?;
+    f.publish(1).await?;
+    f.parked(4).await?;
+    let list = f
+        .get("/console/consumers/billing/entries", &oscar.cookie)
         .await?;
     let at = list
         .body
@@ -346,22 +495,21 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
         .context("an entry link")?;
     let link = &list.body[at..];
     let link = link[..link.find('"').context("end of the link")?].to_owned();
-    let detail = console.send("GET", &link, Some(&oscar), None).await?;
+    let detail = f.get(&link, &oscar.cookie).await?;
     ensure!(
         detail.body.contains("poison") && detail.body.contains("&quot;invoice&quot;: 0"),
         "{}",
         detail.body
     );
-    let edited = console
-        .send(
-            "POST",
+    let edited = f
+        .post(
             &format!("{link}/edit"),
-            Some(&oscar),
-            Some(&[
-                ("csrf", &csrf),
+            &oscar.cookie,
+            &[
+                ("csrf", &oscar.csrf),
                 ("payload", "{\"invoice\":0,\"fixed\":true}"),
                 ("headers", "x-fixed=1"),
-            ]),
+            ],
         )
         .await?;
     ensure!(
@@ -370,47 +518,36 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
         edited.status,
         edited.body
     );
-    within_10s(|| replayed.load(Ordering::SeqCst) >= 4).await?;
+    f.replayed(4).await?;
+    f.finish().await
+}
 
-    // An admin purges a group and reads the audit log.
-    publish(2).await?;
-    within_10s(|| parked(6)).await?;
-    let (ada, _) = console.sign_in(&admin).await?;
-    let groups = console
-        .send("GET", "/console/consumers/billing", Some(&ada), None)
-        .await?;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_purges_a_group_and_reads_the_audit_page() -> anyhow::Result<()> {
+    let f = fixture().await?;
+    // The operator's sign-in, for the audit page to show.
+    f.console.sign_in(&f.operator).await?;
+    let ada = f.session(&f.admin).await?;
     ensure!(
-        groups.body.contains("/console/consumers/billing/purge"),
+        ada.groups.contains("/console/consumers/billing/purge"),
         "an admin sees no purge button"
     );
-    let admin_csrf = csrf_of(&groups.body)?;
-    let purge = console
-        .send(
-            "POST",
+    let fingerprint = fingerprint_of(&ada.groups)?;
+    let purge = f
+        .post(
             "/console/consumers/billing/purge",
-            Some(&ada),
-            Some(&[("csrf", &admin_csrf), ("fingerprint", &fingerprint)]),
+            &ada.cookie,
+            &[("csrf", &ada.csrf), ("fingerprint", &fingerprint)],
         )
         .await?;
     let job = purge.location.context("the purge job")?;
-    for _ in 0..100 {
-        if console
-            .send("GET", &job, Some(&ada), None)
-            .await?
-            .body
-            .contains(r#"data-testid="job-state">succeeded"#)
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let state = f.console.job_end(&job, &ada.cookie).await?;
     ensure!(
-        memory.dead_letter_depth(&reliq_core::Subscription::new("billing", "invoices")) == 0,
-        "the purge left entries"
+        state.contains(r#"data-testid="job-state">succeeded"#),
+        "{state}"
     );
-    let audit_page = console
-        .send("GET", "/console/audit", Some(&ada), None)
-        .await?;
+    ensure!(f.dead_letters() == 0, "the purge left entries");
+    let audit_page = f.get("/console/audit", &ada.cookie).await?;
     ensure!(
         audit_page.status == StatusCode::OK
             && audit_page.body.contains("console-sign-in")
@@ -418,47 +555,48 @@ async fn console_signs_in_checks_roles_and_csrf_and_runs_the_operations() -> any
         "{}",
         audit_page.body
     );
+    f.finish().await
+}
 
-    // Sign-out ends the session; a token taken out of the file ends its sessions.
-    let out = console
-        .send(
-            "POST",
-            "/console/sign-out",
-            Some(&ada),
-            Some(&[("csrf", &admin_csrf)]),
-        )
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sign_out_ends_the_session() -> anyhow::Result<()> {
+    let f = fixture().await?;
+    let ada = f.session(&f.admin).await?;
+    let out = f
+        .post("/console/sign-out", &ada.cookie, &[("csrf", &ada.csrf)])
         .await?;
     ensure!(
         out.status == StatusCode::SEE_OTHER && out.cookie.is_some_and(|c| c.contains("Max-Age=0"))
     );
-    let after = console.send("GET", "/console/", Some(&ada), None).await?;
+    let after = f.get("/console/", &ada.cookie).await?;
     ensure!(
         after.status == StatusCode::SEE_OTHER,
         "signed out, still in: {}",
         after.status
     );
+    f.finish().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_taken_out_of_the_file_ends_its_sessions() -> anyhow::Result<()> {
+    let f = fixture().await?;
+    let (oscar, _) = f.console.sign_in(&f.operator).await?;
+    let before = f.get("/console/", &oscar).await?;
+    ensure!(
+        before.status == StatusCode::OK,
+        "signed in: {}",
+        before.status
+    );
     std::thread::sleep(Duration::from_millis(20));
-    std::fs::write(&tokens_path, format!("{reader_entry}\n{admin_entry}"))?;
-    let revoked = console.send("GET", "/console/", Some(&oscar), None).await?;
+    std::fs::write(
+        &f.tokens_path,
+        format!("{}\n{}", f.reader_entry, f.admin_entry),
+    )?;
+    let revoked = f.get("/console/", &oscar).await?;
     ensure!(
         revoked.status == StatusCode::SEE_OTHER,
         "a removed token's session goes on: {}",
         revoked.status
     );
-
-    let audit = std::fs::read_to_string(&audit_path)?;
-    for token in [&reader, &operator, &admin] {
-        ensure!(
-            !audit.contains(token.as_str()),
-            "a token is in the audit log"
-        );
-    }
-    ensure!(
-        audit
-            .lines()
-            .any(|l| l.contains("\"status\":403") && l.contains("rita")),
-        "the forged post is not audited"
-    );
-    handle.shutdown().await;
-    Ok(())
+    f.finish().await
 }

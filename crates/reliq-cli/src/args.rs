@@ -15,13 +15,13 @@ use crate::Failure;
 /// broker's topology differs from the plan (`topology check`).
 #[derive(Debug, Parser)]
 #[command(name = "reliq", version)]
-pub struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
-    pub command: Command,
+    pub(crate) command: Command,
 }
 
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// A consumer's dead-letter queue.
     Dlq {
         #[command(subcommand)]
@@ -41,23 +41,23 @@ pub enum Command {
 
 /// Which broker.
 #[derive(Debug, Args)]
-pub struct BrokerArgs {
+pub(crate) struct BrokerArgs {
     /// Broker URL: kafka://…, amqp://…, nats://…, sqs://…, memory://.
     #[arg(long, env = "RELIQ_URL")]
-    pub url: Option<String>,
+    pub(crate) url: Option<String>,
     /// Instead of --url: a file holding the URL (one line), so that a URL with a
     /// password never shows in the process list (e.g. a mounted secret).
     #[arg(long, env = "RELIQ_URL_FILE", conflicts_with = "url")]
-    pub url_file: Option<PathBuf>,
+    pub(crate) url_file: Option<PathBuf>,
     /// Instead of --url: a backend name (kafka, rabbit, nats, sqs) whose URL is
     /// `RELIQ_<NAME>_URL` from the environment or ./brokers.env.
     #[arg(long, env = "RELIQ_BACKEND", conflicts_with_all = ["url", "url_file"])]
-    pub backend: Option<String>,
+    pub(crate) backend: Option<String>,
 }
 
 impl BrokerArgs {
     /// The URL to connect to.
-    pub fn url(&self) -> Result<String, Failure> {
+    pub(crate) fn url(&self) -> Result<String, Failure> {
         if let Some(url) = &self.url {
             return Ok(url.clone());
         }
@@ -108,60 +108,60 @@ fn brokers_env_value(dir: &Path, key: &str) -> Option<String> {
 
 /// Which consumer's DLQ, and how to answer.
 #[derive(Debug, Args)]
-pub struct Target {
+pub(crate) struct Target {
     #[command(flatten)]
-    pub broker: BrokerArgs,
+    pub(crate) broker: BrokerArgs,
     /// The consumer (group) whose DLQ it is.
     #[arg(long, env = "RELIQ_CONSUMER")]
-    pub consumer: String,
+    pub(crate) consumer: String,
     /// What the consumer consumes: topic, exchange, stream or queue.
     #[arg(long, env = "RELIQ_SOURCE")]
-    pub source: String,
+    pub(crate) source: String,
     /// One JSON document on stdout instead of text.
     #[arg(long)]
-    pub json: bool,
+    pub(crate) json: bool,
 }
 
 impl Target {
-    pub fn url(&self) -> Result<String, Failure> {
+    pub(crate) fn url(&self) -> Result<String, Failure> {
         self.broker.url()
     }
 }
 
 /// Which dead letters (every flag given must hold).
 #[derive(Debug, Args)]
-pub struct FilterArgs {
+pub(crate) struct FilterArgs {
     /// Dead-letter reason: exhausted, permanent, poison, expired, max-deliveries, panic.
     #[arg(long, value_delimiter = ',')]
-    pub reason: Vec<String>,
+    pub(crate) reason: Vec<String>,
     /// Error class: transient, permanent, poison, panic.
     #[arg(long, value_delimiter = ',')]
-    pub class: Vec<String>,
+    pub(crate) class: Vec<String>,
     /// Error fingerprint id, as `stats` prints it.
     #[arg(long, value_delimiter = ',')]
-    pub fingerprint: Vec<String>,
+    pub(crate) fingerprint: Vec<String>,
     /// Message id.
     #[arg(long, value_delimiter = ',')]
-    pub id: Vec<String>,
+    pub(crate) id: Vec<String>,
     /// A header, name=value (repeat for several; all must match).
     #[arg(long)]
-    pub header: Vec<String>,
+    pub(crate) header: Vec<String>,
     /// A substring of the payload.
     #[arg(long)]
-    pub payload_contains: Option<String>,
+    pub(crate) payload_contains: Option<String>,
     /// Dead-lettered at or after: RFC 3339, or an age (2h, 30m).
     #[arg(long)]
-    pub since: Option<String>,
+    pub(crate) since: Option<String>,
     /// Dead-lettered before: RFC 3339, or an age.
     #[arg(long)]
-    pub until: Option<String>,
+    pub(crate) until: Option<String>,
     /// At most this many.
     #[arg(long)]
-    pub limit: Option<usize>,
+    pub(crate) limit: Option<usize>,
 }
 
 impl FilterArgs {
-    pub fn spec(&self) -> FilterSpec {
+    pub(crate) fn spec(&self) -> FilterSpec {
         FilterSpec {
             reason: self.reason.clone(),
             class: self.class.clone(),
@@ -178,7 +178,7 @@ impl FilterArgs {
 
 /// Where replayed messages go.
 #[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum ReplayTo {
+pub(crate) enum ReplayTo {
     /// Only the consumer that dead-lettered them.
     Consumer,
     /// The original destination: every consumer of it.
@@ -186,7 +186,7 @@ pub enum ReplayTo {
 }
 
 impl ReplayTo {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Consumer => "consumer",
             Self::Original => "original",
@@ -195,7 +195,7 @@ impl ReplayTo {
 }
 
 #[derive(Debug, Subcommand)]
-pub enum DlqCommand {
+pub(crate) enum DlqCommand {
     /// Count, oldest age, and groups by reason, class and error fingerprint.
     Stats {
         #[command(flatten)]
@@ -272,28 +272,28 @@ pub enum DlqCommand {
 /// A consumer's subscription, as its `ConsumerBuilder` makes it (see
 /// `ConsumerBuilder::subscription`): the plan depends on every setting here.
 #[derive(Debug, Args)]
-pub struct SubscriptionArgs {
+pub(crate) struct SubscriptionArgs {
     #[command(flatten)]
-    pub target: Target,
+    pub(crate) target: Target,
     /// The consumer's filter (routing-key pattern or subject), if any.
     #[arg(long)]
-    pub filter: Option<String>,
+    pub(crate) filter: Option<String>,
     /// The retry policy's delay tiers (1s,30s,5m): Kafka retry topics, RabbitMQ TTL queues.
     #[arg(long, value_delimiter = ',', value_parser = humantime::parse_duration)]
-    pub retry_tiers: Vec<std::time::Duration>,
+    pub(crate) retry_tiers: Vec<std::time::Duration>,
     /// The broker-side delivery limit (a consumer's default: its policy's attempts + 5).
     #[arg(long, default_value_t = 20)]
-    pub delivery_limit: u32,
+    pub(crate) delivery_limit: u32,
     /// The lease (ack wait, visibility timeout).
     #[arg(long, default_value = "30s")]
-    pub lease: humantime::Duration,
+    pub(crate) lease: humantime::Duration,
     /// The consumer's in-flight bound (its prefetch).
     #[arg(long, default_value_t = 64)]
-    pub prefetch: u32,
+    pub(crate) prefetch: u32,
 }
 
 impl SubscriptionArgs {
-    pub fn subscription(&self) -> reliq::Subscription {
+    pub(crate) fn subscription(&self) -> reliq::Subscription {
         let mut sub =
             reliq::Subscription::new(self.target.consumer.clone(), self.target.source.clone());
         sub.filter = self.filter.clone();
@@ -307,7 +307,7 @@ impl SubscriptionArgs {
 
 /// Which differences fail `topology check`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum FailOn {
+pub(crate) enum FailOn {
     /// Only what breaks delivery guarantees.
     Breaking,
     /// Any difference.
@@ -315,7 +315,7 @@ pub enum FailOn {
 }
 
 #[derive(Debug, Subcommand)]
-pub enum TopologyCommand {
+pub(crate) enum TopologyCommand {
     /// What the consumer needs: objects and settings (changes nothing).
     Plan {
         #[command(flatten)]
@@ -349,7 +349,7 @@ pub enum TopologyCommand {
 }
 
 #[derive(Debug, Subcommand)]
-pub enum AdminCommand {
+pub(crate) enum AdminCommand {
     /// Serve the admin HTTP API (stops on Ctrl-C / SIGINT).
     Serve {
         #[command(flatten)]
@@ -399,4 +399,87 @@ pub enum AdminCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[cfg(test)]
+mod guide_commands {
+    //! Every `reliq …` command the guide shows (README.md, docs/*.md, in sh/bash blocks)
+    //! parses with this command line, flags and values included: the guide cannot show
+    //! a flag that was renamed or removed.
+
+    use std::path::Path;
+
+    use clap::Parser;
+
+    use super::Cli;
+
+    /// The `reliq …` commands of the shell blocks of one Markdown file: their line and
+    /// their words, split as a shell does (quotes kept together, a `# comment` dropped,
+    /// a `&&` / `||` / `;` / `|` chain cut into its commands).
+    fn reliq_commands(text: &str) -> Vec<(usize, Vec<String>)> {
+        let mut out = Vec::new();
+        let (mut in_shell, mut pending, mut start) = (false, String::new(), 0);
+        for (n, line) in text.lines().enumerate() {
+            let trimmed = line.trim();
+            if let Some(lang) = trimmed.strip_prefix("```") {
+                in_shell = !in_shell && matches!(lang, "sh" | "bash" | "shell");
+                continue;
+            }
+            if !in_shell {
+                continue;
+            }
+            if pending.is_empty() {
+                start = n + 1;
+            }
+            if let Some(head) = trimmed.strip_suffix('\\') {
+                pending.push_str(head);
+                pending.push(' ');
+                continue;
+            }
+            pending.push_str(trimmed);
+            let full = std::mem::take(&mut pending);
+            let code = full.split(" # ").next().unwrap_or_default();
+            let words = shlex::split(code).unwrap_or_else(|| panic!("unbalanced quotes: {code}"));
+            for command in words.split(|w| matches!(w.as_str(), "&&" | "||" | ";" | "|")) {
+                if command.first().is_some_and(|w| w == "reliq") {
+                    out.push((start, command.to_vec()));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_reliq_command_in_the_guide_parses() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let mut files = vec![root.join("README.md")];
+        let mut docs: Vec<_> = std::fs::read_dir(root.join("docs"))
+            .expect("docs/")
+            .map(|e| e.expect("docs entry").path())
+            .filter(|p| p.extension().is_some_and(|e| e == "md"))
+            .collect();
+        docs.sort();
+        files.extend(docs);
+        let (mut checked, mut refused) = (0, Vec::new());
+        for file in &files {
+            let text = std::fs::read_to_string(file).expect("a guide page");
+            for (line, words) in reliq_commands(&text) {
+                checked += 1;
+                if let Err(e) = Cli::try_parse_from(&words) {
+                    refused.push(format!(
+                        "{}:{line}: {}\n{e}",
+                        file.display(),
+                        words.join(" ")
+                    ));
+                }
+            }
+        }
+        assert!(refused.is_empty(), "{}", refused.join("\n"));
+        // The guide shows the plan, check, permissions, dlq and admin commands: finding
+        // fewer means the extraction broke, not that the guide is right.
+        assert!(
+            checked >= 10,
+            "only {checked} reliq commands found in the guide"
+        );
+    }
 }

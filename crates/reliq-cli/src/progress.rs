@@ -12,7 +12,7 @@ use reliq::Progress;
 /// How often a plain progress line is written.
 const PLAIN_EVERY: Duration = Duration::from_secs(2);
 
-pub enum Reporter {
+pub(crate) enum Reporter {
     Bar(ProgressBar),
     Plain {
         operation: &'static str,
@@ -23,13 +23,13 @@ pub enum Reporter {
 }
 
 /// Whether progress is drawn as a bar (stderr is a terminal and the answer is not JSON).
-pub fn draws_a_bar(json: bool) -> bool {
+pub(crate) fn draws_a_bar(json: bool) -> bool {
     std::io::stderr().is_terminal() && !json
 }
 
 impl Reporter {
     /// `total` is the DLQ's size when known (the bar counts entries read against it).
-    pub fn start(operation: &'static str, total: Option<u64>, json: bool) -> Self {
+    pub(crate) fn start(operation: &'static str, total: Option<u64>, json: bool) -> Self {
         if draws_a_bar(json) {
             let bar = ProgressBar::with_draw_target(total, ProgressDrawTarget::stderr());
             let style = ProgressStyle::with_template(
@@ -51,7 +51,7 @@ impl Reporter {
     }
 
     /// The engine's progress callback.
-    pub fn callback(&self) -> impl Fn(&Progress) + Send + Sync + 'static {
+    pub(crate) fn callback(&self) -> impl Fn(&Progress) + Send + Sync + 'static {
         let sink: Box<dyn Fn(&Progress) + Send + Sync> = match self {
             Self::Bar(bar) => {
                 let bar = bar.clone();
@@ -93,7 +93,7 @@ impl Reporter {
         move |p: &Progress| sink(p)
     }
 
-    pub fn finish(&self) {
+    pub(crate) fn finish(&self) {
         if let Self::Bar(bar) = self {
             bar.finish_and_clear();
         }

@@ -2,7 +2,7 @@
 
 use reliq_admin::{DlqStats, EntryDetail, EntryList, RunOutcome};
 
-pub fn stats(s: &DlqStats) {
+pub(crate) fn stats(s: &DlqStats) {
     println!("consumer {}: {} dead letters", s.consumer, s.count);
     if let (Some(at), Some(age)) = (&s.oldest_dead_lettered_at, s.oldest_age_seconds) {
         println!(
@@ -44,7 +44,7 @@ pub fn stats(s: &DlqStats) {
     }
 }
 
-pub fn list(page: &EntryList) {
+pub(crate) fn list(page: &EntryList) {
     println!(
         "{:<38}  {:<14}  {:<20}  {:>3}  {:<24}  error",
         "ID", "REASON", "POSITION", "ATT", "DEAD-LETTERED AT"
@@ -71,7 +71,7 @@ pub fn list(page: &EntryList) {
     }
 }
 
-pub fn detail(d: &EntryDetail) {
+pub(crate) fn detail(d: &EntryDetail) {
     let s = &d.summary;
     println!("id:               {}", s.id);
     println!("position:         {}", s.position);
@@ -105,7 +105,7 @@ pub fn detail(d: &EntryDetail) {
     }
 }
 
-pub fn outcome(o: &RunOutcome) {
+pub(crate) fn outcome(o: &RunOutcome) {
     let verb = match (o.operation, o.dry_run) {
         ("replay", true) => "would replay",
         ("replay", false) => "replayed",

@@ -2,17 +2,21 @@
 //! wrong one, an expired one, a removed one, a reader replaying, an operator purging), the
 //! operations a role may do, jobs polled to their end, the body limit, the OpenAPI
 //! document — and the audit log holding every request, with no token anywhere in the
-//! server's output or its log.
+//! server's output or its log. Each test starts its own consumer (unique names) with its
+//! own dead letters, tokens and server through [`fixture`], and ends with [`Fixture::finish`],
+//! which checks the audit log and the server's output.
 
 mod support;
 
+use std::cell::Cell;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, bail, ensure};
-use reliq_core::Broker;
+use reliq_core::{Broker, ConsumerHandle, MessageId};
 use serde_json::{Value, json};
-use support::{Server, consumer, park, token, unique, url, wait_for};
+use support::{Effects, Server, Token, consumer, park, token, unique, url, wait_for};
 
 async fn call(
     http: &reqwest::Client,
@@ -56,20 +60,58 @@ async fn job_end(http: &reqwest::Client, url: &str, token: &str) -> anyhow::Resu
     bail!("the job at {url} still runs after 10 s")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn admin_api_enforces_roles_runs_jobs_and_audits_every_request() -> anyhow::Result<()> {
+/// The server, stopped when dropped (a test that fails early leaves no process behind).
+struct Running(Option<Server>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(server) = self.0.take() {
+            let _ = server.stop();
+        }
+    }
+}
+
+/// A consumer of its own on NATS with dead letters parked, five tokens (a reader, an
+/// operator, an admin, an operator's expiring after 1 s, an admin's to be removed) in a
+/// tokens file, and `reliq admin serve` for that consumer with an audit log; the requests
+/// made through it counted.
+struct Fixture {
+    name: String,
+    source: String,
+    handle: ConsumerHandle,
+    effects: Effects,
+    ids: Vec<MessageId>,
+    reader: Token,
+    operator: Token,
+    admin: Token,
+    expired: Token,
+    removed: Token,
+    tokens: PathBuf,
+    audit: PathBuf,
+    _dir: tempfile::TempDir,
+    server: Running,
+    base: String,
+    http: reqwest::Client,
+    dlq: String,
+    q: String,
+    stats: String,
+    replay: String,
+    purge: String,
+    requests: Cell<usize>,
+}
+
+/// The fixture, with `parked` dead letters.
+async fn fixture(parked: usize) -> anyhow::Result<Fixture> {
     let url = url("nats");
     let (name, source) = (unique("api"), unique("api-src"));
     let broker: Arc<dyn Broker> = reliq::connect(&url).await?;
     let (handle, effects) = consumer(broker.clone(), &name, &source).await?;
-    let ids = park(&broker, &handle, &source, 4, Duration::from_secs(60)).await?;
-
+    let ids = park(&broker, &handle, &source, parked, Duration::from_secs(60)).await?;
     let reader = token("rita-reader", "reader", None)?;
     let operator = token("oscar-operator", "operator", None)?;
     let admin = token("ada-admin", "admin", None)?;
     let expired = token("eve-expired", "operator", Some("1s"))?;
     let removed = token("rob-removed", "admin", None)?;
-    let secrets = [&reader, &operator, &admin, &expired, &removed].map(|t| t.secret.clone());
     let dir = tempfile::tempdir()?;
     let tokens = dir.path().join("tokens.toml");
     let audit = dir.path().join("audit.jsonl");
@@ -78,91 +120,276 @@ async fn admin_api_enforces_roles_runs_jobs_and_audits_every_request() -> anyhow
         .join("\n");
     std::fs::write(&tokens, &all)?;
     let server = Server::start(&url, &format!("{name}={source}"), &tokens, &audit)?;
+    let base = server.base.clone();
     // reqwest is built without a TLS provider of its own (plain HTTP here).
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let http = reqwest::Client::new();
-    let dlq = format!("{}/v1/consumers/{name}/dlq", server.base);
+    let dlq = format!("{base}/v1/consumers/{name}/dlq");
     let q = format!("source={source}");
-    let requests = std::cell::Cell::new(0usize);
-    let expect = async |method: &str,
-                        path: &str,
-                        token: Option<&str>,
-                        body: Option<Value>,
-                        status: u16|
-           -> anyhow::Result<Value> {
-        requests.set(requests.get() + 1);
-        let (got, value) = call(&http, method, path, token, body).await?;
+    Ok(Fixture {
+        stats: format!("{dlq}/stats?{q}"),
+        replay: format!("{dlq}/replay?{q}"),
+        purge: format!("{dlq}/purge?{q}"),
+        name,
+        source,
+        handle,
+        effects,
+        ids,
+        reader,
+        operator,
+        admin,
+        expired,
+        removed,
+        tokens,
+        audit,
+        _dir: dir,
+        server: Running(Some(server)),
+        base,
+        http: reqwest::Client::new(),
+        dlq,
+        q,
+        requests: Cell::new(0),
+    })
+}
+
+impl Fixture {
+    /// One request, counted, which must answer `status`: its body.
+    async fn expect(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+        status: u16,
+    ) -> anyhow::Result<Value> {
+        self.requests.set(self.requests.get() + 1);
+        let (got, value) = call(&self.http, method, path, token, body).await?;
         ensure!(
             got == status,
             "{method} {path}: {got}, expected {status}: {value}"
         );
         Ok(value)
-    };
+    }
 
-    // The OpenAPI document names every route, no token needed.
-    let doc = expect(
-        "GET",
-        &format!("{}/v1/openapi.json", server.base),
-        None,
-        None,
-        200,
-    )
-    .await?;
+    /// [`job_end`] as the reader, its polls counted.
+    async fn job_end(&self, url: &str) -> anyhow::Result<Value> {
+        let (polls, finished) = job_end(&self.http, url, &self.reader.secret).await?;
+        self.requests.set(self.requests.get() + polls);
+        Ok(finished)
+    }
+
+    /// The operator replays the first dead letter at 100/s: a job, run to success by
+    /// oscar-operator, and the replayed copy handled. The job's URL.
+    async fn replay_the_first(&self) -> anyhow::Result<String> {
+        let one = self.ids[0].as_str();
+        let body = json!({"filter": {"id": [one]}, "rate": 100});
+        let job = self
+            .expect(
+                "POST",
+                &self.replay,
+                Some(&self.operator.secret),
+                Some(body),
+                202,
+            )
+            .await?;
+        let job_url = format!(
+            "{}/v1/jobs/{}",
+            self.base,
+            job["id"].as_str().context("job id")?
+        );
+        let finished = self.job_end(&job_url).await?;
+        ensure!(
+            finished["state"] == "succeeded" && finished["outcome"]["done"] == 1,
+            "{finished}"
+        );
+        ensure!(finished["actor"] == "oscar-operator", "{finished}");
+        wait_for("the replayed copy handled", Duration::from_secs(30), || {
+            self.effects.snapshot().contains_key(&self.ids[0])
+        })
+        .await?;
+        Ok(job_url)
+    }
+
+    /// The operator edits and replays the second dead letter.
+    async fn edit_the_second(&self) -> anyhow::Result<()> {
+        let edit = format!(
+            "{}/entries/{}/edit?{}",
+            self.dlq,
+            self.ids[1].as_str(),
+            self.q
+        );
+        let body = json!({"payload": {"order": 1, "fixed": true}});
+        let edited = self
+            .expect("POST", &edit, Some(&self.operator.secret), Some(body), 200)
+            .await?;
+        ensure!(edited["original"] == self.ids[1].as_str(), "{edited}");
+        Ok(())
+    }
+
+    /// The admin purges the third dead letter: a job, run to success.
+    async fn purge_the_third(&self) -> anyhow::Result<()> {
+        let body = json!({"filter": {"id": [self.ids[2].as_str()]}});
+        let purge_job = self
+            .expect(
+                "POST",
+                &self.purge,
+                Some(&self.admin.secret),
+                Some(body),
+                202,
+            )
+            .await?;
+        let id = purge_job["id"].as_str().context("id")?;
+        let finished = self.job_end(&format!("{}/v1/jobs/{id}", self.base)).await?;
+        ensure!(
+            finished["state"] == "succeeded" && finished["outcome"]["done"] == 1,
+            "{finished}"
+        );
+        Ok(())
+    }
+
+    /// Stop the server; check that the audit log holds one record per request made, that
+    /// the server logged to the audit target, and that no token is in the audit log or
+    /// the server's output, nor an edited payload in the audit log; stop the consumer.
+    /// The audit log's records.
+    async fn finish(mut self) -> anyhow::Result<Vec<Value>> {
+        let server_log = self.server.0.take().context("the server")?.stop()?;
+        let audit_text = std::fs::read_to_string(&self.audit)?;
+        let records: Vec<Value> = audit_text
+            .lines()
+            .map(serde_json::from_str)
+            .collect::<Result<_, _>>()?;
+        let per_request = records
+            .iter()
+            .filter(|r| {
+                r["request"]
+                    .as_str()
+                    .is_some_and(|q| !q.starts_with("job "))
+            })
+            .count();
+        ensure!(
+            per_request == self.requests.get(),
+            "{per_request} request records for {} requests",
+            self.requests.get()
+        );
+        ensure!(
+            server_log.contains("reliq::audit"),
+            "the audit target is not in the server's log"
+        );
+        let tokens = [
+            &self.reader,
+            &self.operator,
+            &self.admin,
+            &self.expired,
+            &self.removed,
+        ];
+        for secret in tokens.map(|t| t.secret.as_str()) {
+            ensure!(!audit_text.contains(secret), "a token is in the audit log");
+            ensure!(
+                !server_log.contains(secret),
+                "a token is in the server's log"
+            );
+        }
+        ensure!(
+            !audit_text.contains("fixed"),
+            "a payload is in the audit log"
+        );
+        self.handle.shutdown().await;
+        Ok(records)
+    }
+}
+
+/// The audit records of refused requests with HTTP status `status`.
+fn refused(records: &[Value], status: u16) -> Vec<&Value> {
+    records
+        .iter()
+        .filter(|r| r["outcome"] == "refused" && r["status"] == status)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_names_every_route_without_a_token() -> anyhow::Result<()> {
+    let f = fixture(4).await?;
+    let openapi = format!("{}/v1/openapi.json", f.base);
+    let doc = f.expect("GET", &openapi, None, None, 200).await?;
     for (method, path, _) in reliq_admin::http::ROUTES {
         ensure!(
             doc["paths"][path][method.to_ascii_lowercase()].is_object(),
             "{method} {path} missing from the OpenAPI document"
         );
     }
+    f.finish().await?;
+    Ok(())
+}
 
-    // Refusals.
-    let stats = format!("{dlq}/stats?{q}");
-    let no_token = expect("GET", &stats, None, None, 401).await?;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_token_a_wrong_an_expired_and_a_removed_one_are_refused_401() -> anyhow::Result<()> {
+    let f = fixture(4).await?;
+    let stats = f.stats.as_str();
+    let no_token = f.expect("GET", stats, None, None, 401).await?;
     ensure!(no_token["error"] == "missing bearer token", "{no_token}");
-    expect("GET", &stats, Some("rlq_not-a-token"), None, 401).await?;
+    f.expect("GET", stats, Some("rlq_not-a-token"), None, 401)
+        .await?;
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let late = expect("GET", &stats, Some(&expired.secret), None, 401).await?;
+    let late = f
+        .expect("GET", stats, Some(&f.expired.secret), None, 401)
+        .await?;
     ensure!(late["error"] == "expired token", "{late}");
-    let replay = format!("{dlq}/replay?{q}");
-    let purge = format!("{dlq}/purge?{q}");
-    let forbidden = expect(
-        "POST",
-        &replay,
-        Some(&reader.secret),
-        Some(json!({"dry_run": true})),
-        403,
-    )
-    .await?;
+    f.expect("GET", stats, Some(&f.removed.secret), None, 200)
+        .await?;
+    std::fs::write(
+        &f.tokens,
+        [&f.reader, &f.operator, &f.admin]
+            .map(|t| t.entry.as_str())
+            .join("\n"),
+    )?;
+    f.expect("GET", stats, Some(&f.removed.secret), None, 401)
+        .await?;
+    let records = f.finish().await?;
+    let refused = refused(&records, 401);
+    ensure!(refused.len() == 4, "{refused:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_replaying_and_an_operator_purging_are_refused_403() -> anyhow::Result<()> {
+    let f = fixture(4).await?;
+    let dry_run = || Some(json!({"dry_run": true}));
+    let forbidden = f
+        .expect("POST", &f.replay, Some(&f.reader.secret), dry_run(), 403)
+        .await?;
     ensure!(
         forbidden["error"]
             .as_str()
             .is_some_and(|e| e.contains("reader")),
         "{forbidden}"
     );
-    expect(
-        "POST",
-        &purge,
-        Some(&operator.secret),
-        Some(json!({"dry_run": true})),
-        403,
-    )
-    .await?;
-    expect("GET", &stats, Some(&removed.secret), None, 200).await?;
-    std::fs::write(
-        &tokens,
-        [&reader, &operator, &admin]
-            .map(|t| t.entry.as_str())
-            .join("\n"),
-    )?;
-    expect("GET", &stats, Some(&removed.secret), None, 401).await?;
-    let missing = expect(
-        "GET",
-        &format!("{dlq}/stats"),
-        Some(&reader.secret),
-        None,
-        400,
-    )
-    .await?;
+    f.expect("POST", &f.purge, Some(&f.operator.secret), dry_run(), 403)
+        .await?;
+    let records = f.finish().await?;
+    let refused = refused(&records, 403);
+    ensure!(refused.len() == 2, "{refused:?}");
+    ensure!(
+        refused
+            .iter()
+            .any(|r| r["actor"] == "rita-reader" && r["action"] == "replay"),
+        "{refused:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_a_source_is_refused_400_and_an_oversized_body_413() -> anyhow::Result<()>
+{
+    let f = fixture(4).await?;
+    let stats_without_source = format!("{}/stats", f.dlq);
+    let missing = f
+        .expect(
+            "GET",
+            &stats_without_source,
+            Some(&f.reader.secret),
+            None,
+            400,
+        )
+        .await?;
     ensure!(
         missing["error"]
             .as_str()
@@ -170,146 +397,141 @@ async fn admin_api_enforces_roles_runs_jobs_and_audits_every_request() -> anyhow
         "{missing}"
     );
     let big = json!({ "filter": { "payload_contains": "x".repeat(4096) } });
-    expect("POST", &replay, Some(&operator.secret), Some(big), 413).await?;
+    f.expect("POST", &f.replay, Some(&f.operator.secret), Some(big), 413)
+        .await?;
+    let records = f.finish().await?;
+    let refused = refused(&records, 413);
+    ensure!(!refused.is_empty(), "no refused 413 in {records:?}");
+    Ok(())
+}
 
-    // What each role may do.
-    let counted = expect("GET", &stats, Some(&reader.secret), None, 200).await?;
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_counts_lists_and_shows_dead_letters() -> anyhow::Result<()> {
+    let f = fixture(4).await?;
+    let reader = Some(f.reader.secret.as_str());
+    let counted = f.expect("GET", &f.stats, reader, None, 200).await?;
     ensure!(counted["count"] == 4, "{counted}");
-    let listed = expect(
-        "GET",
-        &format!("{dlq}/entries?{q}&max=3"),
-        Some(&reader.secret),
-        None,
-        200,
-    )
-    .await?;
+    let entries = format!("{}/entries?{}&max=3", f.dlq, f.q);
+    let listed = f.expect("GET", &entries, reader, None, 200).await?;
     ensure!(
         listed["entries"].as_array().map(Vec::len) == Some(3),
         "{listed}"
     );
-    let one = ids[0].as_str();
-    let shown = expect(
-        "GET",
-        &format!("{dlq}/entries/{one}?{q}"),
-        Some(&reader.secret),
-        None,
-        200,
-    )
-    .await?;
+    let one = f.ids[0].as_str();
+    let entry = format!("{}/entries/{one}?{}", f.dlq, f.q);
+    let shown = f.expect("GET", &entry, reader, None, 200).await?;
     ensure!(shown["id"] == one, "{shown}");
-    let plan = expect(
-        "POST",
-        &replay,
-        Some(&operator.secret),
-        Some(json!({"dry_run": true, "filter": {"id": [one]}})),
-        200,
-    )
-    .await?;
-    ensure!(plan["matched"] == 1 && plan["done"] == 0, "{plan}");
-    let job = expect(
-        "POST",
-        &replay,
-        Some(&operator.secret),
-        Some(json!({"filter": {"id": [one]}, "rate": 100})),
-        202,
-    )
-    .await?;
-    let job_id = job["id"].as_str().context("job id")?.to_owned();
-    let job_url = format!("{}/v1/jobs/{job_id}", server.base);
-    let (polls, finished) = job_end(&http, &job_url, &reader.secret).await?;
-    requests.set(requests.get() + polls);
-    ensure!(
-        finished["state"] == "succeeded" && finished["outcome"]["done"] == 1,
-        "{finished}"
-    );
-    ensure!(finished["actor"] == "oscar-operator", "{finished}");
-    wait_for("the replayed copy handled", Duration::from_secs(30), || {
-        effects.snapshot().contains_key(&ids[0])
-    })
-    .await?;
-    let edit = format!("{dlq}/entries/{}/edit?{q}", ids[1].as_str());
-    let edited = expect(
-        "POST",
-        &edit,
-        Some(&operator.secret),
-        Some(json!({"payload": {"order": 1, "fixed": true}})),
-        200,
-    )
-    .await?;
-    ensure!(edited["original"] == ids[1].as_str(), "{edited}");
-    let purge_plan = expect(
-        "POST",
-        &purge,
-        Some(&admin.secret),
-        Some(json!({"dry_run": true})),
-        200,
-    )
-    .await?;
-    ensure!(purge_plan["matched"] == 2, "{purge_plan}");
-    let purge_job = expect(
-        "POST",
-        &purge,
-        Some(&admin.secret),
-        Some(json!({"filter": {"id": [ids[2].as_str()]}})),
-        202,
-    )
-    .await?;
-    let purge_url = format!(
-        "{}/v1/jobs/{}",
-        server.base,
-        purge_job["id"].as_str().context("id")?
-    );
-    let (polls, finished) = job_end(&http, &purge_url, &reader.secret).await?;
-    requests.set(requests.get() + polls);
-    ensure!(
-        finished["state"] == "succeeded" && finished["outcome"]["done"] == 1,
-        "{finished}"
-    );
-    let jobs = expect(
-        "GET",
-        &format!("{}/v1/jobs", server.base),
-        Some(&reader.secret),
-        None,
-        200,
-    )
-    .await?;
-    ensure!(jobs.as_array().map(Vec::len) == Some(2), "{jobs}");
-    expect(
-        "POST",
-        &format!("{job_url}/cancel"),
-        Some(&reader.secret),
-        None,
-        403,
-    )
-    .await?;
-    expect(
-        "POST",
-        &format!("{job_url}/cancel"),
-        Some(&operator.secret),
-        None,
-        200,
-    )
-    .await?;
-    let left = expect("GET", &stats, Some(&reader.secret), None, 200).await?;
-    ensure!(left["count"] == 1, "{left}");
+    f.finish().await?;
+    Ok(())
+}
 
-    // GET /metrics: a reader's token; the server's consumer's DLQ depth as the broker
-    // counts it (the poller reads it every 500 ms). An allowed scrape is not audited, a
-    // refused one is.
-    let metrics = format!("{}/metrics", server.base);
-    let refused = http.get(&metrics).send().await?;
-    requests.set(requests.get() + 1);
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_dry_run_plans_and_its_replay_runs_as_a_job() -> anyhow::Result<()> {
+    let f = fixture(4).await?;
+    let one = f.ids[0].as_str();
+    let plan = f
+        .expect(
+            "POST",
+            &f.replay,
+            Some(&f.operator.secret),
+            Some(json!({"dry_run": true, "filter": {"id": [one]}})),
+            200,
+        )
+        .await?;
+    ensure!(plan["matched"] == 1 && plan["done"] == 0, "{plan}");
+    f.replay_the_first().await?;
+    let records = f.finish().await?;
     ensure!(
-        refused.status() == 401,
-        "a scrape without a token: {}",
-        refused.status()
+        records
+            .iter()
+            .filter(|r| r["action"] == "replay-finished")
+            .count()
+            == 1,
+        "{records:?}"
     );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_edits_and_an_admin_plans_and_purges() -> anyhow::Result<()> {
+    let f = fixture(4).await?;
+    f.replay_the_first().await?;
+    f.edit_the_second().await?;
+    let purge_plan = f
+        .expect(
+            "POST",
+            &f.purge,
+            Some(&f.admin.secret),
+            Some(json!({"dry_run": true})),
+            200,
+        )
+        .await?;
+    ensure!(purge_plan["matched"] == 2, "{purge_plan}");
+    f.purge_the_third().await?;
+    let left = f
+        .expect("GET", &f.stats, Some(&f.reader.secret), None, 200)
+        .await?;
+    ensure!(left["count"] == 1, "{left}");
+    let records = f.finish().await?;
+    ensure!(
+        records
+            .iter()
+            .any(|r| r["action"] == "purge" && r["actor"] == "ada-admin" && r["status"] == 202)
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_are_listed_and_an_operator_not_a_reader_cancels_one() -> anyhow::Result<()> {
+    let f = fixture(4).await?;
+    let job_url = f.replay_the_first().await?;
+    f.purge_the_third().await?;
+    let jobs_url = format!("{}/v1/jobs", f.base);
+    let jobs = f
+        .expect("GET", &jobs_url, Some(&f.reader.secret), None, 200)
+        .await?;
+    ensure!(jobs.as_array().map(Vec::len) == Some(2), "{jobs}");
+    let cancel = format!("{job_url}/cancel");
+    f.expect("POST", &cancel, Some(&f.reader.secret), None, 403)
+        .await?;
+    f.expect("POST", &cancel, Some(&f.operator.secret), None, 200)
+        .await?;
+    let records = f.finish().await?;
+    ensure!(
+        records
+            .iter()
+            .filter(|r| r["action"] == "replay-finished" || r["action"] == "purge-finished")
+            .count()
+            == 2
+    );
+    let refused = refused(&records, 403);
+    ensure!(refused.len() == 1, "{refused:?}");
+    Ok(())
+}
+
+/// GET /metrics: a reader's token; the server's consumer's DLQ depth as the broker counts
+/// it (the poller reads it every 500 ms). An allowed scrape is not audited, a refused one
+/// is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_need_a_token_show_the_dlq_depth_and_only_refusals_are_audited()
+-> anyhow::Result<()> {
+    let f = fixture(1).await?;
+    let metrics = format!("{}/metrics", f.base);
+    let refused_scrape = f.http.get(&metrics).send().await?;
+    f.requests.set(f.requests.get() + 1);
+    ensure!(
+        refused_scrape.status() == 401,
+        "a scrape without a token: {}",
+        refused_scrape.status()
+    );
+    let (name, source) = (&f.name, &f.source);
     let dlq_series = format!("reliq_dlq_messages{{consumer=\"{name}\",source=\"{source}\"}} 1");
     let mut scraped = String::new();
     for _ in 0..40 {
-        let answer = http
+        let answer = f
+            .http
             .get(&metrics)
-            .bearer_auth(&reader.secret)
+            .bearer_auth(&f.reader.secret)
             .send()
             .await?;
         ensure!(
@@ -323,65 +545,15 @@ async fn admin_api_enforces_roles_runs_jobs_and_audits_every_request() -> anyhow
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    let backlog = format!("reliq_consumer_backlog_messages{{consumer=\"{name}\"");
     ensure!(
-        scraped.contains(&dlq_series)
-            && scraped.contains(&format!(
-                "reliq_consumer_backlog_messages{{consumer=\"{name}\""
-            )),
+        scraped.contains(&dlq_series) && scraped.contains(&backlog),
         "no {dlq_series} in the scrape:\n{scraped}"
     );
-
-    // The audit log: one record per request (and one per finished job), refusals with
-    // their status and, for 403s, who; no token anywhere in it or in the server's output.
-    let server_log = server.stop()?;
-    let audit_text = std::fs::read_to_string(&audit)?;
-    let records: Vec<Value> = audit_text
-        .lines()
-        .map(serde_json::from_str)
-        .collect::<Result<_, _>>()?;
-    let per_request = records
-        .iter()
-        .filter(|r| {
-            r["request"]
-                .as_str()
-                .is_some_and(|q| !q.starts_with("job "))
-        })
-        .count();
+    let records = f.finish().await?;
+    let refused = refused(&records, 401);
     ensure!(
-        per_request == requests.get(),
-        "{per_request} request records for {} requests",
-        requests.get()
-    );
-    ensure!(
-        records
-            .iter()
-            .filter(|r| r["action"] == "replay-finished" || r["action"] == "purge-finished")
-            .count()
-            == 2
-    );
-    let refused: Vec<&Value> = records
-        .iter()
-        .filter(|r| r["outcome"] == "refused")
-        .collect();
-    ensure!(
-        refused.iter().filter(|r| r["status"] == 401).count() == 5,
-        "{refused:?}"
-    );
-    ensure!(
-        refused.iter().filter(|r| r["status"] == 403).count() == 3,
-        "{refused:?}"
-    );
-    ensure!(
-        refused
-            .iter()
-            .any(|r| r["status"] == 403 && r["actor"] == "rita-reader" && r["action"] == "replay"),
-        "{refused:?}"
-    );
-    ensure!(refused.iter().any(|r| r["status"] == 413), "{refused:?}");
-    ensure!(
-        refused
-            .iter()
-            .any(|r| r["status"] == 401 && r["action"] == "metrics"),
+        refused.len() == 1 && refused.iter().any(|r| r["action"] == "metrics"),
         "the refused scrape is not audited: {refused:?}"
     );
     ensure!(
@@ -390,29 +562,5 @@ async fn admin_api_enforces_roles_runs_jobs_and_audits_every_request() -> anyhow
             .any(|r| r["action"] == "metrics" && r["status"] == 200),
         "an allowed scrape was audited"
     );
-    ensure!(
-        records
-            .iter()
-            .any(|r| r["action"] == "purge" && r["actor"] == "ada-admin" && r["status"] == 202)
-    );
-    ensure!(
-        server_log.contains("reliq::audit"),
-        "the audit target is not in the server's log"
-    );
-    for secret in &secrets {
-        ensure!(
-            !audit_text.contains(secret.as_str()),
-            "a token is in the audit log"
-        );
-        ensure!(
-            !server_log.contains(secret.as_str()),
-            "a token is in the server's log"
-        );
-    }
-    ensure!(
-        !audit_text.contains("fixed"),
-        "a payload is in the audit log"
-    );
-    handle.shutdown().await;
     Ok(())
 }

@@ -18,7 +18,7 @@ use anyhow::{Context as _, bail, ensure};
 use fantoccini::{Client, ClientBuilder, Locator};
 use reliq_admin::http::{AdminState, Limits, router};
 use reliq_admin::{AuditLog, Role, Tokens, new_token};
-use reliq_core::{Broker, Destination, Message, RetryRequest, Subscription};
+use reliq_core::{Broker, Destination, Message, Subscription, seam::RetryRequest};
 use support::{Effects, consumer_failing, park, unique, url, wait_for};
 
 /// chromedriver on a free port, killed on drop.

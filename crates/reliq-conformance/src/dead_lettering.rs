@@ -7,10 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering as AtomicOrdering};
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
-use reliq_core::headers;
 use reliq_core::{
     BoxError, DeadLetterFilter, DeadLetterReason, Delivery, ErrorClass, MemoryInbox, Message,
-    MessageId, Permanent, Replay, RetryPolicy, Transient,
+    MessageId, Permanent, Replay, RetryPolicy, Transient, seam::headers,
 };
 
 use crate::support::{Backend, Ctx, Recorder, order, soon, wait_until};

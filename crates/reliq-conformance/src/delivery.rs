@@ -9,8 +9,9 @@ use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
-use reliq_core::headers;
-use reliq_core::{BoxError, BrokerError, DeadLetterReason, Delivery, Destination, Message};
+use reliq_core::{
+    BoxError, BrokerError, DeadLetterReason, Delivery, Destination, Message, seam::headers,
+};
 
 use crate::support::{Backend, Ctx, Recorder, order, soon, wait_until};
 

@@ -2,17 +2,16 @@
 //! backpressure on a large backlog, per-key order with concurrency, graceful shutdown,
 //! and batch handlers.
 
-use reliq_core::sync::lock;
+use reliq_core::{
+    Batch, BatchError, BoxError, DeadLetterReason, Delivery, DeliveryOrder, Message, MessageId,
+    Poison, Transient, seam::lock,
+};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
 use std::time::Duration;
 
 use anyhow::ensure;
-use reliq_core::{
-    Batch, BatchError, BoxError, DeadLetterReason, Delivery, DeliveryOrder, Message, MessageId,
-    Poison, Transient,
-};
 
 use crate::support::{Backend, Ctx, Order, Recorder, order, soon, wait_until};
 use tokio::time::Instant;

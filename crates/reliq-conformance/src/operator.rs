@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, ensure};
 use reliq_admin::{AdminError, Dlq, EditRequest, FilterSpec, PurgeRequest, ReplayRequest};
 use reliq_core::{
-    BoxError, ConsumerHandle, Cursor, Delivery, Message, MessageId, Permanent, Poison, headers,
+    BoxError, ConsumerHandle, Cursor, Delivery, Message, MessageId, Permanent, Poison,
+    seam::headers,
 };
 
 use crate::support::{Backend, Ctx, Recorder, browse_all, soon, wait_until};
@@ -553,7 +554,8 @@ pub async fn operator_edit_and_purge(b: &dyn Backend) -> anyhow::Result<()> {
 /// the rest are acked nothing waits but the retry. A consumer that was never subscribed
 /// has no backlog to read: an error, not a zero.
 pub async fn backlog_follows_waiting_in_flight_and_retries(b: &dyn Backend) -> anyhow::Result<()> {
-    use reliq_core::{Backlog, RetryRequest, TierBacklog};
+    use reliq_core::seam::RetryRequest;
+    use reliq_core::{Backlog, TierBacklog};
     let ctx = Ctx::new(b, "backlog").await?;
     let caps = ctx.broker.capabilities();
     let tier = Duration::from_secs(60);
@@ -673,7 +675,7 @@ pub async fn backlog_follows_waiting_in_flight_and_retries(b: &dyn Backend) -> a
 pub async fn topology_check_names_each_difference_from_the_plan(
     b: &dyn Backend,
 ) -> anyhow::Result<()> {
-    use reliq_core::topology::{Difference, ObjectKind, Severity};
+    use reliq_core::{Difference, ObjectKind, Severity};
     let ctx = Ctx::new(b, "topology").await?;
     let [short, long] = b.tiers();
     let mut sub = ctx.subscription("c");

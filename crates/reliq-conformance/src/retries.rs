@@ -8,10 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering as AtomicOrdering};
 
 use anyhow::ensure;
-use reliq_core::headers;
 use reliq_core::{
     BoxError, DeadLetterReason, Delivery, ErrorClass, Message, MessageId, PanicAction, Permanent,
-    RetryPolicy, Transient,
+    RetryPolicy, Transient, seam::headers,
 };
 use serde::Deserialize;
 

@@ -1,7 +1,10 @@
 //! What scenarios are built from: the [`Backend`] factory, a per-test [`Ctx`], a
 //! [`Recorder`] of handler calls, and condition waits with deadlines.
 
-use reliq_core::sync::lock;
+use reliq_core::{
+    Broker, Consumer, ConsumerBuilder, Cursor, DeadLetter, DeadLetterEntry, DeadLetters, Delivery,
+    Destination, Message, MessageId, RetryPolicy, Subscription, Transient, seam::lock,
+};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -9,10 +12,6 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail, ensure};
 use async_trait::async_trait;
-use reliq_core::{
-    Broker, Consumer, ConsumerBuilder, Cursor, DeadLetter, DeadLetterEntry, DeadLetters, Delivery,
-    Destination, Message, MessageId, RetryPolicy, Subscription, Transient,
-};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 

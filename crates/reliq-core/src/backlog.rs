@@ -1,15 +1,15 @@
-//! What waits in the broker for one consumer, as the broker itself tells it: the gauges an
-//! operator reads before anything else (is the consumer keeping up, how many retries are
-//! waiting, on which tier). Read by [`Broker::backlog`](crate::broker::Broker::backlog); the DLQ's
-//! depth and oldest age are [`DeadLetters::count`](crate::dead_letters::DeadLetters::count).
-//!
-//! Every number comes from the broker, never from reliq's own counters: a gauge that a
-//! crashed process cannot update would show a healthy zero exactly when it matters.
-
 use std::time::Duration;
 
 /// One consumer's backlog at the broker. Numbers the broker reports as approximate (SQS,
 /// RabbitMQ's management counters) are what the broker said, not corrected.
+///
+/// What waits in the broker for one consumer, as the broker itself tells it: the gauges an
+/// operator reads before anything else (is the consumer keeping up, how many retries are
+/// waiting, on which tier). Read by [`Broker::backlog`](crate::broker::Broker::backlog); the DLQ's
+/// depth and oldest age are [`DeadLetters::count`](crate::dead_letters::DeadLetters::count).
+///
+/// Every number comes from the broker, never from reliq's own counters: a gauge that a
+/// crashed process cannot update would show a healthy zero exactly when it matters.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Backlog {

@@ -1,41 +1,3 @@
-//! Batch handlers: one handler call for many deliveries.
-//!
-//! A per-message handler pays the runtime's per-message costs (a task, a settlement, a
-//! span) once per message. Where the broker hands out records by the thousand (Kafka) and
-//! the work batches naturally (a bulk insert, one HTTP call for many items), a batch
-//! handler gets up to [`ConsumerBuilder::batch_size`](crate::consumer::ConsumerBuilder::batch_size)
-//! deliveries in one call and the runtime settles the successes with one
-//! [`Receiver::ack_batch`](crate::broker::Receiver::ack_batch).
-//!
-//! Failures stay per message: the handler names the deliveries that failed
-//! ([`BatchError::fail`]), or fails the whole batch ([`BatchError::all`]); each failed
-//! delivery then goes through the same classification, retry and dead-letter path as a
-//! per-message failure, and the others are acknowledged. A batch is whatever the broker
-//! had ready when the runtime asked (never waiting to fill up), so under light load
-//! batches are small and latency stays that of single messages.
-//!
-//! ```
-//! use reliq_core::{Batch, BatchError, Consumer, Poison};
-//! # async fn demo(broker: std::sync::Arc<dyn reliq_core::Broker>) -> Result<(), Box<dyn std::error::Error>> {
-//! let handle = Consumer::builder(broker, "indexer")
-//!     .subscribe("orders")
-//!     .batch_size(256)
-//!     .start_batch(|batch: Batch| async move {
-//!         let mut failed = BatchError::new();
-//!         let mut rows = Vec::with_capacity(batch.len());
-//!         for (i, d) in batch.iter().enumerate() {
-//!             match d.text() {
-//!                 Ok(text) => rows.push(text.to_owned()),
-//!                 Err(e) => failed.fail(i, e),           // poison: this one to the DLQ
-//!             }
-//!         }
-//!         // … one bulk write of `rows`; `?` on its error fails the whole batch …
-//!         failed.into_result()
-//!     })
-//!     .await?;
-//! # handle.shutdown().await; Ok(()) }
-//! ```
-
 use std::fmt;
 use std::ops::Deref;
 use std::sync::Arc;
@@ -45,6 +7,44 @@ use crate::delivery::Delivery;
 
 /// The deliveries of one batch handler call, in the order the broker handed them out.
 /// Cheap to clone (shared).
+///
+/// Batch handlers: one handler call for many deliveries.
+///
+/// A per-message handler pays the runtime's per-message costs (a task, a settlement, a
+/// span) once per message. Where the broker hands out records by the thousand (Kafka) and
+/// the work batches naturally (a bulk insert, one HTTP call for many items), a batch
+/// handler gets up to [`ConsumerBuilder::batch_size`](crate::consumer::ConsumerBuilder::batch_size)
+/// deliveries in one call and the runtime settles the successes with one
+/// [`Receiver::ack_batch`](crate::broker::Receiver::ack_batch).
+///
+/// Failures stay per message: the handler names the deliveries that failed
+/// ([`BatchError::fail`]), or fails the whole batch ([`BatchError::all`]); each failed
+/// delivery then goes through the same classification, retry and dead-letter path as a
+/// per-message failure, and the others are acknowledged. A batch is whatever the broker
+/// had ready when the runtime asked (never waiting to fill up), so under light load
+/// batches are small and latency stays that of single messages.
+///
+/// ```
+/// use reliq_core::{Batch, BatchError, Consumer, Poison};
+/// # async fn demo(broker: std::sync::Arc<dyn reliq_core::Broker>) -> Result<(), Box<dyn std::error::Error>> {
+/// let handle = Consumer::builder(broker, "indexer")
+///     .subscribe("orders")
+///     .batch_size(256)
+///     .start_batch(|batch: Batch| async move {
+///         let mut failed = BatchError::new();
+///         let mut rows = Vec::with_capacity(batch.len());
+///         for (i, d) in batch.iter().enumerate() {
+///             match d.text() {
+///                 Ok(text) => rows.push(text.to_owned()),
+///                 Err(e) => failed.fail(i, e),           // poison: this one to the DLQ
+///             }
+///         }
+///         // … one bulk write of `rows`; `?` on its error fails the whole batch …
+///         failed.into_result()
+///     })
+///     .await?;
+/// # handle.shutdown().await; Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct Batch(Arc<Vec<Delivery>>);
 

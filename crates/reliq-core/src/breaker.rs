@@ -1,35 +1,3 @@
-//! [`CircuitBreaker`]: stop taking deliveries while the downstream fails.
-//!
-//! When the database or the payment provider behind a handler is down, every delivery
-//! fails transiently, spends an attempt, waits on a retry tier and, the budget spent,
-//! lands in the DLQ — an outage turned into thousands of dead letters. A breaker watches
-//! the share of **transient** failures among the handler's outcomes over a sliding window
-//! (permanent, poison and panic failures are about the message, not the downstream, and do
-//! not count). Crossing the threshold **opens** it: the consumer stops receiving, so what
-//! waits stays in the broker and spends no attempt. After the cool-down it is
-//! **half-open**: a few probe deliveries go through; as many successes **close** it, one
-//! transient failure opens it again.
-//!
-//! Not receiving is how each broker stops handing out work to this consumer: nothing is
-//! received beyond the deliveries the backend already holds (at most the prefetch), which
-//! stay leased and unsettled until the breaker lets them through:
-//!
-//! | broker | while open |
-//! |---|---|
-//! | Kafka | the poll thread pauses the partitions once its buffer is full and keeps polling: no rebalance, nothing committed |
-//! | RabbitMQ | nothing is acked, so after `prefetch` unacknowledged deliveries the broker pushes no more (`basic.qos`); held longer than the broker's `consumer_timeout` (30 min by default) the channel is closed and they are requeued, which counts against a quorum queue's delivery limit |
-//! | NATS | no pull request is sent; the held deliveries are kept in progress |
-//! | SQS | the poller stops at `prefetch` held messages, whose visibility is extended |
-//! | embedded | nothing is taken from the queue |
-//!
-//! A handler often calls more than one downstream: [`CircuitBreaker::counting`] says
-//! which transient failures are this breaker's downstream's (the database's, not a
-//! partner API's timeouts the same handler returns); the others are neutral.
-//!
-//! One breaker can serve several consumers that call the same downstream
-//! ([`CircuitBreaker`] is cheap to clone: clones share their state), so an outage seen by
-//! one stops them all.
-
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -129,8 +97,40 @@ impl std::fmt::Debug for Inner {
     }
 }
 
-/// A circuit breaker on a consumer's handler outcomes (see the [module docs](self)).
+/// A circuit breaker on a consumer's handler outcomes.
 /// Give it to [`ConsumerBuilder::circuit_breaker`](crate::consumer::ConsumerBuilder::circuit_breaker).
+///
+/// [`CircuitBreaker`]: stop taking deliveries while the downstream fails.
+///
+/// When the database or the payment provider behind a handler is down, every delivery
+/// fails transiently, spends an attempt, waits on a retry tier and, the budget spent,
+/// lands in the DLQ — an outage turned into thousands of dead letters. A breaker watches
+/// the share of **transient** failures among the handler's outcomes over a sliding window
+/// (permanent, poison and panic failures are about the message, not the downstream, and do
+/// not count). Crossing the threshold **opens** it: the consumer stops receiving, so what
+/// waits stays in the broker and spends no attempt. After the cool-down it is
+/// **half-open**: a few probe deliveries go through; as many successes **close** it, one
+/// transient failure opens it again.
+///
+/// Not receiving is how each broker stops handing out work to this consumer: nothing is
+/// received beyond the deliveries the backend already holds (at most the prefetch), which
+/// stay leased and unsettled until the breaker lets them through:
+///
+/// | broker | while open |
+/// |---|---|
+/// | Kafka | the poll thread pauses the partitions once its buffer is full and keeps polling: no rebalance, nothing committed |
+/// | RabbitMQ | nothing is acked, so after `prefetch` unacknowledged deliveries the broker pushes no more (`basic.qos`); held longer than the broker's `consumer_timeout` (30 min by default) the channel is closed and they are requeued, which counts against a quorum queue's delivery limit |
+/// | NATS | no pull request is sent; the held deliveries are kept in progress |
+/// | SQS | the poller stops at `prefetch` held messages, whose visibility is extended |
+/// | embedded | nothing is taken from the queue |
+///
+/// A handler often calls more than one downstream: [`CircuitBreaker::counting`] says
+/// which transient failures are this breaker's downstream's (the database's, not a
+/// partner API's timeouts the same handler returns); the others are neutral.
+///
+/// One breaker can serve several consumers that call the same downstream
+/// ([`CircuitBreaker`] is cheap to clone: clones share their state), so an outage seen by
+/// one stops them all.
 #[derive(Clone, Debug)]
 pub struct CircuitBreaker {
     inner: Arc<Inner>,

@@ -1,18 +1,3 @@
-//! The seam between the runtime and a backend: [`Broker`] and [`Receiver`].
-//!
-//! A backend implements a few small primitives, each mapped to its broker's native
-//! mechanism (see the backend crate's docs for the mapping). Everything else — handling,
-//! classification, the retry decision, the dead-letter record, metrics, tracing,
-//! shutdown — lives once, in [`crate::consumer`].
-//!
-//! Rules every backend keeps (the conformance suite checks them):
-//! - `publish` returns only after the broker confirmed the message (a confirm, a PubAck,
-//!   a delivery report, a 200); an unroutable destination is an error.
-//! - `retry` and `dead_letter` make the copy durable (confirmed) *before* they settle the
-//!   source delivery; when they fail, the source is left unsettled — the runtime then
-//!   calls `release`.
-//! - `receive` never hands out more than [`Subscription::prefetch`] unsettled deliveries.
-
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -22,13 +7,26 @@ use crate::dead_letters::DeadLetters;
 use crate::message::Message;
 use crate::topology::{LiveTopology, Plan, TopologyReport};
 
-pub use crate::delivery::{
-    Delivery, DeliveryPool, DeliveryToken, RawMessage, ReceiverId, RetryRequest,
-};
-pub use crate::error::BrokerError;
-pub use crate::subscription::{Capabilities, Destination, Subscription};
+use crate::delivery::{Delivery, RetryRequest};
+use crate::error::BrokerError;
+use crate::subscription::{Capabilities, Destination, Subscription};
 
 /// A message broker connection.
+///
+/// The seam between the runtime and a backend: [`Broker`] and [`Receiver`].
+///
+/// A backend implements a few small primitives, each mapped to its broker's native
+/// mechanism (see the backend crate's docs for the mapping). Everything else — handling,
+/// classification, the retry decision, the dead-letter record, metrics, tracing,
+/// shutdown — lives once, in the runtime behind [`Consumer`](crate::Consumer).
+///
+/// Rules every backend keeps (the conformance suite checks them):
+/// - `publish` returns only after the broker confirmed the message (a confirm, a PubAck,
+///   a delivery report, a 200); an unroutable destination is an error.
+/// - `retry` and `dead_letter` make the copy durable (confirmed) *before* they settle the
+///   source delivery; when they fail, the source is left unsettled — the runtime then
+///   calls `release`.
+/// - `receive` never hands out more than [`Subscription::prefetch`] unsettled deliveries.
 #[async_trait]
 pub trait Broker: Send + Sync + 'static {
     /// The backend's name: `memory`, `kafka`, `rabbit`, `nats`, `sqs`.
@@ -63,7 +61,7 @@ pub trait Broker: Send + Sync + 'static {
 
     /// The objects and settings a consumer with this subscription needs at the broker —
     /// what [`Broker::subscribe`] declares, and the settings that change what the broker
-    /// does to its messages (see [`topology`](crate::topology)). Reads nothing that
+    /// does to its messages (see [`Plan`](crate::Plan)). Reads nothing that
     /// changes; may ask the broker for its version.
     async fn plan(&self, subscription: &Subscription) -> Result<Plan, BrokerError>;
 

@@ -1,33 +1,3 @@
-//! Failure classes, and how an error is classified: by its **type**, walking the
-//! `source()` chain, never by its message text.
-//!
-//! A handler returns any error (`Box<dyn Error>`, so `?` works on everything). The
-//! [`Classifier`] looks at the error and each of its sources, outermost first, and the
-//! first one it recognises decides:
-//!
-//! 1. reliq's markers — [`Transient`], [`Permanent`], [`Poison`] — which a handler wraps
-//!    around an error to say what it means;
-//! 2. rules registered for your own error types with [`Classifier::on`];
-//! 3. built-in rules: reliq's [`DecodeError`], `serde_json::Error`, UTF-8 errors → poison;
-//!    `tokio::time::error::Elapsed` and I/O errors that mean "try again" (timeouts,
-//!    resets, refused connections) → transient.
-//!
-//! Anything else is [`ErrorClass::Unknown`]: it gets the policy's small unknown-error
-//! budget, then parks as `exhausted`.
-//!
-//! ```
-//! use reliq_core::{Classifier, ErrorClass, Permanent};
-//! #[derive(Debug, thiserror::Error)]
-//! #[error("deadlock detected")]
-//! struct Deadlock;
-//!
-//! let classifier = Classifier::default().on::<Deadlock>(|_| ErrorClass::Transient);
-//! let err: reliq_core::BoxError = Box::new(Deadlock);
-//! assert_eq!(classifier.classify(err.as_ref()), ErrorClass::Transient);
-//! let err: reliq_core::BoxError = Box::new(Permanent::msg("sku does not exist"));
-//! assert_eq!(classifier.classify(err.as_ref()), ErrorClass::Permanent);
-//! ```
-
 use std::any::TypeId;
 use std::error::Error as StdError;
 use std::fmt;
@@ -38,6 +8,36 @@ pub use crate::error::BoxError;
 use crate::error::BrokerError;
 
 /// What a failure means for retrying.
+///
+/// Failure classes, and how an error is classified: by its **type**, walking the
+/// `source()` chain, never by its message text.
+///
+/// A handler returns any error (`Box<dyn Error>`, so `?` works on everything). The
+/// [`Classifier`] looks at the error and each of its sources, outermost first, and the
+/// first one it recognises decides:
+///
+/// 1. reliq's markers — [`Transient`], [`Permanent`], [`Poison`] — which a handler wraps
+///    around an error to say what it means;
+/// 2. rules registered for your own error types with [`Classifier::on`];
+/// 3. built-in rules: reliq's [`DecodeError`], `serde_json::Error`, UTF-8 errors → poison;
+///    `tokio::time::error::Elapsed` and I/O errors that mean "try again" (timeouts,
+///    resets, refused connections) → transient.
+///
+/// Anything else is [`ErrorClass::Unknown`]: it gets the policy's small unknown-error
+/// budget, then parks as `exhausted`.
+///
+/// ```
+/// use reliq_core::{Classifier, ErrorClass, Permanent};
+/// #[derive(Debug, thiserror::Error)]
+/// #[error("deadlock detected")]
+/// struct Deadlock;
+///
+/// let classifier = Classifier::default().on::<Deadlock>(|_| ErrorClass::Transient);
+/// let err: reliq_core::BoxError = Box::new(Deadlock);
+/// assert_eq!(classifier.classify(err.as_ref()), ErrorClass::Transient);
+/// let err: reliq_core::BoxError = Box::new(Permanent::msg("sku does not exist"));
+/// assert_eq!(classifier.classify(err.as_ref()), ErrorClass::Permanent);
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ErrorClass {
     /// A retry may help (timeout, 5xx, 429, deadlock, connection reset).

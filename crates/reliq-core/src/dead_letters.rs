@@ -1,34 +1,3 @@
-//! The dead-letter reader of the seam: what the replay engine and the operator tools use
-//! to look at a consumer's dead-letter queue and to take entries out of it.
-//!
-//! A [`DeadLetters`] reader **browses without consuming**: a page read from a [`Cursor`]
-//! removes nothing, reorders nothing, redelivers nothing and counts as no delivery
-//! attempt, so an operator can look at a DLQ at 3 a.m. as often as they like while the
-//! consumer keeps dead-lettering into it. Entries leave the DLQ only through
-//! [`DeadLetters::remove`] — after a confirmed replay, or a purge.
-//!
-//! Each backend maps the four operations onto its broker's native mechanism and says how
-//! in its mapping table (a log read by offset, a stream read by sequence, a queue
-//! scanned under a short lease where the broker has nothing better).
-//!
-//! ```
-//! # async fn demo(broker: std::sync::Arc<dyn reliq_core::Broker>) -> Result<(), reliq_core::BrokerError> {
-//! use reliq_core::{Cursor, Subscription};
-//! let dlq = broker.dead_letters(&Subscription::new("inventory", "orders")).await?;
-//! let mut cursor = Cursor::start();
-//! loop {
-//!     let page = dlq.browse(&cursor, 100).await?;
-//!     for entry in &page.entries {
-//!         println!("{} at {}: {:?}", entry.id(), entry.position, entry.record().map(|r| r.reason));
-//!     }
-//!     if page.at_end {
-//!         break;
-//!     }
-//!     cursor = page.next;
-//! }
-//! # Ok(()) }
-//! ```
-
 use std::fmt;
 use std::time::SystemTime;
 
@@ -149,6 +118,37 @@ pub struct DeadLetterCount {
 /// cursor reads the same entries. A cancelled [`DeadLetters::remove`] may have removed
 /// some of its entries and not others; calling it again with the same ids removes the
 /// rest (ids no longer there are not an error).
+///
+/// The dead-letter reader of the seam: what the replay engine and the operator tools use
+/// to look at a consumer's dead-letter queue and to take entries out of it.
+///
+/// A [`DeadLetters`] reader **browses without consuming**: a page read from a [`Cursor`]
+/// removes nothing, reorders nothing, redelivers nothing and counts as no delivery
+/// attempt, so an operator can look at a DLQ at 3 a.m. as often as they like while the
+/// consumer keeps dead-lettering into it. Entries leave the DLQ only through
+/// [`DeadLetters::remove`] — after a confirmed replay, or a purge.
+///
+/// Each backend maps the four operations onto its broker's native mechanism and says how
+/// in its mapping table (a log read by offset, a stream read by sequence, a queue
+/// scanned under a short lease where the broker has nothing better).
+///
+/// ```
+/// # async fn demo(broker: std::sync::Arc<dyn reliq_core::Broker>) -> Result<(), reliq_core::BrokerError> {
+/// use reliq_core::{Cursor, Subscription};
+/// let dlq = broker.dead_letters(&Subscription::new("inventory", "orders")).await?;
+/// let mut cursor = Cursor::start();
+/// loop {
+///     let page = dlq.browse(&cursor, 100).await?;
+///     for entry in &page.entries {
+///         println!("{} at {}: {:?}", entry.id(), entry.position, entry.record().map(|r| r.reason));
+///     }
+///     if page.at_end {
+///         break;
+///     }
+///     cursor = page.next;
+/// }
+/// # Ok(()) }
+/// ```
 #[async_trait]
 pub trait DeadLetters: Send + Sync {
     /// Up to `max` entries from `from` on, without removing, reordering or redelivering

@@ -1,14 +1,3 @@
-//! An optional typed layer over the payload: the event envelope.
-//!
-//! ```json
-//! {"id":"…","type":"order.created","schema_version":"1.2","occurred_at":"2026-11-29T09:00:00Z",
-//!  "producer":"checkout","correlation_id":"…","causation_id":"…",
-//!  "aggregate":{"type":"order","id":"o-1","version":3},"data":{…}}
-//! ```
-//!
-//! Unknown fields are ignored (forward compatible). An envelope that does not decode, has
-//! an empty id, or whose *major* schema version differs from the consumer's is poison.
-
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
@@ -30,6 +19,17 @@ pub struct Aggregate {
 }
 
 /// A typed event envelope.
+///
+/// An optional typed layer over the payload: the event envelope.
+///
+/// ```json
+/// {"id":"…","type":"order.created","schema_version":"1.2","occurred_at":"2026-11-29T09:00:00Z",
+///  "producer":"checkout","correlation_id":"…","causation_id":"…",
+///  "aggregate":{"type":"order","id":"o-1","version":3},"data":{…}}
+/// ```
+///
+/// Unknown fields are ignored (forward compatible). An envelope that does not decode, has
+/// an empty id, or whose *major* schema version differs from the consumer's is poison.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Envelope<T> {
     /// The stable event id (becomes the message id).

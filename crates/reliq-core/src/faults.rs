@@ -1,17 +1,17 @@
-//! Fault injection shared by the backends' test factories.
-//!
-//! Most faults the conformance suite needs are real (a deleted DLQ, a deleted retry
-//! queue or topic). Where a broker's retry is an in-place operation that only fails when
-//! the connection is gone (NATS `NakWithDelay`, SQS `ChangeMessageVisibility`), a test
-//! cannot break it for one consumer alone; backends then consult this switch, handed to
-//! them in their options. Production code never sets it.
-
 use crate::sync::lock;
 use std::collections::HashSet;
 use std::sync::Mutex;
 
 /// Switches that make a backend's operations fail for chosen consumers (feature
 /// `test-util`). One type for every backend: the embedded broker, NATS and SQS consult it.
+///
+/// Fault injection shared by the backends' test factories.
+///
+/// Most faults the conformance suite needs are real (a deleted DLQ, a deleted retry
+/// queue or topic). Where a broker's retry is an in-place operation that only fails when
+/// the connection is gone (NATS `NakWithDelay`, SQS `ChangeMessageVisibility`), a test
+/// cannot break it for one consumer alone; backends then consult this switch, handed to
+/// them in their options. Production code never sets it.
 #[derive(Debug, Default)]
 pub struct Faults {
     broken_retry: Mutex<HashSet<String>>,

@@ -1,17 +1,26 @@
-//! Error fingerprints: 10,000 dead letters of one bug are one group.
-//!
-//! A fingerprint is the dead-letter reason, the error class and the last error's text with
-//! everything that varies from one message to the next masked — quoted values, numbers,
-//! ids, hex — so `order 8812 not found` and `order 9907 not found` fall together. Its
-//! [`Fingerprint::id`] is a short stable hash of the three, safe in a URL or a CLI flag
-//! (`reliq dlq replay --fingerprint 3f9a…`), and the same in every reliq version that
-//! masks the same way.
-
 use std::fmt;
 
 use crate::headers::DeadLetter;
 
 /// The group a dead letter falls into.
+///
+/// Error fingerprints: 10,000 dead letters of one bug are one group.
+///
+/// A fingerprint is the dead-letter reason, the error class and the last error's text with
+/// everything that varies from one message to the next masked — quoted values, numbers,
+/// ids, hex — so `order 8812 not found` and `order 9907 not found` fall together. Its
+/// [`Fingerprint::id`] is a short stable hash of the three, safe in a URL or a CLI flag
+/// (`reliq dlq replay --fingerprint 3f9a…`), and the same in every reliq version that
+/// masks the same way. The masking:
+///
+/// - a quoted value (`'…'`, `"…"`, `` `…` ``) becomes `<q>`;
+/// - a word made of digits only becomes `<n>`;
+/// - a word mixing digits with letters (`ord-8812`, a UUID, `0x1f`, `E1234`) becomes `<id>`;
+/// - a word of 8 or more hex letters only (`deadbeef`) becomes `<hex>`;
+/// - runs of white space become one space.
+///
+/// Words are runs of letters, digits, `-`, `_` and `.`; punctuation around them stays,
+/// so `timeout after 30s (attempt 4)` masks to `timeout after <id> (attempt <n>)`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub struct Fingerprint {
     /// 16 hex digits of a stable hash of reason, class and masked text.
@@ -20,7 +29,7 @@ pub struct Fingerprint {
     pub reason: String,
     /// The last error's class, when there was one.
     pub class: Option<String>,
-    /// The last error's text, masked ([`mask_error`]); empty when there was none.
+    /// The last error's text, masked (see above); empty when there was none.
     pub masked_error: String,
 }
 
@@ -58,17 +67,8 @@ impl fmt::Display for Fingerprint {
     }
 }
 
-/// The error text with what varies between messages masked:
-///
-/// - a quoted value (`'…'`, `"…"`, `` `…` ``) becomes `<q>`;
-/// - a word made of digits only becomes `<n>`;
-/// - a word mixing digits with letters (`ord-8812`, a UUID, `0x1f`, `E1234`) becomes `<id>`;
-/// - a word of 8 or more hex letters only (`deadbeef`) becomes `<hex>`;
-/// - runs of white space become one space.
-///
-/// Words are runs of letters, digits, `-`, `_` and `.`; punctuation around them stays,
-/// so `timeout after 30s (attempt 4)` masks to `timeout after <id> (attempt <n>)`.
-pub fn mask_error(text: &str) -> String {
+/// The error text masked as [`Fingerprint`] describes.
+pub(crate) fn mask_error(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut chars = text.chars().peekable();
     while let Some(&c) = chars.peek() {

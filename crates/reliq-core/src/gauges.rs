@@ -1,13 +1,3 @@
-//! [`BacklogGauges`]: a poller that reads what waits at the broker for some consumers
-//! ([`Broker::backlog`], [`DeadLetters::count`]) and sets reliq's broker-side gauges
-//! (`reliq_consumer_backlog_messages`, `reliq_retry_waiting_messages`, `reliq_dlq_messages`,
-//! `reliq_dlq_oldest_age_seconds`, …; see [`telemetry`](crate::telemetry)).
-//!
-//! The numbers come from the broker, so they are right even when every consumer process
-//! is down — which is when an alert on them matters. A poll that fails leaves the gauges
-//! at their last value, counts `reliq_backlog_poll_failures_total`, and does not move
-//! `reliq_backlog_last_poll_timestamp_seconds` (alert on its age).
-
 use crate::sync::lock;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -27,6 +17,16 @@ use crate::telemetry::{
 
 /// The poller. Cheap per poll: one [`Broker::backlog`] and one [`DeadLetters::count`]
 /// per consumer (each DLQ reader is opened once and kept).
+///
+/// [`BacklogGauges`]: a poller that reads what waits at the broker for some consumers
+/// ([`Broker::backlog`], [`DeadLetters::count`]) and sets reliq's broker-side gauges
+/// (`reliq_consumer_backlog_messages`, `reliq_retry_waiting_messages`, `reliq_dlq_messages`,
+/// `reliq_dlq_oldest_age_seconds`, …; see [`metrics`](crate::metrics)).
+///
+/// The numbers come from the broker, so they are right even when every consumer process
+/// is down — which is when an alert on them matters. A poll that fails leaves the gauges
+/// at their last value, counts `reliq_backlog_poll_failures_total`, and does not move
+/// `reliq_backlog_last_poll_timestamp_seconds` (alert on its age).
 pub struct BacklogGauges {
     broker: Arc<dyn Broker>,
     consumers: Vec<Watched>,

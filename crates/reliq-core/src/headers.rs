@@ -1,14 +1,3 @@
-//! The [`Headers`] of a message, the one header scheme reliq writes in them on every
-//! backend, and the [`DeadLetter`] record.
-//!
-//! Every name reliq owns starts with [`PREFIX`]; the only exceptions are the W3C trace
-//! context names (`traceparent`, `tracestate`), which must keep their standard spelling
-//! to interoperate with other tracers. Backends map some of these to native fields (AMQP
-//! `message_id`, `Nats-Msg-Id`, the Kafka record key) but always carry the header too, so
-//! one decoder reads a dead letter from any broker.
-//!
-//! Timestamps are RFC 3339 in UTC with milliseconds (`2026-11-29T09:15:11.123Z`).
-
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
@@ -22,6 +11,17 @@ use crate::classify::ErrorClass;
 /// record headers, NATS headers, SQS string attributes). Names are case-sensitive;
 /// [`Headers::insert`] replaces an existing value. reliq's own names all start with
 /// [`PREFIX`].
+///
+/// The [`Headers`] of a message, the one header scheme reliq writes in them on every
+/// backend, and the [`DeadLetter`] record.
+///
+/// Every name reliq owns starts with [`PREFIX`]; the only exceptions are the W3C trace
+/// context names (`traceparent`, `tracestate`), which must keep their standard spelling
+/// to interoperate with other tracers. Backends map some of these to native fields (AMQP
+/// `message_id`, `Nats-Msg-Id`, the Kafka record key) but always carry the header too, so
+/// one decoder reads a dead letter from any broker.
+///
+/// Timestamps are RFC 3339 in UTC with milliseconds (`2026-11-29T09:15:11.123Z`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Headers(Vec<(String, String)>);
 

@@ -1,31 +1,3 @@
-//! Idempotent consumers: the inbox.
-//!
-//! The inbox records which message ids a consumer has already turned into an effect, so
-//! a redelivered or replayed copy is acknowledged and skipped instead of applied twice.
-//!
-//! A durable inbox (reliq-postgres, reliq-sqlite) claims the id **inside the business
-//! transaction** (`INSERT … ON CONFLICT DO NOTHING RETURNING 1`), so the claim and the
-//! effect commit or roll back together. The runtime-driven protocol below models the same
-//! thing for stores that cannot share the handler's transaction: `claim` before the
-//! handler, `complete` after it succeeded, `abandon` when it failed (the retry must be
-//! able to claim again).
-//!
-//! With the transactional style the handler itself learns that a message is a duplicate
-//! (its claim answered [`Claim::Duplicate`]); it returns the [`Duplicate`] marker, and the
-//! runtime acknowledges the delivery, does not retry it, and counts it as a duplicate:
-//!
-//! ```
-//! use reliq_core::{BoxError, Claim, Delivery};
-//! # async fn claim_in_tx(_: &Delivery) -> Result<Claim, BoxError> { Ok(Claim::First) }
-//! async fn handle(d: Delivery) -> Result<(), BoxError> {
-//!     // let mut tx = pool.begin().await?;
-//!     claim_in_tx(&d).await?.first_or_skip()?;   // a duplicate returns `Duplicate` here
-//!     // … the business change, in the same transaction …
-//!     // tx.commit().await?;
-//!     Ok(())
-//! }
-//! ```
-
 use crate::sync::lock;
 use std::collections::HashMap;
 use std::error::Error as StdError;
@@ -98,6 +70,34 @@ impl Duplicate {
 pub struct InboxError(#[from] pub crate::classify::BoxError);
 
 /// An inbox store.
+///
+/// Idempotent consumers: the inbox.
+///
+/// The inbox records which message ids a consumer has already turned into an effect, so
+/// a redelivered or replayed copy is acknowledged and skipped instead of applied twice.
+///
+/// A durable inbox (reliq-postgres, reliq-sqlite) claims the id **inside the business
+/// transaction** (`INSERT … ON CONFLICT DO NOTHING RETURNING 1`), so the claim and the
+/// effect commit or roll back together. The runtime-driven protocol below models the same
+/// thing for stores that cannot share the handler's transaction: `claim` before the
+/// handler, `complete` after it succeeded, `abandon` when it failed (the retry must be
+/// able to claim again).
+///
+/// With the transactional style the handler itself learns that a message is a duplicate
+/// (its claim answered [`Claim::Duplicate`]); it returns the [`Duplicate`] marker, and the
+/// runtime acknowledges the delivery, does not retry it, and counts it as a duplicate:
+///
+/// ```
+/// use reliq_core::{BoxError, Claim, Delivery};
+/// # async fn claim_in_tx(_: &Delivery) -> Result<Claim, BoxError> { Ok(Claim::First) }
+/// async fn handle(d: Delivery) -> Result<(), BoxError> {
+///     // let mut tx = pool.begin().await?;
+///     claim_in_tx(&d).await?.first_or_skip()?;   // a duplicate returns `Duplicate` here
+///     // … the business change, in the same transaction …
+///     // tx.commit().await?;
+///     Ok(())
+/// }
+/// ```
 #[async_trait]
 pub trait Inbox: Send + Sync + 'static {
     /// Claim `(consumer, id)`.

@@ -1,7 +1,3 @@
-//! Keeping a delivery leased while its handler runs, for backends whose broker leases
-//! each delivery for a fixed time (NATS ack wait, SQS visibility timeout): one helper, so
-//! every backend renews on the same schedule and stops on the same events.
-
 use std::future::Future;
 use std::time::Duration;
 
@@ -21,6 +17,10 @@ pub enum Renewed {
 /// cancelled (the delivery was settled or its receiver closed), `renew` returns
 /// [`Renewed::Stop`], or `max` has passed since the start — then it logs a warning that
 /// the broker may hand the message out again, and stops.
+///
+/// Keeping a delivery leased while its handler runs, for backends whose broker leases
+/// each delivery for a fixed time (NATS ack wait, SQS visibility timeout): one helper, so
+/// every backend renews on the same schedule and stops on the same events.
 pub fn keep_leased<F, Fut>(
     settled: CancellationToken,
     period: Duration,

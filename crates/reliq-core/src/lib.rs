@@ -5,16 +5,32 @@
 //! reliable consumer on any backend.
 //!
 //! A handler takes one [`Delivery`] ([`ConsumerBuilder::start`]) or a [`Batch`] of them
-//! ([`ConsumerBuilder::start_batch`], see [`batch`]); the failure path is per message
+//! ([`ConsumerBuilder::start_batch`], see [`Batch`]); the failure path is per message
 //! either way.
 //!
 //! Backends (reliq-memory, reliq-kafka, reliq-rabbit, reliq-nats, reliq-sqs) implement
-//! the small [`Broker`] / [`Receiver`] / [`DeadLetters`] seam — its contract and
-//! everything a backend uses is in [`seam`], one page; everything else is here, written
-//! once. The
-//! durable stores (reliq-postgres, reliq-sqlite) implement [`Inbox`] and
-//! [`OutboxStore`]; the outbox [`Relay`] and the [`Duplicate`] answer of a handler's
-//! transactional inbox claim are here too.
+//! the small [`Broker`] / [`Receiver`](seam::Receiver) / [`DeadLetters`] seam — its
+//! contract and everything a backend uses is in [`seam`], one page; everything else is
+//! here, written once. The durable stores (reliq-postgres, reliq-sqlite) implement
+//! [`Inbox`] and [`OutboxStore`]; the outbox [`Relay`] and the [`Duplicate`] answer of a
+//! handler's transactional inbox claim are here too.
+//!
+//! # One path per item
+//!
+//! Every public item has exactly one path (`scripts/public-paths --check` in `just lint`
+//! lists them and fails on a second one):
+//!
+//! - what an application names — the consumer, its policy and errors, messages and
+//!   headers, the dead-letter record and reader, replay, inbox and outbox, topology
+//!   reports, permissions — is at the crate root: `reliq_core::Consumer`;
+//! - what only a backend, a durable store or the operator plane needs beyond that — the
+//!   [`Receiver`](seam::Receiver) side of the seam, delivery tokens, lease renewal,
+//!   header names ([`seam::headers`]), secrets in URLs ([`seam::secrets`]), the topology
+//!   comparison — is in [`seam`]: `reliq_core::seam::DeliveryToken`;
+//! - metric names are in [`metrics`] (what dashboards and alert rules use).
+//!
+//! The modules that define the items are private; each item's own documentation carries
+//! what its module used to say.
 //!
 //! ```
 //! use std::time::Duration;
@@ -42,50 +58,52 @@
 //! # let _ = report; Ok(()) }
 //! ```
 
-pub mod backlog;
-pub mod batch;
-pub mod breaker;
-pub mod broker;
-pub mod classify;
-pub mod consumer;
-pub mod dead_letters;
+mod backlog;
+mod batch;
+mod breaker;
+mod broker;
+mod classify;
+mod consumer;
+mod dead_letters;
 mod delivery;
-pub mod envelope;
+mod envelope;
 mod error;
 #[cfg(feature = "test-util")]
-pub mod faults;
+mod faults;
 mod filter;
-pub mod fingerprint;
-pub mod gauges;
-pub mod headers;
-pub mod inbox;
-pub mod lease;
-pub mod message;
-pub mod metered;
-pub mod outbox;
-pub mod permissions;
-pub mod replay;
-pub mod retry;
+mod fingerprint;
+mod gauges;
+mod headers;
+mod inbox;
+mod lease;
+mod message;
+mod metered;
+pub mod metrics;
+mod outbox;
+mod permissions;
+mod replay;
+mod retry;
 pub mod seam;
-pub mod secrets;
+mod secrets;
 mod subscription;
-pub mod sync;
-pub mod telemetry;
-pub mod topology;
+mod sync;
+mod telemetry;
+mod topology;
 
 pub use backlog::{Backlog, TierBacklog};
 pub use batch::{Batch, BatchError};
 pub use breaker::{CircuitBreaker, CircuitState};
-pub use broker::{Broker, Receiver};
+pub use broker::Broker;
 pub use classify::{
     BoxError, Classifier, DecodeError, ErrorChain, ErrorClass, Permanent, Poison, Transient,
+    UnknownClass,
 };
 pub use consumer::{
     Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, DeliveryOrder, ShutdownReport, Stats,
     StatsSnapshot,
 };
 pub use dead_letters::{Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters};
-pub use delivery::{Delivery, DeliveryPool, DeliveryToken, RawMessage, ReceiverId, RetryRequest};
+pub use delivery::Delivery;
 pub use envelope::{Aggregate, Envelope};
 pub use error::BrokerError;
 pub use filter::DeadLetterFilter;
@@ -96,7 +114,8 @@ pub use inbox::{Claim, Duplicate, Inbox, InboxError, MemoryInbox};
 pub use message::{Message, MessageId};
 pub use metered::MeteredBroker;
 pub use outbox::{
-    OutboxBacklog, OutboxError, OutboxRecord, OutboxStore, Relay, RelayHandle, RelayStats,
+    OutboxBacklog, OutboxError, OutboxRecord, OutboxStore, Relay, RelayBuilder, RelayConfigError,
+    RelayError, RelayHandle, RelayStats,
 };
 pub use permissions::{Access, Grant, NamePattern, Permissions};
 pub use replay::{
@@ -105,7 +124,6 @@ pub use replay::{
 pub use retry::{Decision, Failure, FinalRoute, PanicAction, PolicyError, RetryPolicy, Schedule};
 pub use subscription::{Capabilities, Destination, Subscription};
 pub use telemetry::Clock;
-
 pub use topology::{
     Difference, Drift, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan,
     PlannedObject, Setting, Severity, StartupCheck, TopologyReport, Wanted,

@@ -1,5 +1,3 @@
-//! The unit that travels: [`Message`] (what a producer publishes) and [`Headers`].
-
 use std::fmt;
 use std::sync::Arc;
 
@@ -67,6 +65,8 @@ impl AsRef<str> for MessageId {
 /// assert_eq!(m.key(), Some("customer-7"));
 /// assert_eq!(m.headers().get("tenant"), Some("acme"));
 /// ```
+///
+/// The unit that travels: [`Message`] (what a producer publishes) and [`Headers`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Message {
     id: MessageId,

@@ -1,8 +1,3 @@
-//! [`MeteredBroker`]: any [`Broker`] with reliq's publish metrics
-//! (`reliq_messages_published_total`, `reliq_publish_failures_total`,
-//! `reliq_publish_duration_seconds`) and a `send <destination>` span per publish (see
-//! [`telemetry`](crate::telemetry)).
-
 use crate::sync::lock;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,6 +18,11 @@ use crate::telemetry::{PUBLISH_DURATION, PUBLISH_FAILURES, PUBLISHED};
 
 /// A broker whose publishes are counted and timed, per destination topic; everything
 /// else is passed through untouched. `reliq::connect` returns its brokers wrapped in one.
+///
+/// [`MeteredBroker`]: any [`Broker`] with reliq's publish metrics
+/// (`reliq_messages_published_total`, `reliq_publish_failures_total`,
+/// `reliq_publish_duration_seconds`) and a `send <destination>` span per publish (see
+/// [`metrics`](crate::metrics)).
 pub struct MeteredBroker {
     inner: Arc<dyn Broker>,
     /// One set of handles per topic, so a publish does one map lookup, not a registry

@@ -1,16 +1,3 @@
-//! Least privilege, generated: what a service's broker credentials must allow.
-//!
-//! A consumer's objects are named by its subscription (the source, the retry tiers, the
-//! dead-letter queue, the backend's own groups or consumers): the same names
-//! [`Broker::plan`](crate::broker::Broker::plan) lists. [`Broker::permissions`](crate::broker::Broker::permissions)
-//! turns an [`Access`] — the consumers a service runs and the destinations it publishes
-//! to — into [`Permissions`]: one [`Grant`] per resource with the operations reliq uses on
-//! it and why, and the same grants in the broker's own form ([`Permissions::document`]:
-//! Kafka ACL commands, RabbitMQ permission regexes, NATS permissions, an IAM policy).
-//!
-//! Nothing here reads the broker: the list is what reliq *will* do, so it can be applied
-//! before the first deployment.
-
 use std::fmt;
 
 use serde::Serialize;
@@ -155,6 +142,19 @@ impl Grant {
 }
 
 /// What a service's credentials must allow ([`Broker::permissions`](crate::broker::Broker::permissions)).
+///
+/// Least privilege, generated: what a service's broker credentials must allow.
+///
+/// A consumer's objects are named by its subscription (the source, the retry tiers, the
+/// dead-letter queue, the backend's own groups or consumers): the same names
+/// [`Broker::plan`](crate::broker::Broker::plan) lists. [`Broker::permissions`](crate::broker::Broker::permissions)
+/// turns an [`Access`] — the consumers a service runs and the destinations it publishes
+/// to — into [`Permissions`]: one [`Grant`] per resource with the operations reliq uses on
+/// it and why, and the same grants in the broker's own form ([`Permissions::document`]:
+/// Kafka ACL commands, RabbitMQ permission regexes, NATS permissions, an IAM policy).
+///
+/// Nothing here reads the broker: the list is what reliq *will* do, so it can be applied
+/// before the first deployment.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Permissions {
     /// The backend (`kafka`, `rabbit`, `nats`, `sqs`).

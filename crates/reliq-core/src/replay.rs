@@ -1,40 +1,13 @@
-//! The dead-letter engine: replay dead letters to their consumer, replay a corrected copy
-//! of one, or purge them — operator actions, never automatic.
-//!
-//! Dry-run first ([`Replay::dry_run`] lists what would move), then [`Replay::execute`].
-//! Each replayed copy keeps its message id, loses the failure headers (so it gets a fresh
-//! retry budget), and carries `reliq-replay-count` / `reliq-replayed-at`. The DLQ is
-//! browsed without consuming it ([`crate::dead_letters::DeadLetters`]); an entry is removed only after
-//! its replayed copy was confirmed; entries that do not match the filter are never
-//! touched. A run killed midway loses nothing: what was confirmed but not yet removed is
-//! sent again by the next run, with its id, and the consumer's inbox absorbs it. Every
-//! replayed id is logged on the `reliq::audit` tracing target.
-//!
-//! Copies are published [`Replay::in_flight`] at a time — one after another within a
-//! message key (so one key's dead letters go back in DLQ order), concurrently across keys —
-//! and paced by [`Replay::rate_limit`].
-//!
-//! ```no_run
-//! # async fn demo(broker: std::sync::Arc<dyn reliq_core::Broker>) -> Result<(), reliq_core::BrokerError> {
-//! use reliq_core::{Replay, DeadLetterFilter, Subscription, DeadLetterReason};
-//! let sub = Subscription::new("inventory", "orders");
-//! let filter = DeadLetterFilter::default().reasons([DeadLetterReason::Exhausted]).limit(100);
-//! let plan = Replay::new(broker.clone(), sub.clone()).filter(filter.clone()).dry_run().await?;
-//! println!("{} messages would be replayed", plan.matched.len());
-//! let done = Replay::new(broker, sub).filter(filter).rate_limit(50).execute().await?;
-//! assert_eq!(done.replayed.len(), plan.matched.len());
-//! # Ok(()) }
-//! ```
-
-use crate::sync::lock;
 use std::collections::HashSet;
 use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use governor::{Quota, RateLimiter};
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::Broker;
@@ -44,6 +17,7 @@ use crate::filter::DeadLetterFilter;
 use crate::headers::{self, DeadLetter};
 use crate::message::{Message, MessageId};
 use crate::subscription::{Destination, Subscription};
+use crate::sync::lock;
 use crate::telemetry::{self, Clock};
 
 /// Where replayed messages go.
@@ -83,7 +57,7 @@ pub struct ReplayReport {
     pub cancelled: bool,
     /// From the first copy sent to the last one confirmed: the time the rate limit
     /// paces (the reads before and the last removal after are not in it).
-    pub publishing: std::time::Duration,
+    pub publishing: Duration,
 }
 
 /// What a purge run did.
@@ -137,6 +111,34 @@ pub struct Corrected {
 }
 
 /// A replay (or a purge) of one consumer's dead letters.
+///
+/// The dead-letter engine: replay dead letters to their consumer, replay a corrected copy
+/// of one, or purge them — operator actions, never automatic.
+///
+/// Dry-run first ([`Replay::dry_run`] lists what would move), then [`Replay::execute`].
+/// Each replayed copy keeps its message id, loses the failure headers (so it gets a fresh
+/// retry budget), and carries `reliq-replay-count` / `reliq-replayed-at`. The DLQ is
+/// browsed without consuming it ([`crate::dead_letters::DeadLetters`]); an entry is removed only after
+/// its replayed copy was confirmed; entries that do not match the filter are never
+/// touched. A run killed midway loses nothing: what was confirmed but not yet removed is
+/// sent again by the next run, with its id, and the consumer's inbox absorbs it. Every
+/// replayed id is logged on the `reliq::audit` tracing target.
+///
+/// Copies are published [`Replay::in_flight`] at a time — one after another within a
+/// message key (so one key's dead letters go back in DLQ order), concurrently across keys —
+/// and paced by [`Replay::rate_limit`].
+///
+/// ```no_run
+/// # async fn demo(broker: std::sync::Arc<dyn reliq_core::Broker>) -> Result<(), reliq_core::BrokerError> {
+/// use reliq_core::{Replay, DeadLetterFilter, Subscription, DeadLetterReason};
+/// let sub = Subscription::new("inventory", "orders");
+/// let filter = DeadLetterFilter::default().reasons([DeadLetterReason::Exhausted]).limit(100);
+/// let plan = Replay::new(broker.clone(), sub.clone()).filter(filter.clone()).dry_run().await?;
+/// println!("{} messages would be replayed", plan.matched.len());
+/// let done = Replay::new(broker, sub).filter(filter).rate_limit(50).execute().await?;
+/// assert_eq!(done.replayed.len(), plan.matched.len());
+/// # Ok(()) }
+/// ```
 pub struct Replay {
     broker: Arc<dyn Broker>,
     subscription: Subscription,
@@ -371,179 +373,207 @@ impl Replay {
     /// A browse error stops the reader; what was already read is still published and
     /// removed before the error is returned, so nothing confirmed stays behind.
     async fn replay_matching(&self, dlq: &dyn DeadLetters) -> Result<ReplayReport, BrokerError> {
-        let sub = &self.subscription;
-        // A burst of 1/10 of the rate (100 ms of it): paced, yet a run held up for less
-        // than that (a slow confirm, the remover's batch on the same connection, a
-        // timer waking the lanes late) catches up rather than falling below the rate
-        // for good; it adds at most 100 ms of copies to any window.
-        let limiter = self.per_second.map(|n| {
-            let burst = NonZeroU32::new(n.get() / 10).unwrap_or(NonZeroU32::MIN);
-            RateLimiter::direct(Quota::per_second(n).allow_burst(burst))
-        });
-        let clock = Clock::new();
-        let replayed_total =
-            metrics::counter!(telemetry::REPLAYED, "consumer" => sub.consumer.clone());
-        let report = std::sync::Mutex::new(ReplayReport::default());
-        let tally = Tally::default();
-        let (pages_tx, mut pages_rx) =
-            tokio::sync::mpsc::channel::<Vec<(DeadLetterEntry, DeadLetter)>>(2);
-        let (confirmed_tx, mut confirmed_rx) = tokio::sync::mpsc::unbounded_channel::<MessageId>();
-
-        let reader = async {
-            let mut scan = Scan::new(&self.filter, self.scan_max);
-            let result = loop {
-                if self.cancel.is_cancelled() {
-                    break Ok(());
-                }
-                let started = std::time::Instant::now();
-                match scan.next_page(dlq).await {
-                    Ok(Some(page)) => {
-                        tracing::debug!(entries = page.len(), took = ?started.elapsed(), "replay: page read");
-                        tally.read(scan.scanned, scan.matched);
-                        if pages_tx.send(page).await.is_err() {
-                            break Ok(()); // the publisher stopped (cancelled)
-                        }
-                    }
-                    Ok(None) => break Ok(()),
-                    Err(e) => break Err(e),
-                }
-            };
-            drop(pages_tx);
-            (scan.scanned, scan.unreadable, result)
-        };
-        let publishing = std::sync::Mutex::new(None::<(std::time::Instant, std::time::Instant)>);
+        let run = RunState::new(self);
+        let (pages_tx, pages_rx) = mpsc::channel::<Vec<(DeadLetterEntry, DeadLetter)>>(2);
+        let (confirmed_tx, confirmed_rx) = mpsc::unbounded_channel::<MessageId>();
         // One lane per worker, `in_flight` of them for the whole run: a key always goes to
         // the same lane (so its dead letters go back in DLQ order, across pages), keyless
         // entries round the lanes; no page waits for the last copy of the one before.
         let (lane_txs, lane_rxs): (Vec<_>, Vec<_>) = (0..self.in_flight)
-            .map(|_| tokio::sync::mpsc::channel::<(DeadLetterEntry, DeadLetter)>(LANE_DEPTH))
+            .map(|_| mpsc::channel::<(DeadLetterEntry, DeadLetter)>(LANE_DEPTH))
             .unzip();
-        let dispatcher = async {
-            let mut round = 0usize;
-            'pages: while let Some(page) = pages_rx.recv().await {
-                lock(&report)
-                    .matched
-                    .extend(page.iter().map(|(e, record)| ReplayEntry {
-                        id: e.id().clone(),
-                        record: record.clone(),
-                    }));
-                for item in page {
-                    if self.cancel.is_cancelled() {
-                        break 'pages;
-                    }
-                    let lane = match item.0.message.key() {
-                        Some(key) => lane_of(key, lane_txs.len()),
-                        None => {
-                            round = round.wrapping_add(1);
-                            round % lane_txs.len()
-                        }
-                    };
-                    if lane_txs[lane].send(item).await.is_err() {
-                        break 'pages;
-                    }
-                }
-            }
-            drop(lane_txs);
-            // Let the reader's pending send fail, so it stops.
-            pages_rx.close();
-        };
-        let lanes = futures::future::join_all(lane_rxs.into_iter().map(|mut lane| {
-            let confirmed_tx = confirmed_tx.clone();
-            let (report, tally, publishing, limiter, clock) = (&report, &tally, &publishing, &limiter, &clock);
-            async move {
-                // A key that failed here: its later dead letters stay in the DLQ, so none
-                // overtakes it.
-                let mut failed_keys: HashSet<String> = HashSet::new();
-                while let Some((entry, record)) = lane.recv().await {
-                    if self.cancel.is_cancelled() {
-                        continue; // not sent: stays in the DLQ
-                    }
-                    let id = entry.id().clone();
-                    let key = entry.message.key().map(str::to_owned);
-                    if key.as_ref().is_some_and(|k| failed_keys.contains(k)) {
-                        tally.failed.fetch_add(1, Relaxed);
-                        lock(report).failed.push((id, "an earlier message of its key failed; left in the DLQ".into()));
-                        continue;
-                    }
-                    if let Some(l) = limiter {
-                        l.until_ready().await;
-                    }
-                    let sent = std::time::Instant::now();
-                    let result = self.republish(sub, entry.message, &record, clock).await;
-                    {
-                        let mut window = lock(publishing);
-                        let first = window.map_or(sent, |(f, _)| f.min(sent));
-                        *window = Some((first, std::time::Instant::now()));
-                    }
-                    match result {
-                        Ok(()) => {
-                            let _ = confirmed_tx.send(id);
-                        }
-                        Err(e) => {
-                            let why = crate::classify::ErrorChain(&e).to_string();
-                            tracing::warn!(target: "reliq::audit", message_id = %id, error = %why, "replay publish failed; left in the DLQ");
-                            failed_keys.extend(key);
-                            tally.failed.fetch_add(1, Relaxed);
-                            lock(report).failed.push((id, why));
-                        }
-                    }
-                }
-            }
-        }));
+        let lanes = futures::future::join_all(
+            lane_rxs
+                .into_iter()
+                .map(|lane| self.publish_lane(&run, lane, confirmed_tx.clone())),
+        );
         drop(confirmed_tx);
         let publisher = async {
-            tokio::join!(dispatcher, lanes);
+            tokio::join!(self.dispatch_pages(&run, pages_rx, lane_txs), lanes);
         };
-        let remover = async {
-            let mut batch = Vec::new();
-            let mut last_removal = std::time::Instant::now();
-            loop {
-                let next = match tokio::time::timeout(REMOVE_EVERY, confirmed_rx.recv()).await {
-                    Ok(next) => next.map(Some),
-                    Err(_) => Some(None), // nothing new for a while: remove what is due
-                };
-                let closed = next.is_none();
-                batch.extend(next.flatten());
-                // Take what else is already confirmed, up to a batch.
-                while batch.len() < REMOVE_BATCH {
-                    match confirmed_rx.try_recv() {
-                        Ok(id) => batch.push(id),
-                        Err(_) => break,
-                    }
-                }
-                let due =
-                    batch.len() >= REMOVE_BATCH || last_removal.elapsed() >= REMOVE_EVERY || closed;
-                if due && !batch.is_empty() {
-                    last_removal = std::time::Instant::now();
-                    let ids = std::mem::take(&mut batch);
-                    let started = std::time::Instant::now();
-                    let (replayed, failed) = self.remove_replayed(dlq, ids, &replayed_total).await;
-                    tracing::debug!(removed = replayed.len() - failed.len(), took = ?started.elapsed(), "replay: batch removed");
-                    tally.done.fetch_add(replayed.len() - failed.len(), Relaxed);
-                    tally.failed.fetch_add(failed.len(), Relaxed);
-                    let mut report = lock(&report);
-                    report.replayed.extend(replayed);
-                    report.failed.extend(failed);
-                    drop(report);
-                    self.report_tally(&tally);
-                }
-                if closed {
-                    break;
-                }
-            }
-        };
-        let ((scanned, unreadable, read), (), ()) = tokio::join!(reader, publisher, remover);
-        let mut report = report.into_inner().unwrap_or_else(|p| p.into_inner());
+        let ((scanned, unreadable, read), (), ()) = tokio::join!(
+            self.read_pages(dlq, &run.tally, pages_tx),
+            publisher,
+            self.remove_confirmed(dlq, &run, confirmed_rx)
+        );
+        let publishing = lock(&run.publishing).map_or(Duration::ZERO, |(f, l)| l - f);
+        let mut report = run.report.into_inner().unwrap_or_else(|p| p.into_inner());
         report.scanned = scanned;
         report.unreadable = unreadable;
-        report.publishing = lock(&publishing).map_or(std::time::Duration::ZERO, |(f, l)| l - f);
+        report.publishing = publishing;
         if self.cancel.is_cancelled()
             && report.matched.len() > report.replayed.len() + report.failed.len()
         {
             report.cancelled = true;
         }
-        self.report_tally(&tally);
+        self.report_tally(&run.tally);
         read.map(|()| report)
+    }
+
+    /// Stage 1: browse the matching pages, at most two ahead of the publisher. Returns
+    /// what was scanned and unreadable, and the browse error that stopped it, if any.
+    async fn read_pages(
+        &self,
+        dlq: &dyn DeadLetters,
+        tally: &Tally,
+        pages: mpsc::Sender<Vec<(DeadLetterEntry, DeadLetter)>>,
+    ) -> (usize, usize, Result<(), BrokerError>) {
+        let mut scan = Scan::new(&self.filter, self.scan_max);
+        let result = loop {
+            if self.cancel.is_cancelled() {
+                break Ok(());
+            }
+            let started = Instant::now();
+            match scan.next_page(dlq).await {
+                Ok(Some(page)) => {
+                    tracing::debug!(entries = page.len(), took = ?started.elapsed(), "replay: page read");
+                    tally.read(scan.scanned, scan.matched);
+                    if pages.send(page).await.is_err() {
+                        break Ok(()); // the publisher stopped (cancelled)
+                    }
+                }
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        (scan.scanned, scan.unreadable, result)
+    }
+
+    /// Stage 2a: record each page as matched and hand its entries to the lanes (a key
+    /// always to the same lane).
+    async fn dispatch_pages(
+        &self,
+        run: &RunState,
+        mut pages: mpsc::Receiver<Vec<(DeadLetterEntry, DeadLetter)>>,
+        lanes: Vec<mpsc::Sender<(DeadLetterEntry, DeadLetter)>>,
+    ) {
+        let mut round = 0usize;
+        'pages: while let Some(page) = pages.recv().await {
+            lock(&run.report)
+                .matched
+                .extend(page.iter().map(|(e, record)| ReplayEntry {
+                    id: e.id().clone(),
+                    record: record.clone(),
+                }));
+            for item in page {
+                if self.cancel.is_cancelled() {
+                    break 'pages;
+                }
+                let lane = match item.0.message.key() {
+                    Some(key) => lane_of(key, lanes.len()),
+                    None => {
+                        round = round.wrapping_add(1);
+                        round % lanes.len()
+                    }
+                };
+                if lanes[lane].send(item).await.is_err() {
+                    break 'pages;
+                }
+            }
+        }
+        drop(lanes);
+        // Let the reader's pending send fail, so it stops.
+        pages.close();
+    }
+
+    /// Stage 2b: one lane's copies, in order, at the run's rate; each confirmed id goes
+    /// on to the remover, each failure into the report (and its key's later entries stay
+    /// in the DLQ, so none overtakes it).
+    async fn publish_lane(
+        &self,
+        run: &RunState,
+        mut lane: mpsc::Receiver<(DeadLetterEntry, DeadLetter)>,
+        confirmed: mpsc::UnboundedSender<MessageId>,
+    ) {
+        let mut failed_keys: HashSet<String> = HashSet::new();
+        while let Some((entry, record)) = lane.recv().await {
+            if self.cancel.is_cancelled() {
+                continue; // not sent: stays in the DLQ
+            }
+            let id = entry.id().clone();
+            let key = entry.message.key().map(str::to_owned);
+            if key.as_ref().is_some_and(|k| failed_keys.contains(k)) {
+                run.tally.failed.fetch_add(1, Relaxed);
+                lock(&run.report).failed.push((
+                    id,
+                    "an earlier message of its key failed; left in the DLQ".into(),
+                ));
+                continue;
+            }
+            if let Some(l) = &run.limiter {
+                l.until_ready().await;
+            }
+            let sent = Instant::now();
+            let result = self
+                .republish(&self.subscription, entry.message, &record, &run.clock)
+                .await;
+            {
+                let mut window = lock(&run.publishing);
+                let first = window.map_or(sent, |(f, _)| f.min(sent));
+                *window = Some((first, Instant::now()));
+            }
+            match result {
+                Ok(()) => {
+                    let _ = confirmed.send(id);
+                }
+                Err(e) => {
+                    let why = crate::classify::ErrorChain(&e).to_string();
+                    tracing::warn!(target: "reliq::audit", message_id = %id, error = %why, "replay publish failed; left in the DLQ");
+                    failed_keys.extend(key);
+                    run.tally.failed.fetch_add(1, Relaxed);
+                    lock(&run.report).failed.push((id, why));
+                }
+            }
+        }
+    }
+
+    /// Stage 3: take confirmed ids out of the DLQ in batches of [`REMOVE_BATCH`], or
+    /// whatever is confirmed every [`REMOVE_EVERY`]; never an id before its copy was
+    /// confirmed.
+    async fn remove_confirmed(
+        &self,
+        dlq: &dyn DeadLetters,
+        run: &RunState,
+        mut confirmed: mpsc::UnboundedReceiver<MessageId>,
+    ) {
+        let mut batch = Vec::new();
+        let mut last_removal = Instant::now();
+        loop {
+            let next = match tokio::time::timeout(REMOVE_EVERY, confirmed.recv()).await {
+                Ok(next) => next.map(Some),
+                Err(_) => Some(None), // nothing new for a while: remove what is due
+            };
+            let closed = next.is_none();
+            batch.extend(next.flatten());
+            // Take what else is already confirmed, up to a batch.
+            while batch.len() < REMOVE_BATCH {
+                match confirmed.try_recv() {
+                    Ok(id) => batch.push(id),
+                    Err(_) => break,
+                }
+            }
+            let due =
+                batch.len() >= REMOVE_BATCH || last_removal.elapsed() >= REMOVE_EVERY || closed;
+            if due && !batch.is_empty() {
+                last_removal = Instant::now();
+                let ids = std::mem::take(&mut batch);
+                let started = Instant::now();
+                let (replayed, failed) = self.remove_replayed(dlq, ids, &run.replayed_total).await;
+                tracing::debug!(removed = replayed.len() - failed.len(), took = ?started.elapsed(), "replay: batch removed");
+                run.tally
+                    .done
+                    .fetch_add(replayed.len() - failed.len(), Relaxed);
+                run.tally.failed.fetch_add(failed.len(), Relaxed);
+                let mut report = lock(&run.report);
+                report.replayed.extend(replayed);
+                report.failed.extend(failed);
+                drop(report);
+                self.report_tally(&run.tally);
+            }
+            if closed {
+                break;
+            }
+        }
     }
 
     fn report_tally(&self, t: &Tally) {
@@ -731,7 +761,40 @@ fn lane_of(key: &str, lanes: usize) -> usize {
 /// run leaves behind — sent again by the next run, taken once by the inbox — is at most
 /// this many, or this long.
 const REMOVE_BATCH: usize = 10_000;
-const REMOVE_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+const REMOVE_EVERY: Duration = Duration::from_secs(5);
+
+/// What the stages of one replay run share.
+struct RunState {
+    report: std::sync::Mutex<ReplayReport>,
+    tally: Tally,
+    /// The first copy's send and the last copy's confirm.
+    publishing: std::sync::Mutex<Option<(Instant, Instant)>>,
+    limiter: Option<DefaultDirectRateLimiter>,
+    clock: Clock,
+    replayed_total: metrics::Counter,
+}
+
+impl RunState {
+    fn new(replay: &Replay) -> Self {
+        // A burst of 1/10 of the rate (100 ms of it): paced, yet a run held up for less
+        // than that (a slow confirm, the remover's batch on the same connection, a
+        // timer waking the lanes late) catches up rather than falling below the rate
+        // for good; it adds at most 100 ms of copies to any window.
+        let limiter = replay.per_second.map(|n| {
+            let burst = NonZeroU32::new(n.get() / 10).unwrap_or(NonZeroU32::MIN);
+            RateLimiter::direct(Quota::per_second(n).allow_burst(burst))
+        });
+        let consumer = replay.subscription.consumer.clone();
+        Self {
+            report: std::sync::Mutex::new(ReplayReport::default()),
+            tally: Tally::default(),
+            publishing: std::sync::Mutex::new(None),
+            limiter,
+            clock: Clock::new(),
+            replayed_total: metrics::counter!(telemetry::REPLAYED, "consumer" => consumer),
+        }
+    }
+}
 
 /// The running counts of a replay, for its progress callback.
 #[derive(Default)]

@@ -1,22 +1,3 @@
-//! The retry policy and its decision: a pure function from (failure class, attempt, age)
-//! to "retry after this delay" or "dead-letter for this reason".
-//!
-//! ```
-//! use std::time::Duration;
-//! use reliq_core::{RetryPolicy, Decision, ErrorClass, Failure};
-//! let policy = RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)])
-//!     .max_age(Duration::from_secs(600))
-//!     .jitter(0.2);
-//! let failure = Failure { class: ErrorClass::Transient, attempt: 1, age: Duration::ZERO };
-//! match policy.decide(&failure, 0.5) {
-//!     Decision::Retry { delay, tier, .. } => {
-//!         assert_eq!(tier, 0);
-//!         assert_eq!(delay, Duration::from_millis(5_500)); // 5 s + half of the 20 % jitter
-//!     }
-//!     other => panic!("{other:?}"),
-//! }
-//! ```
-
 use std::time::Duration;
 
 use crate::classify::ErrorClass;
@@ -24,7 +5,7 @@ use crate::headers::DeadLetterReason;
 
 /// The longest delay any policy may ask for (SQS visibility timeout's hard limit); longer
 /// delays are rejected when the policy is built, never silently clamped.
-pub const MAX_DELAY: Duration = Duration::from_secs(12 * 60 * 60);
+pub(crate) const MAX_DELAY: Duration = Duration::from_secs(12 * 60 * 60);
 
 /// How retry delays grow.
 #[derive(Clone, Debug, PartialEq)]
@@ -69,7 +50,7 @@ pub enum FinalRoute {
 #[derive(Debug, thiserror::Error, PartialEq)]
 #[non_exhaustive]
 pub enum PolicyError {
-    /// A delay is longer than [`MAX_DELAY`].
+    /// A delay is longer than the 12 h maximum.
     #[error("retry.{field}: {delay:?} is longer than the 12 h maximum delay")]
     DelayTooLong {
         /// The setting.
@@ -91,6 +72,25 @@ pub enum PolicyError {
 ///
 /// `max_attempts` counts deliveries, the first one included: `max_attempts(4)` means
 /// one try plus up to three retries.
+///
+/// The retry policy and its decision: a pure function from (failure class, attempt, age)
+/// to "retry after this delay" or "dead-letter for this reason".
+///
+/// ```
+/// use std::time::Duration;
+/// use reliq_core::{RetryPolicy, Decision, ErrorClass, Failure};
+/// let policy = RetryPolicy::tiers([Duration::from_secs(5), Duration::from_secs(30)])
+///     .max_age(Duration::from_secs(600))
+///     .jitter(0.2);
+/// let failure = Failure { class: ErrorClass::Transient, attempt: 1, age: Duration::ZERO };
+/// match policy.decide(&failure, 0.5) {
+///     Decision::Retry { delay, tier, .. } => {
+///         assert_eq!(tier, 0);
+///         assert_eq!(delay, Duration::from_millis(5_500)); // 5 s + half of the 20 % jitter
+///     }
+///     other => panic!("{other:?}"),
+/// }
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct RetryPolicy {
     schedule: Schedule,

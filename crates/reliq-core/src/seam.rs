@@ -53,19 +53,74 @@
 //!   that builds deliveries in memory at a high rate makes them from a [`DeliveryPool`],
 //!   which recycles each one's allocation when its last clone drops.
 //! - [`RetryRequest`]: the copy to hold, its delay and its tier.
-//! - [`headers`](crate::headers): the header names every backend writes and reads
+//! - [`headers`]: the header names every backend writes and reads
 //!   (message id, attempt, the dead-letter record, the origin), and their time format.
 //! - [`keep_leased`]: renew a per-delivery lease while a handler runs, where the broker
 //!   leases each delivery for a fixed time.
-//! - With the `test-util` feature, [`Faults`](crate::faults::Faults): the switches a
+//! - With the `test-util` feature, `Faults`: the switches a
 //!   backend consults where a test cannot break a route for real.
 
-pub use crate::backlog::{Backlog, TierBacklog};
-pub use crate::broker::{
-    Broker, BrokerError, Capabilities, Delivery, DeliveryPool, DeliveryToken, RawMessage, Receiver,
-    ReceiverId, RetryRequest, Subscription,
+pub use crate::broker::Receiver;
+// The root items the contract above names.
+#[cfg(doc)]
+use crate::{
+    backlog::Backlog,
+    broker::Broker,
+    dead_letters::{Cursor, DeadLetterCount, DeadLetters},
+    delivery::Delivery,
+    error::BrokerError,
+    subscription::{Capabilities, Subscription},
 };
-pub use crate::dead_letters::{
-    Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, IdCounts,
-};
+
+pub use crate::dead_letters::IdCounts;
+pub use crate::delivery::{DeliveryPool, DeliveryToken, RawMessage, ReceiverId, RetryRequest};
+#[cfg(feature = "test-util")]
+pub use crate::faults::Faults;
 pub use crate::lease::{Renewed, keep_leased};
+pub use crate::outbox::{OutboxColumns, OutboxWakeup, PollOnly, decode_headers, encode_headers};
+pub use crate::permissions::{aws_partition, iam_policy};
+pub use crate::sync::lock;
+pub use crate::topology::{compare, duration_text};
+
+/// The header names every backend writes and reads on every message, their time format,
+/// and the attempt count read from them.
+///
+/// Every name reliq owns starts with [`PREFIX`](headers::PREFIX); the only exceptions are the W3C trace
+/// context names (`traceparent`, `tracestate`), which must keep their standard spelling
+/// to interoperate with other tracers. Backends map some of these to native fields (AMQP
+/// `message_id`, `Nats-Msg-Id`, the Kafka record key) but always carry the header too, so
+/// one decoder reads a dead letter from any broker ([`DeadLetter`](crate::DeadLetter)).
+///
+/// Timestamps are RFC 3339 in UTC with milliseconds (`2026-11-29T09:15:11.123Z`).
+pub mod headers {
+    pub use crate::headers::{
+        ATTEMPT, CAUSATION_ID, CONSUMER, CORRELATION_ID, DEAD_LETTER_REASON, DEAD_LETTER_VERSION,
+        DEAD_LETTERED_AT, ERROR_CLASS, FAILURE_HEADERS, FIRST_FAILURE_AT, LAST_ERROR,
+        LAST_FAILURE_AT, MAX_ERROR_LEN, MESSAGE_ID, OCCURRED_AT, ORIGINAL_DESTINATION,
+        ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_ROUTE, ORIGINAL_SEQUENCE, PREFIX,
+        REPLAY_COUNT, REPLAYED_AT, TRACEPARENT, TRACESTATE, attempt, format_time, parse_time,
+        sanitize_error,
+    };
+}
+
+/// Secrets in broker URLs: where they may come from, and how they are kept out of
+/// process lists, `Debug` output, errors and logs.
+///
+/// Every backend reads its settings from the URL's query (`key=value`). A setting whose
+/// value is a secret can instead name where the value is:
+///
+/// - `<key>.file=/run/secrets/kafka-password` — the file's contents (one trailing newline
+///   dropped), as mounted by Kubernetes or Docker secrets;
+/// - `<key>.env=KAFKA_PASSWORD` — an environment variable.
+///
+/// so that `ps` shows a path, not the password. Query values are percent-decoded
+/// (`%26` is `&`), so a password may hold any character.
+///
+/// [`redact_url`](secrets::redact_url) is what every message, log line and `Debug` of a
+/// config shows: the password of the user-info part and the value of every
+/// secret-looking key ([`is_secret_key`](secrets::is_secret_key)) become `***`.
+pub mod secrets {
+    pub use crate::secrets::{
+        SecretError, is_secret_key, percent_decode, redact_url, resolve_setting,
+    };
+}

@@ -94,7 +94,7 @@ pub fn percent_decode(s: &str) -> Cow<'_, str> {
 /// (`.file` and `.env` settings keep their path or variable name: those are not secret).
 ///
 /// ```
-/// use reliq_core::secrets::redact_url;
+/// use reliq_core::seam::secrets::redact_url;
 /// assert_eq!(
 ///     redact_url("kafka://k:9093?sasl.username=svc&sasl.password=hunter2&client.id=a"),
 ///     "kafka://k:9093?sasl.username=svc&sasl.password=***&client.id=a"

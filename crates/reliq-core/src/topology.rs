@@ -1,21 +1,3 @@
-//! A consumer's topology as data: what it needs at the broker ([`Plan`], from
-//! [`Broker::plan`]), what the broker has ([`LiveTopology`], from [`Broker::inspect`]), and
-//! every difference between the two ([`Drift`], from [`compare`] or
-//! [`Broker::check_topology`]).
-//!
-//! A consumer's guarantees live in broker objects that others can change: an operator
-//! policy that replaces the delivery limit, a retry topic created by hand with a retention
-//! shorter than its tier, a JetStream consumer edited to another `max_deliver`, an SQS
-//! redrive policy pointing at another queue, or the retry tiers of an earlier policy still
-//! holding messages. The plan names each object and each setting that matters, with how
-//! much it matters when it is not as planned ([`Severity`]); the backend reads the live
-//! objects and says who set each value ([`Found::set_by`]: a policy, a broker default), and
-//! the comparison here is the same for every broker.
-//!
-//! [`Broker::plan`]: crate::broker::Broker::plan
-//! [`Broker::inspect`]: crate::broker::Broker::inspect
-//! [`Broker::check_topology`]: crate::broker::Broker::check_topology
-
 use std::fmt;
 
 use serde::Serialize;
@@ -264,6 +246,24 @@ impl PlannedObject {
 }
 
 /// What a consumer with one subscription needs at the broker.
+///
+/// A consumer's topology as data: what it needs at the broker ([`Plan`], from
+/// [`Broker::plan`]), what the broker has ([`LiveTopology`], from [`Broker::inspect`]), and
+/// every difference between the two ([`Drift`], from [`compare`] or
+/// [`Broker::check_topology`]).
+///
+/// A consumer's guarantees live in broker objects that others can change: an operator
+/// policy that replaces the delivery limit, a retry topic created by hand with a retention
+/// shorter than its tier, a JetStream consumer edited to another `max_deliver`, an SQS
+/// redrive policy pointing at another queue, or the retry tiers of an earlier policy still
+/// holding messages. The plan names each object and each setting that matters, with how
+/// much it matters when it is not as planned ([`Severity`]); the backend reads the live
+/// objects and says who set each value ([`Found::set_by`]: a policy, a broker default), and
+/// the comparison here is the same for every broker.
+///
+/// [`Broker::plan`]: crate::broker::Broker::plan
+/// [`Broker::inspect`]: crate::broker::Broker::inspect
+/// [`Broker::check_topology`]: crate::broker::Broker::check_topology
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Plan {
     /// The backend ([`Broker::kind`](crate::broker::Broker::kind)).

@@ -3,7 +3,9 @@
 //! reader, the topology and backlog modules.
 
 use async_trait::async_trait;
-use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription};
+use reliq_core::{
+    Broker, BrokerError, Capabilities, Destination, Message, Subscription, seam::Receiver,
+};
 
 use crate::client::{KafkaBroker, now_millis_ceil, route_produce};
 use crate::codec::DUE_AT_HEADER;

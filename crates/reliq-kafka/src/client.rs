@@ -79,7 +79,7 @@ impl KafkaBroker {
             refusals,
             routes: Routes::new(ROUTE_RECHECK),
             buffer_ratio: metrics::gauge!(
-                reliq_core::telemetry::PRODUCER_BUFFER_RATIO,
+                reliq_core::metrics::PRODUCER_BUFFER_RATIO,
                 "backend" => "kafka"
             ),
             tokens: tokens.clone(),

@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use rdkafka::message::{Header, OwnedHeaders};
-use reliq_core::{Delivery, Headers, Message, MessageId, headers};
+use reliq_core::{Delivery, Headers, Message, MessageId, seam::headers};
 
 /// Backend-private header: when a record on a retry topic is due (ms since the epoch),
 /// overriding "record timestamp + tier delay" (used by `send_to_consumer`). Stripped

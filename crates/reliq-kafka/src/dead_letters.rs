@@ -47,10 +47,10 @@ use rdkafka::producer::FutureRecord;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::util::Timeout;
-use reliq_core::dead_letters::IdCounts;
 use reliq_core::{
     BrokerError, Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, MessageId,
     Subscription,
+    seam::{IdCounts, lock},
 };
 
 use crate::client::Inner;
@@ -58,7 +58,6 @@ use crate::codec::decode;
 use crate::error::{KafkaError, client_error, passes_with_an_election};
 use crate::names::{browse_group, ledger_topic};
 use crate::oauth::{SignIn, TokenSource};
-use reliq_core::sync::lock;
 
 /// Longest one read (a page, the ledger, the index) may take.
 const READ_TIMEOUT: Duration = Duration::from_secs(30);

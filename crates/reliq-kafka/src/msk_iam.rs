@@ -14,7 +14,7 @@
 //! runtime that resolves credentials, and caches them until five minutes before they
 //! expire.
 
-use reliq_core::sync::lock;
+use reliq_core::seam::lock;
 use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 

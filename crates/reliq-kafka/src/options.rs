@@ -56,7 +56,7 @@ pub enum RetryMode {
 ///
 /// Any value may be percent-encoded; a secret may come from a file (`<key>.file=PATH`)
 /// or an environment variable (`<key>.env=VAR`) instead of the URL, so it never shows in
-/// a process list (see [`reliq_core::secrets`]). `Debug` of this config and every error
+/// a process list (see [`reliq_core::seam::secrets`]). `Debug` of this config and every error
 /// show secret values as `***`. Set `client.id` per service: ACLs and quotas, and the
 /// broker's request logs, name clients by it.
 ///
@@ -133,7 +133,7 @@ impl std::fmt::Debug for KafkaConfig {
             .client
             .iter()
             .map(|(k, v)| {
-                let v = if reliq_core::secrets::is_secret_key(k) {
+                let v = if reliq_core::seam::secrets::is_secret_key(k) {
                     "***"
                 } else {
                     v.as_str()
@@ -210,9 +210,9 @@ impl KafkaConfig {
             let (k, v) = pair
                 .split_once('=')
                 .ok_or_else(|| bad(pair, "expected key=value".into()))?;
-            let raw = reliq_core::secrets::percent_decode(v);
-            let (k, v) =
-                reliq_core::secrets::resolve_setting(k, &raw).map_err(|e| bad(k, e.to_string()))?;
+            let raw = reliq_core::seam::secrets::percent_decode(v);
+            let (k, v) = reliq_core::seam::secrets::resolve_setting(k, &raw)
+                .map_err(|e| bad(k, e.to_string()))?;
             let v = v.as_ref();
             let number = |v: &str| {
                 v.parse::<u64>()

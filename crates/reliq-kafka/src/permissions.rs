@@ -63,7 +63,7 @@ pub(crate) fn permissions(config: &KafkaConfig, access: &Access) -> Permissions 
                 .principal
                 .clone()
                 .unwrap_or_else(|| IAM_PLACEHOLDER.to_owned()),
-            document: reliq_core::permissions::iam_policy(&grants),
+            document: reliq_core::seam::iam_policy(&grants),
             grants,
         };
     }
@@ -181,7 +181,7 @@ fn msk_iam_grants(msk: &MskIamSettings, grants: &[Grant]) -> Vec<Grant> {
         Some((prefix, cluster)) => (prefix.to_owned(), cluster.to_owned()),
         None => {
             let region = msk.region.as_deref().unwrap_or("*");
-            let partition = reliq_core::permissions::aws_partition(region);
+            let partition = reliq_core::seam::aws_partition(region);
             (
                 format!("arn:{partition}:kafka:{region}:*"),
                 "*/*".to_owned(),

@@ -16,10 +16,8 @@ use crate::oauth::TokenSource;
 use rdkafka::client::ClientContext;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::error::{KafkaError as RdError, RDKafkaErrorCode};
-use reliq_core::BrokerError;
+use reliq_core::{BrokerError, seam::lock};
 use tokio::sync::watch;
-
-use reliq_core::sync::lock;
 
 /// A refusal seen this recently fails the next request at once: librdkafka tries again
 /// after at most `reconnect.backoff.max.ms` (10 s), and would be refused the same way.

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use reliq_core::sync::lock;
+use reliq_core::seam::lock;
 
 /// How long a retry or DLQ topic seen to exist is taken to exist without asking again.
 pub(crate) const ROUTE_RECHECK: Duration = Duration::from_secs(10);

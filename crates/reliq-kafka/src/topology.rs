@@ -6,7 +6,9 @@ use std::time::Duration;
 use rdkafka::admin::{AdminOptions, NewTopic, TopicReplication};
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::Producer as _;
-use reliq_core::BrokerError;
+use reliq_core::{
+    BrokerError, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan, Severity,
+};
 
 use crate::client::Inner;
 use crate::error::{KafkaError, authorization_resource};
@@ -205,7 +207,7 @@ mod plan {
             );
         if config.retry_mode == RetryMode::Topics {
             for delay in &sub.retry_tiers {
-                let tier = reliq_core::topology::duration_text(*delay);
+                let tier = reliq_core::seam::duration_text(*delay);
                 let topic = PlannedObject::new(
                     ObjectKind::Topic,
                     sub.retry_name(*delay),
@@ -275,8 +277,6 @@ mod plan {
 
 pub(crate) use plan::plan;
 
-use reliq_core::{ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan, Severity};
-
 use crate::backlog::{LAG_WAIT, group_lag};
 use crate::names::{relay_group, retry_tier};
 use crate::options::RetryMode;
@@ -308,52 +308,17 @@ impl Inner {
         sub: &reliq_core::Subscription,
         plan: &Plan,
     ) -> Result<LiveTopology, BrokerError> {
-        let inner = self.clone();
-        let sub_ = sub.clone();
         let planned_groups: Vec<String> = plan
             .objects
             .iter()
             .filter(|o| o.kind == ObjectKind::ConsumerGroup)
             .map(|o| o.name.clone())
             .collect();
-        let (topics, groups) = tokio::task::spawn_blocking(move || {
-            let client = inner.route_producer.client();
-            let metadata = client.fetch_metadata(None, LAG_WAIT).map_err(|e| {
-                BrokerError::connection(format!("reading the cluster's topics: {e}")).caused_by(e)
-            })?;
-            let topics: Vec<TopicShape> = metadata
-                .topics()
-                .iter()
-                .filter(|t| t.error().is_none() && !t.partitions().is_empty())
-                .map(|t| TopicShape {
-                    name: t.name().to_owned(),
-                    partitions: t.partitions().len(),
-                    replication: t
-                        .partitions()
-                        .iter()
-                        .map(|p| p.replicas().len())
-                        .min()
-                        .unwrap_or(0),
-                })
-                .collect();
-            let mut groups = Vec::new();
-            for g in planned_groups {
-                let list = client.fetch_group_list(Some(&g), LAG_WAIT).map_err(|e| {
-                    BrokerError::connection(format!("describing group `{g}`: {e}")).caused_by(e)
-                })?;
-                // An unknown group is described as `Dead`.
-                if list
-                    .groups()
-                    .iter()
-                    .any(|i| i.name() == g && i.state() != "Dead")
-                {
-                    groups.push(g);
-                }
-            }
-            Ok::<_, BrokerError>((topics, groups))
-        })
-        .await
-        .map_err(|e| BrokerError::Other(Box::new(e)))??;
+        let inner = self.clone();
+        let (topics, groups) =
+            tokio::task::spawn_blocking(move || inner.topics_and_groups(planned_groups))
+                .await
+                .map_err(|e| BrokerError::Other(Box::new(e)))??;
 
         let mut live = LiveTopology::default();
         for g in groups {
@@ -374,45 +339,96 @@ impl Inner {
             );
         }
         for t in &topics {
-            let Some(delay) = retry_tier(&sub_, &t.name) else {
-                continue;
-            };
-            if plan.object(ObjectKind::Topic, &t.name).is_some() {
-                continue;
+            if let Some(delay) = retry_tier(sub, &t.name)
+                && plan.object(ObjectKind::Topic, &t.name).is_none()
+            {
+                live.extra.push(self.stale_tier(sub, delay, &t.name).await?);
             }
-            let inner = self.clone();
-            let (group, topic) = (relay_group(&sub_, delay), t.name.clone());
-            let lag = tokio::task::spawn_blocking(move || group_lag(&inner, &group, &topic))
-                .await
-                .map_err(|e| BrokerError::Other(Box::new(e)))??;
-            let drained = self.config.retry_mode == RetryMode::Topics;
-            let (severity, note) = match (lag, drained) {
-                (0, _) => (
-                    Severity::Cosmetic,
-                    "a retry tier of an earlier policy, empty: delete it".to_owned(),
-                ),
-                (_, true) => (
-                    Severity::Cosmetic,
-                    "a retry tier of an earlier policy: the consumer relays what it holds \
-                     until it is empty, then it can be deleted"
-                        .to_owned(),
-                ),
-                (_, false) => (
-                    Severity::Breaking,
-                    "a retry tier of an earlier policy: blocking retries run no relay, so \
-                     what it holds is never delivered"
-                        .to_owned(),
-                ),
-            };
-            live.extra.push(ExtraObject {
-                kind: ObjectKind::Topic,
-                name: t.name.clone(),
-                messages: Some(lag),
-                severity,
-                note,
-            });
         }
         Ok(live)
+    }
+
+    /// Every topic's shape (by metadata), and which of `planned_groups` the cluster knows
+    /// (blocking: librdkafka's metadata and group calls).
+    fn topics_and_groups(
+        &self,
+        planned_groups: Vec<String>,
+    ) -> Result<(Vec<TopicShape>, Vec<String>), BrokerError> {
+        let client = self.route_producer.client();
+        let metadata = client.fetch_metadata(None, LAG_WAIT).map_err(|e| {
+            BrokerError::connection(format!("reading the cluster's topics: {e}")).caused_by(e)
+        })?;
+        let topics: Vec<TopicShape> = metadata
+            .topics()
+            .iter()
+            .filter(|t| t.error().is_none() && !t.partitions().is_empty())
+            .map(|t| TopicShape {
+                name: t.name().to_owned(),
+                partitions: t.partitions().len(),
+                replication: t
+                    .partitions()
+                    .iter()
+                    .map(|p| p.replicas().len())
+                    .min()
+                    .unwrap_or(0),
+            })
+            .collect();
+        let mut groups = Vec::new();
+        for g in planned_groups {
+            let list = client.fetch_group_list(Some(&g), LAG_WAIT).map_err(|e| {
+                BrokerError::connection(format!("describing group `{g}`: {e}")).caused_by(e)
+            })?;
+            // An unknown group is described as `Dead`.
+            if list
+                .groups()
+                .iter()
+                .any(|i| i.name() == g && i.state() != "Dead")
+            {
+                groups.push(g);
+            }
+        }
+        Ok((topics, groups))
+    }
+
+    /// A retry topic of an earlier policy: the records its relay group has not consumed,
+    /// and whether this consumer still drains them.
+    async fn stale_tier(
+        self: &std::sync::Arc<Self>,
+        sub: &reliq_core::Subscription,
+        delay: std::time::Duration,
+        topic: &str,
+    ) -> Result<ExtraObject, BrokerError> {
+        let inner = self.clone();
+        let (group, topic_) = (relay_group(sub, delay), topic.to_owned());
+        let lag = tokio::task::spawn_blocking(move || group_lag(&inner, &group, &topic_))
+            .await
+            .map_err(|e| BrokerError::Other(Box::new(e)))??;
+        let drained = self.config.retry_mode == RetryMode::Topics;
+        let (severity, note) = match (lag, drained) {
+            (0, _) => (
+                Severity::Cosmetic,
+                "a retry tier of an earlier policy, empty: delete it".to_owned(),
+            ),
+            (_, true) => (
+                Severity::Cosmetic,
+                "a retry tier of an earlier policy: the consumer relays what it holds \
+                 until it is empty, then it can be deleted"
+                    .to_owned(),
+            ),
+            (_, false) => (
+                Severity::Breaking,
+                "a retry tier of an earlier policy: blocking retries run no relay, so \
+                 what it holds is never delivered"
+                    .to_owned(),
+            ),
+        };
+        Ok(ExtraObject {
+            kind: ObjectKind::Topic,
+            name: topic.to_owned(),
+            messages: Some(lag),
+            severity,
+            note,
+        })
     }
 
     /// The planned configs of `topics`, each with who set it.

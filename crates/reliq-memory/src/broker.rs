@@ -7,13 +7,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use async_trait::async_trait;
 use reliq_core::{
     Backlog, Broker, BrokerError, Capabilities, DeadLetters, Destination, LiveObject, LiveTopology,
-    Message, ObjectKind, Plan, PlannedObject, Receiver, Severity, Subscription, Wanted,
+    Message, ObjectKind, Plan, PlannedObject, Severity, Subscription, Wanted,
+    seam::{Receiver, lock},
 };
 
 use crate::dead_letters::MemoryDeadLetters;
 use crate::queue::{Entry, FastHash, Queue, Switches};
 use crate::receiver::MemoryReceiver;
-use reliq_core::sync::lock;
 
 /// The in-process broker. Cheap to clone (shared state).
 #[derive(Clone, Default)]
@@ -54,7 +54,7 @@ impl MemoryBroker {
     /// The fault switches this broker's receivers consult (feature `test-util`): make
     /// a consumer's retries or dead-lettering fail.
     #[cfg(feature = "test-util")]
-    pub fn faults(&self) -> &reliq_core::faults::Faults {
+    pub fn faults(&self) -> &reliq_core::seam::Faults {
         &self.inner.switches
     }
 

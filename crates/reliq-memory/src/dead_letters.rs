@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use reliq_core::dead_letters::IdCounts;
 use reliq_core::{
     BrokerError, Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, MessageId,
+    seam::IdCounts,
 };
 
 use crate::queue::{Entry, Queue};

@@ -43,7 +43,7 @@
 //! # Ok(()) }
 //! ```
 
-use reliq_core::sync::lock;
+use reliq_core::seam::lock;
 
 mod broker;
 mod dead_letters;
@@ -52,7 +52,7 @@ mod receiver;
 
 pub use broker::MemoryBroker;
 #[cfg(feature = "test-util")]
-pub use reliq_core::faults::Faults;
+pub use reliq_core::seam::Faults;
 
 /// The URL schemes this backend serves (`reliq::connect` dispatches on them).
 pub const SCHEMES: &[&str] = &["memory"];

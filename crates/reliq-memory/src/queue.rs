@@ -1,7 +1,7 @@
 //! A queue: what one consumer group (or one dead-letter queue) holds — ready messages,
 //! retries waiting on the timer, and unsettled deliveries with their leases.
 
-use reliq_core::sync::lock;
+use reliq_core::{Delivery, Message, seam::lock};
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 
@@ -10,7 +10,6 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 pub(crate) type FastHash = foldhash::fast::RandomState;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use reliq_core::{Delivery, Message};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -84,7 +83,7 @@ pub(crate) struct QueueState {
 /// The fault switches a broker's receivers consult: reliq-core's `Faults` with the
 /// `test-util` feature, nothing without it.
 #[cfg(feature = "test-util")]
-pub(crate) type Switches = Arc<reliq_core::faults::Faults>;
+pub(crate) type Switches = Arc<reliq_core::seam::Faults>;
 /// The fault switches a broker's receivers consult: nothing without `test-util`.
 #[cfg(not(feature = "test-util"))]
 pub(crate) type Switches = NoSwitches;

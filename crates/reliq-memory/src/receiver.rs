@@ -5,10 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
 use reliq_core::{
-    BrokerError, Clock, Delivery, DeliveryPool, DeliveryToken, Message, Receiver, ReceiverId,
-    RetryRequest, Subscription,
+    BrokerError, Clock, DeadLetter, DeadLetterReason, Delivery, Message, Origin, Subscription,
+    seam::{DeliveryPool, DeliveryToken, Receiver, ReceiverId, RetryRequest, headers},
 };
 use tokio::time::Instant;
 

@@ -1,25 +1,25 @@
 //! The [`Broker`] implementation of [`NatsBroker`]: the seam the consumer runtime and the
 //! operator tools use, mapped onto the connection (`client`), the receiver, the advisory
-//! relay, the dead-letter reader and the topology modules.
+//! watcher, the dead-letter reader and the topology modules.
 
-use reliq_core::sync::lock;
+use reliq_core::{
+    Broker, BrokerError, Capabilities, Destination, Message, Subscription,
+    seam::{Receiver, ReceiverId, lock},
+};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU32;
 
 use async_nats::jetstream::{self, consumer::pull};
 use async_trait::async_trait;
-use reliq_core::{
-    Broker, BrokerError, Capabilities, Destination, Message, Receiver, ReceiverId, Subscription,
-};
 use tokio_util::sync::CancellationToken;
 
+use crate::advisories::AdvisoryWatcher;
 use crate::client::{NatsBroker, through_election};
 use crate::codec::to_nats_headers;
 use crate::dead_letters::NatsDeadLetters;
 use crate::error::api;
 use crate::names::{consumer_name, dead_letter_stream, dead_letter_subject, stream_name, subject};
 use crate::receiver::{NatsReceiver, Pulls};
-use crate::relay::AdvisoryRelay;
 
 #[async_trait]
 impl Broker for NatsBroker {
@@ -56,7 +56,7 @@ impl Broker for NatsBroker {
         subscription: &Subscription,
     ) -> Result<Box<dyn Receiver>, BrokerError> {
         let consumer = through_election("subscribing", || self.declare_all(subscription)).await?;
-        self.ensure_relay(subscription);
+        self.ensure_advisory_watcher(subscription);
         Ok(Box::new(self.pull_receiver(consumer, subscription).await?))
     }
 
@@ -109,19 +109,22 @@ impl Broker for NatsBroker {
     }
 }
 
-/// The receiver and relay a subscription starts.
+/// The receiver and advisory watcher a subscription starts.
 impl NatsBroker {
-    fn ensure_relay(&self, sub: &Subscription) {
+    fn ensure_advisory_watcher(&self, sub: &Subscription) {
         let key = (stream_name(&sub.source), consumer_name(&sub.consumer));
-        let mut relays = lock(&self.inner.relays);
-        if relays.get(&key).is_some_and(|h| !h.is_finished()) {
+        let mut advisory_watchers = lock(&self.inner.advisory_watchers);
+        if advisory_watchers
+            .get(&key)
+            .is_some_and(|h| !h.is_finished())
+        {
             return;
         }
-        let relay = AdvisoryRelay {
+        let watcher = AdvisoryWatcher {
             broker: self.clone(),
             sub: sub.clone(),
         };
-        relays.insert(key, tokio::spawn(relay.run()));
+        advisory_watchers.insert(key, tokio::spawn(watcher.run()));
     }
 
     async fn pull_receiver(

@@ -1,13 +1,12 @@
 //! The connection: publishing and topology. The [`Broker`](reliq_core::Broker)
 //! implementation is in `broker`.
 
-use reliq_core::sync::lock;
+use reliq_core::{BrokerError, Subscription, seam::lock};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, stream};
-use reliq_core::{BrokerError, Subscription};
 use tokio::task::JoinHandle;
 
 use crate::error::{api, connection};
@@ -32,13 +31,13 @@ pub(crate) struct Inner {
     pub(crate) client: async_nats::Client,
     pub(crate) js: jetstream::Context,
     pub(crate) options: NatsOptions,
-    pub(crate) relays: Mutex<HashMap<(String, String), JoinHandle<()>>>,
+    pub(crate) advisory_watchers: Mutex<HashMap<(String, String), JoinHandle<()>>>,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        for (_, relay) in lock(&self.relays).drain() {
-            relay.abort();
+        for (_, watcher) in lock(&self.advisory_watchers).drain() {
+            watcher.abort();
         }
     }
 }
@@ -86,7 +85,7 @@ impl NatsBroker {
     /// client certificate), `user=…&password=…`, `token=…`, `nkey=SEED` (an nkey user's
     /// seed), `creds=PATH` (a credentials file: user JWT + nkey seed, the decentralized
     /// model); a secret may come from a file or the environment (`password.file=PATH`,
-    /// `nkey.env=VAR`, see [`reliq_core::secrets`]). A refused sign-in fails at once
+    /// `nkey.env=VAR`, see [`reliq_core::seam::secrets`]). A refused sign-in fails at once
     /// with [`BrokerError::Unauthorized`], a refused TLS handshake with
     /// [`BrokerError::Config`] naming `tls.*`.
     pub async fn connect(url: &str) -> Result<Self, BrokerError> {
@@ -108,9 +107,9 @@ impl NatsBroker {
         let (mut user, mut password) = (None, None);
         let (mut client_cert, mut client_key) = (None, None);
         for (k, v) in query.split('&').filter_map(|kv| kv.split_once('=')) {
-            let raw = reliq_core::secrets::percent_decode(v);
-            let (k, v) =
-                reliq_core::secrets::resolve_setting(k, &raw).map_err(|e| bad(k, e.to_string()))?;
+            let raw = reliq_core::seam::secrets::percent_decode(v);
+            let (k, v) = reliq_core::seam::secrets::resolve_setting(k, &raw)
+                .map_err(|e| bad(k, e.to_string()))?;
             let v = v.as_ref();
             match k {
                 "token" => connect = connect.token(v.to_owned()),
@@ -209,7 +208,7 @@ impl NatsBroker {
                 client,
                 js,
                 options,
-                relays: Mutex::new(HashMap::new()),
+                advisory_watchers: Mutex::new(HashMap::new()),
             }),
         })
     }

@@ -1,7 +1,6 @@
 //! reliq messages ↔ NATS headers and payloads.
 
-use reliq_core::headers;
-use reliq_core::{Headers, Message, MessageId};
+use reliq_core::{Headers, Message, MessageId, seam::headers};
 
 /// Header carrying the message key (NATS has no key field).
 pub const KEY_HEADER: &str = "reliq-key";

@@ -10,9 +10,9 @@
 use async_nats::jetstream::stream::{DirectGetErrorKind, Stream};
 use async_nats::jetstream::{self, message::StreamMessage};
 use async_trait::async_trait;
-use reliq_core::dead_letters::IdCounts;
 use reliq_core::{
     BrokerError, Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, MessageId,
+    seam::IdCounts,
 };
 
 use crate::codec::from_nats;

@@ -1,11 +1,9 @@
 //! The crate's error type and the conversions of client errors into reliq's: each keeps
 //! the client's error as its source and says what was being done.
 
-use reliq_core::sync::lock;
+use reliq_core::{BoxError, BrokerError, seam::lock};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-
-use reliq_core::{BoxError, BrokerError};
 
 /// A NATS client error, with what reliq was doing when it happened. Reaches callers as
 /// the source of a [`BrokerError`] (`BrokerError::Other` for a JetStream API request,

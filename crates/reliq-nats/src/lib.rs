@@ -15,7 +15,7 @@
 //! | dead_letters | the DLQ stream read without a consumer: **browse** = direct gets of the next message on the DLQ subject from a stream sequence (nothing acked, delivered or moved; cursor = the next stream sequence, text); **get** = a browse for the id (the oldest copy); **remove** = `STREAM.MSG.DELETE` of the entry's sequence, confirmed by the server (oldest copy first; a sequence already gone is skipped); **count** = the stream's message count + the first entry's `reliq-dead-lettered-at` (one read) |
 //! | backlog | the consumer's `num_pending` (due retries included) and `num_ack_pending`; retries waiting: the schedules on `retry.<stream>.<consumer>.at.>`, counted from the stream's per-subject totals |
 //! | plan / inspect | the source stream (subjects, message schedules, no age/count/size limit, file storage), the DLQ stream (the same limits) and the durable consumer (`ack_policy`, `max_deliver`, filter subjects; `ack_wait`, `max_ack_pending` cosmetic), from `STREAM.INFO` and `CONSUMER.INFO` |
-//! | crash loop | `max_deliver` (per stream message: the original and each retry copy); an **advisory relay** turns `MAX_DELIVERIES` advisories into DLQ entries (reason `max-deliveries`), and `MSG_TERMINATED` advisories of terminations by other clients (reliq's own `+TERM reliq` are skipped) into entries with reason `permanent`, idempotently (`Nats-Msg-Id`) |
+//! | crash loop | `max_deliver` (per stream message: the original and each retry copy); an **advisory watcher** turns `MAX_DELIVERIES` advisories into DLQ entries (reason `max-deliveries`), and `MSG_TERMINATED` advisories of terminations by other clients (reliq's own `+TERM reliq` are skipped) into entries with reason `permanent`, idempotently (`Nats-Msg-Id`) |
 //! | cluster, node loss | the URL may name every server: `nats://h1:4222,h2:4222,h3:4222?reliq.replicas=3`; async-nats connects to one and reconnects to another when it is lost (any server the cluster advertises, or only the URL's with `reliq.ignore_discovered_servers=true`: behind a proxy or NAT), and reliq's streams (source, DLQ) get `reliq.replicas` replicas ([`NatsOptions::replicas`]; an existing stream keeps its own). An R3 stream and its durable consumer elect a new leader when a node dies; a pull in flight then fails and is made again, unacked deliveries come back after `ack_wait`. Subscribing and opening the DLQ wait up to 30 s through an election. Tested by `just chaos` (the stream leader SIGKILLed mid-run, the DLQ stream refusing publishes for 30 s, the consumer's connection stalled for 10 s). |
 //!
 //! Why retries are scheduled messages, not `NakWithDelay`: a message naked with a delay
@@ -45,6 +45,7 @@
 //! # Ok(()) }
 //! ```
 
+mod advisories;
 mod broker;
 mod client;
 mod codec;
@@ -54,7 +55,6 @@ mod names;
 mod options;
 mod permissions;
 mod receiver;
-mod relay;
 mod topology;
 
 pub use client::NatsBroker;
@@ -68,7 +68,7 @@ pub use options::{ExistingConsumer, NatsOptions};
 
 /// Test fault switches (shared by every backend; feature `test-util`).
 #[cfg(feature = "test-util")]
-pub use reliq_core::faults::Faults;
+pub use reliq_core::seam::Faults;
 
 /// The URL schemes this backend serves (`reliq::connect` dispatches on them).
 pub const SCHEMES: &[&str] = &["nats", "tls"];

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 #[cfg(feature = "test-util")]
-use reliq_core::faults::Faults;
+use reliq_core::seam::Faults;
 
 /// What to do when a durable consumer already exists with a different configuration
 /// (for example an unlimited `max_deliver` left by another tool).

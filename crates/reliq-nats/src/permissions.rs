@@ -12,12 +12,12 @@
 //! | `$JS.ACK.<stream>.<consumer>.>` | ack, nak, term, in progress |
 //! | `retry.<stream>.<consumer>.at.>` | the retries' scheduled copies |
 //! | `dlq.<stream>.<consumer>` | dead-letter copies |
-//! | `$JS.API.STREAM.MSG.GET.<stream>` | the advisory relay reads the message an advisory names |
+//! | `$JS.API.STREAM.MSG.GET.<stream>` | the advisory watcher reads the message an advisory names |
 //!
 //! | subscribe | why |
 //! |---|---|
 //! | `_INBOX.>` | replies: pulled messages, publish acks, API answers |
-//! | `$JS.EVENT.ADVISORY.CONSUMER.{MAX_DELIVERIES,MSG_TERMINATED}.<stream>.<consumer>` | the advisory relay |
+//! | `$JS.EVENT.ADVISORY.CONSUMER.{MAX_DELIVERIES,MSG_TERMINATED}.<stream>.<consumer>` | the advisory watcher |
 //!
 //! With [`Access::operator`]: direct gets and message deletes on the DLQ stream, and
 //! publishing to the source (a replay goes to the original subject).
@@ -103,12 +103,12 @@ fn consumer(sub: &Subscription, operator: bool, out: &mut Vec<Grant>) {
     out.push(publish(dead_letter_subject(sub), "dead-letter copies"));
     out.push(publish(
         format!("$JS.API.STREAM.MSG.GET.{stream}"),
-        "the advisory relay reads the message an advisory names",
+        "the advisory watcher reads the message an advisory names",
     ));
     for event in ["MAX_DELIVERIES", "MSG_TERMINATED"] {
         out.push(subscribe(
             format!("$JS.EVENT.ADVISORY.CONSUMER.{event}.{stream}.{name}"),
-            "the advisory relay: deliveries the server gave up on or another client terminated",
+            "the advisory watcher: deliveries the server gave up on or another client terminated",
         ));
     }
     if operator {

@@ -8,10 +8,9 @@ use async_nats::StatusCode;
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use async_trait::async_trait;
 use futures::{FutureExt, StreamExt};
-use reliq_core::headers::{self, Origin};
-use reliq_core::lease::{self, Renewed};
 use reliq_core::{
-    BrokerError, Delivery, DeliveryToken, Message, Receiver, ReceiverId, RetryRequest, Subscription,
+    BrokerError, Delivery, Message, Origin, Subscription,
+    seam::{DeliveryToken, Receiver, ReceiverId, Renewed, RetryRequest, headers, keep_leased},
 };
 use tokio_util::sync::CancellationToken;
 
@@ -183,7 +182,7 @@ impl NatsReceiver {
     }
 
     /// `+TERM reliq`: terminated by reliq after dead-lettering. The reason lets the
-    /// advisory relay tell these from terminations by other clients.
+    /// advisory watcher tell these from terminations by other clients.
     async fn term_dead_lettered(&self, d: &Delivery) -> Result<(), BrokerError> {
         let t = self.token(d)?;
         let Some(reply) = t.reply.clone() else {
@@ -251,7 +250,7 @@ impl NatsReceiver {
         let settled = self.closed.child_token();
         // Keep long handlers leased: +WPI every half lease until settled or closed.
         let progress = acker.clone();
-        lease::keep_leased(settled.clone(), self.sub.lease / 2, None, move || {
+        keep_leased(settled.clone(), self.sub.lease / 2, None, move || {
             let acker = progress.clone();
             async move {
                 match acker.ack_with(AckKind::Progress).await {

@@ -8,7 +8,7 @@
 use async_nats::jetstream::{self, consumer::pull, context::GetStreamErrorKind, stream};
 use reliq_core::{
     BrokerError, Found, LiveObject, LiveTopology, ObjectKind, Plan, PlannedObject, Severity,
-    Subscription, Wanted,
+    Subscription, Wanted, seam::duration_text as text,
 };
 
 use crate::error::api;
@@ -30,8 +30,6 @@ pub(crate) fn wanted_consumer(sub: &Subscription, options: &NatsOptions) -> pull
         ..Default::default()
     }
 }
-
-use reliq_core::topology::duration_text as text;
 
 /// A plan's name for the consumer: `<stream>/<consumer>`, as the server scopes it.
 fn consumer_object(sub: &Subscription) -> String {
@@ -273,6 +271,6 @@ mod tests {
                     ..Default::default()
                 }),
             );
-        assert_eq!(reliq_core::topology::compare(&plan, &live), vec![]);
+        assert_eq!(reliq_core::seam::compare(&plan, &live), vec![]);
     }
 }

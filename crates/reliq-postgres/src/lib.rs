@@ -103,7 +103,7 @@ pub type PgInbox = reliq_sql::Inbox<PgStore>;
 
 /// The PostgreSQL outbox (`reliq_outbox`): a [`reliq_sql::Outbox`]. Cheap to clone.
 ///
-/// As an [`OutboxStore`](reliq_core::outbox::OutboxStore), a claim is one short
+/// As an [`OutboxStore`](reliq_core::OutboxStore), a claim is one short
 /// statement — `UPDATE … WHERE seq IN (SELECT … ORDER BY seq LIMIT n FOR UPDATE SKIP
 /// LOCKED)` — that sets `lease_owner` and `leased_until`: concurrent relays skip each
 /// other's rows instead of waiting, and no transaction or connection stays open while

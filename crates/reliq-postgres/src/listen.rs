@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use reliq_core::outbox::OutboxWakeup;
+use reliq_core::seam::OutboxWakeup;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 

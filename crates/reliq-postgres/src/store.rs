@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use reliq_core::outbox::OutboxWakeup;
+use reliq_core::seam::OutboxWakeup;
 use reliq_sql::{OutOfRange, Statement, StoreSql};
 use sqlx::postgres::PgQueryResult;
 use sqlx::{PgPool, Postgres};

@@ -2,7 +2,9 @@
 //! (`client.rs`), the topology, the receiver and the dead-letter stream.
 
 use async_trait::async_trait;
-use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription};
+use reliq_core::{
+    Broker, BrokerError, Capabilities, Destination, Message, Subscription, seam::Receiver,
+};
 
 use crate::client::{RabbitBroker, Target};
 use crate::dead_letters::RabbitDeadLetters;

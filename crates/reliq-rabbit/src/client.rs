@@ -2,7 +2,7 @@
 //! connection, the publishing channel (confirms + mandatory), the exchanges known to
 //! exist and where queue settings live. The [`Broker`](reliq_core::Broker) implementation is in `broker.rs`.
 
-use reliq_core::sync::lock;
+use reliq_core::{BrokerError, Message, Subscription, seam::lock};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
@@ -14,7 +14,6 @@ use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 #[cfg(doc)]
 use reliq_core::Broker;
-use reliq_core::{BrokerError, Message, Subscription};
 use tokio::sync::Mutex;
 
 use crate::error::{refused_connection, reply_code};
@@ -413,8 +412,9 @@ impl RabbitBroker {
                     ),
                 }
             }
-            BrokerError::Connection { .. } => {
-                BrokerError::connection(format!("connecting to RabbitMQ failed: {e}"))
+            lost @ BrokerError::Connection { .. } => {
+                BrokerError::connection(format!("connecting to RabbitMQ failed: {lost}"))
+                    .caused_by(lost)
             }
             refused => refused,
         })?;

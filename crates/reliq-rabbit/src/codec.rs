@@ -15,8 +15,9 @@ use std::time::{Duration, SystemTime};
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
-use reliq_core::{BrokerError, Headers, Message, MessageId};
+use reliq_core::{
+    BrokerError, DeadLetter, DeadLetterReason, Headers, Message, MessageId, Origin, seam::headers,
+};
 
 /// The header carrying the message key (AMQP has no native key field).
 pub const KEY_HEADER: &str = "reliq-key";

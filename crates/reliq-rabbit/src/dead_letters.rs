@@ -12,10 +12,9 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel};
-use reliq_core::dead_letters::IdCounts;
 use reliq_core::{
     BrokerError, Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, Message,
-    MessageId, Subscription,
+    MessageId, Subscription, seam::IdCounts,
 };
 use tokio::sync::{Mutex, watch};
 

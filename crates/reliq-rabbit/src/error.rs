@@ -142,7 +142,7 @@ impl From<RabbitError> for BrokerError {
                     | lapin::ErrorKind::MissingHeartbeatError
             )
         {
-            BrokerError::connection(e.to_string())
+            BrokerError::connection(e.to_string()).caused_by(e)
         } else {
             BrokerError::Other(Box::new(e))
         }

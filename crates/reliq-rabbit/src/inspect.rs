@@ -12,7 +12,7 @@ use crate::client::Inner;
 use crate::management::Management;
 use crate::names::Names;
 use crate::options::encode_segment;
-use crate::topology::live::{effective, number, policy_list};
+use crate::topology::live::{ListedPolicy, effective, number, policy_list};
 
 fn management(inner: &Inner) -> Result<&Management, BrokerError> {
     inner
@@ -35,55 +35,27 @@ pub(crate) async fn inspect(
     plan: &Plan,
 ) -> Result<LiveTopology, BrokerError> {
     let api = management(inner)?;
-    let vhost = inner.vhost();
-    let v = encode_segment(&vhost);
-    let names = Names::of(sub);
-    let policies = policy_list(&api.get(&format!("/api/policies/{v}")).await?);
-    let operator = policy_list(&api.get(&format!("/api/operator-policies/{v}")).await?);
+    let v = encode_segment(&inner.vhost());
+    let read = Reading {
+        inner,
+        api,
+        names: Names::of(sub),
+        policies: policy_list(&api.get(&format!("/api/policies/{v}")).await?),
+        operator: policy_list(&api.get(&format!("/api/operator-policies/{v}")).await?),
+        v,
+    };
     let mut live = LiveTopology::default();
     for object in &plan.objects {
-        match object.kind {
-            ObjectKind::Exchange => {
-                let path = format!("/api/exchanges/{v}/{}", encode_segment(&object.name));
-                if let Some(e) = api.get_if_exists(&path).await? {
-                    live.push(
-                        ObjectKind::Exchange,
-                        &object.name,
-                        LiveObject::default()
-                            .with("type", Found::own(e["type"].clone()))
-                            .with("durable", Found::own(e["durable"].clone())),
-                    );
-                }
-            }
-            ObjectKind::Queue | ObjectKind::Stream => {
-                let path = format!("/api/queues/{v}/{}", encode_segment(&object.name));
-                if let Some(q) = api.get_if_exists(&path).await? {
-                    let found = effective(&q, &object.name, &policies, &operator, object);
-                    live.push(object.kind, &object.name, found);
-                }
-            }
-            ObjectKind::Binding => {
-                let path = format!(
-                    "/api/bindings/{v}/e/{}/q/{}",
-                    encode_segment(&names.exchange),
-                    encode_segment(&names.queue)
-                );
-                let bound = api.get_if_exists(&path).await?.is_some_and(|list| {
-                    list.as_array().into_iter().flatten().any(|b| {
-                        b.get("routing_key").and_then(Value::as_str)
-                            == Some(names.binding_key.as_str())
-                    })
-                });
-                if bound {
-                    live.push(ObjectKind::Binding, &object.name, LiveObject::default());
-                }
-            }
-            _ => {}
+        if let Some(found) = read.planned(object).await? {
+            live.push(object.kind, &object.name, found);
         }
     }
-    let prefix = format!("{}.retry.", names.queue);
+    let prefix = format!("{}.retry.", read.names.queue);
     let listed = api
-        .get(&format!("/api/queues/{v}?columns=name,arguments,type"))
+        .get(&format!(
+            "/api/queues/{}?columns=name,arguments,type",
+            read.v
+        ))
         .await?;
     for q in listed.as_array().into_iter().flatten() {
         let Some(name) = q.get("name").and_then(Value::as_str) else {
@@ -93,10 +65,67 @@ pub(crate) async fn inspect(
             .strip_prefix(&prefix)
             .and_then(|rest| rest.strip_suffix("ms"))
             .is_some_and(|ms| ms.parse::<u64>().is_ok());
-        if !stale || plan.object(ObjectKind::Queue, name).is_some() {
-            continue;
+        if stale && plan.object(ObjectKind::Queue, name).is_none() {
+            live.extra.push(read.stale_tier(q, name).await?);
         }
-        let messages = crate::backlog::message_count(inner, name).await?;
+    }
+    Ok(live)
+}
+
+/// What one inspection reads everything through: the management API, the vhost (encoded
+/// for a path), the consumer's names and the vhost's policies.
+struct Reading<'a> {
+    inner: &'a Inner,
+    api: &'a Management,
+    v: String,
+    names: Names,
+    policies: Vec<ListedPolicy>,
+    operator: Vec<ListedPolicy>,
+}
+
+impl Reading<'_> {
+    /// One planned object as the broker has it (its effective settings: arguments, then
+    /// policies), or `None` when the broker has no such object.
+    async fn planned(&self, object: &PlannedObject) -> Result<Option<LiveObject>, BrokerError> {
+        let v = &self.v;
+        Ok(match object.kind {
+            ObjectKind::Exchange => {
+                let path = format!("/api/exchanges/{v}/{}", encode_segment(&object.name));
+                self.api.get_if_exists(&path).await?.map(|e| {
+                    LiveObject::default()
+                        .with("type", Found::own(e["type"].clone()))
+                        .with("durable", Found::own(e["durable"].clone()))
+                })
+            }
+            ObjectKind::Queue | ObjectKind::Stream => {
+                let path = format!("/api/queues/{v}/{}", encode_segment(&object.name));
+                self.api
+                    .get_if_exists(&path)
+                    .await?
+                    .map(|q| effective(&q, &object.name, &self.policies, &self.operator, object))
+            }
+            ObjectKind::Binding => {
+                let path = format!(
+                    "/api/bindings/{v}/e/{}/q/{}",
+                    encode_segment(&self.names.exchange),
+                    encode_segment(&self.names.queue)
+                );
+                let bound = self.api.get_if_exists(&path).await?.is_some_and(|list| {
+                    list.as_array().into_iter().flatten().any(|b| {
+                        b.get("routing_key").and_then(Value::as_str)
+                            == Some(self.names.binding_key.as_str())
+                    })
+                });
+                bound.then(LiveObject::default)
+            }
+            _ => None,
+        })
+    }
+
+    /// A retry queue of an earlier policy (`q`, as listed): how many messages it holds
+    /// and whether they still come back to the consumer's queue.
+    async fn stale_tier(&self, q: &Value, name: &str) -> Result<ExtraObject, BrokerError> {
+        let messages = crate::backlog::message_count(self.inner, name).await?;
         // Where its messages go when their TTL runs out: back to this consumer's queue
         // through the default exchange, as reliq declares a tier, or elsewhere.
         let probe = PlannedObject::new(ObjectKind::Queue, name, "")
@@ -113,7 +142,7 @@ pub(crate) async fn inspect(
                 "",
             )
             .with("message-ttl", Wanted::Unset, Severity::Cosmetic, "");
-        let found = effective(q, name, &policies, &operator, &probe);
+        let found = effective(q, name, &self.policies, &self.operator, &probe);
         let get = |k: &str| {
             found
                 .settings
@@ -122,7 +151,7 @@ pub(crate) async fn inspect(
                 .map(|(_, f)| f.value.clone())
         };
         let returns = get("dead-letter-exchange") == Some(Value::String(String::new()))
-            && get("dead-letter-routing-key") == Some(Value::String(names.queue.clone()))
+            && get("dead-letter-routing-key") == Some(Value::String(self.names.queue.clone()))
             && get("message-ttl").as_ref().and_then(number).is_some();
         let (severity, note) = match (messages.unwrap_or(0), returns) {
             (0, _) => (
@@ -142,13 +171,12 @@ pub(crate) async fn inspect(
                     .to_owned(),
             ),
         };
-        live.extra.push(ExtraObject {
+        Ok(ExtraObject {
             kind: ObjectKind::Queue,
             name: name.to_owned(),
             messages,
             severity,
             note,
-        });
+        })
     }
-    Ok(live)
 }

@@ -152,7 +152,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 #[cfg(doc)]
-use reliq_core::{Broker, BrokerError, Receiver, Subscription};
+use reliq_core::{Broker, BrokerError, Subscription, seam::Receiver};
 
 mod backlog;
 mod broker;

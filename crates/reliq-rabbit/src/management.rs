@@ -7,8 +7,7 @@
 use std::time::Duration;
 
 use backon::{BackoffBuilder as _, ExponentialBuilder};
-use reliq_core::BrokerError;
-use reliq_core::secrets::percent_decode;
+use reliq_core::{BrokerError, seam::secrets::percent_decode};
 use reqwest::{Method, StatusCode, Url};
 use serde_json::Value;
 
@@ -120,14 +119,14 @@ impl Management {
             if e.is_timeout() {
                 BrokerError::Timeout(REQUEST_TIMEOUT)
             } else {
-                BrokerError::connection(format!("management API: {e}"))
+                BrokerError::connection(format!("management API: {e}")).caused_by(e)
             }
         })?;
         let status = resp.status();
         let text = resp
             .text()
             .await
-            .map_err(|e| BrokerError::connection(format!("management API: {e}")))?;
+            .map_err(|e| BrokerError::connection(format!("management API: {e}")).caused_by(e))?;
         Ok((status, text))
     }
 

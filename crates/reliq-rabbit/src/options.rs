@@ -5,8 +5,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use reliq_core::BrokerError;
-use reliq_core::secrets::{redact_url, resolve_setting};
+use reliq_core::{
+    BrokerError,
+    seam::secrets::{redact_url, resolve_setting},
+};
 
 /// What stays unencoded in a URL's path segment or user info: RFC 3986's `unreserved`.
 pub(crate) const UNRESERVED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC

@@ -1,7 +1,10 @@
 //! A receiver: one channel per receiver, `basic.qos(prefetch)`, `basic.consume` with
 //! manual ack; retry and dead-letter copies go out on the broker's confirmed publisher.
 
-use reliq_core::sync::lock;
+use reliq_core::{
+    BrokerError, Delivery, Message, Origin, Subscription,
+    seam::{DeliveryToken, Receiver, ReceiverId, RetryRequest, headers, lock},
+};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
@@ -11,10 +14,6 @@ use futures::{FutureExt, StreamExt};
 use lapin::Channel;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use reliq_core::headers::{self, Origin};
-use reliq_core::{
-    BrokerError, Delivery, DeliveryToken, Message, Receiver, ReceiverId, RetryRequest, Subscription,
-};
 use tokio::sync::Mutex;
 
 use crate::client::{Inner, Target};

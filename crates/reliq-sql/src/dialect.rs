@@ -5,7 +5,7 @@ use std::fmt::Debug;
 use std::future::Future;
 use std::time::Duration;
 
-use reliq_core::outbox::{OutboxWakeup, PollOnly};
+use reliq_core::seam::{OutboxWakeup, PollOnly};
 use sqlx::{Database, Encode, Pool, Type};
 
 use crate::driver::{Driver, Statement};
@@ -90,7 +90,7 @@ pub trait StoreSql: Debug + Send + Sync + Sized + 'static {
     const OUTBOX_PURGE_SENT: &'static str;
     /// Lease unsent rows whose lease is free, oldest first, to an owner until a time,
     /// counting an attempt, and return them as
-    /// [`OutboxColumns`](reliq_core::outbox::OutboxColumns). Parameters: owner, time,
+    /// [`OutboxColumns`](reliq_core::seam::OutboxColumns). Parameters: owner, time,
     /// limit; **now**.
     const OUTBOX_CLAIM: &'static str;
     /// Mark unsent rows sent and free their lease. Parameters: seqs; **now**.

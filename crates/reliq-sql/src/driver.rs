@@ -4,7 +4,7 @@ use sqlx::migrate::Migrate;
 use sqlx::query::Query;
 use sqlx::{Database, Encode, Executor, FromRow, IntoArguments, Pool, Type};
 
-use reliq_core::outbox::OutboxColumns;
+use reliq_core::seam::OutboxColumns;
 
 /// A statement of `DB` with the parameters bound so far.
 pub type Statement<'q, DB> = Query<'q, DB, <DB as Database>::Arguments>;

@@ -4,8 +4,7 @@ use std::convert::Infallible;
 use std::marker::PhantomData;
 use std::time::Duration;
 
-use reliq_core::InboxError;
-use reliq_core::outbox::OutboxError;
+use reliq_core::{InboxError, OutboxError};
 
 use crate::dialect::{OutOfRange, StoreSql};
 

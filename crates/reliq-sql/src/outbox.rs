@@ -4,11 +4,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use reliq_core::outbox::{
-    OutboxBacklog, OutboxError, OutboxRecord, OutboxStore, OutboxWakeup, RelayBuilder,
-    encode_headers,
+use reliq_core::{
+    Broker, Destination, Message, OutboxBacklog, OutboxError, OutboxRecord, OutboxStore, Relay,
+    RelayBuilder,
+    seam::{OutboxWakeup, encode_headers},
 };
-use reliq_core::{Broker, Destination, Message, Relay};
 use sqlx::{Database, Pool};
 
 use crate::driver::{Bind, Driver};
@@ -69,7 +69,7 @@ impl<S: StoreSql> Outbox<S> {
         Ok(inserted.is_some())
     }
 
-    /// A relay builder for this outbox and `broker` (see [`reliq_core::outbox`]).
+    /// A relay builder for this outbox and `broker` (see [`reliq_core::OutboxStore`]).
     pub fn relay(&self, broker: Arc<dyn Broker>) -> RelayBuilder {
         Relay::builder(Arc::new(self.clone()), broker)
     }

@@ -106,7 +106,7 @@ pub type SqliteInbox = reliq_sql::Inbox<SqliteStore>;
 
 /// The SQLite outbox (`reliq_outbox`): a [`reliq_sql::Outbox`]. Cheap to clone.
 ///
-/// As an [`OutboxStore`](reliq_core::outbox::OutboxStore), a claim is one `UPDATE … WHERE
+/// As an [`OutboxStore`](reliq_core::OutboxStore), a claim is one `UPDATE … WHERE
 /// seq IN (SELECT … ORDER BY seq LIMIT n) RETURNING …` that sets `lease_owner` and
 /// `leased_until`. SQLite runs one writer at a time, so two relays (threads or processes
 /// on one database file) never claim the same row while its lease holds. Leases use this

@@ -193,7 +193,7 @@ pub(crate) fn sends(client: aws_sdk_sqs::Client, window: Duration) -> Batcher<En
                         .build();
                     match entry {
                         Ok(entry) => request = request.entries(entry),
-                        Err(err) => return all_rejected(n, &err),
+                        Err(err) => return all_rejected(n, err),
                     }
                 }
                 match request.send().await {
@@ -217,10 +217,15 @@ pub(crate) fn sends(client: aws_sdk_sqs::Client, window: Duration) -> Batcher<En
     )
 }
 
-/// Every entry of a batch that could not even be built fails with the same error.
-fn all_rejected(n: usize, err: &impl std::fmt::Display) -> Vec<Result<(), BrokerError>> {
+/// Every entry of a batch that could not even be built fails with the same error, kept
+/// (shared) as each one's source.
+fn all_rejected<E>(n: usize, err: E) -> Vec<Result<(), BrokerError>>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let err = Arc::new(err);
     (0..n)
-        .map(|_| Err(BrokerError::rejected(err.to_string())))
+        .map(|_| Err(BrokerError::rejected(err.to_string()).caused_by(Arc::clone(&err))))
         .collect()
 }
 
@@ -240,7 +245,7 @@ pub(crate) fn deletes(client: aws_sdk_sqs::Client, window: Duration) -> Batcher<
                         .build()
                     {
                         Ok(entry) => request = request.entries(entry),
-                        Err(err) => return all_rejected(n, &err),
+                        Err(err) => return all_rejected(n, err),
                     }
                 }
                 match request.send().await {

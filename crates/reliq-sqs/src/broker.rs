@@ -4,7 +4,9 @@
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::QueueAttributeName;
-use reliq_core::{Broker, BrokerError, Capabilities, Destination, Message, Receiver, Subscription};
+use reliq_core::{
+    Broker, BrokerError, Capabilities, Destination, Message, Subscription, seam::Receiver,
+};
 
 use crate::client::{SqsBroker, config};
 use crate::error::sdk_error;

@@ -2,15 +2,16 @@
 //! convention and publishing. The [`Broker`](reliq_core::Broker) implementation is in
 //! `broker`.
 
-use reliq_core::sync::lock;
+use reliq_core::{
+    BrokerError, Destination, Message, Subscription,
+    seam::{lock, secrets::percent_decode},
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use aws_sdk_sqs::error::DisplayErrorContext;
 use aws_sdk_sqs::types::QueueAttributeName;
-use reliq_core::secrets::percent_decode;
-use reliq_core::{BrokerError, Destination, Message, Subscription};
 
 use aws_credential_types::provider::SharedCredentialsProvider;
 
@@ -681,7 +682,7 @@ impl SqsBroker {
     /// default rate when `None`). Returns the task handle, or `None` when the endpoint
     /// does not run one — emulators (moto answers HTTP 500) and any other refusal, which
     /// is logged: then redrive with the portable replay engine
-    /// ([`reliq_core::replay`]), which works on every endpoint, strips the failure
+    /// ([`reliq_core::Replay`]), which works on every endpoint, strips the failure
     /// headers and marks the copies as replayed. A move task keeps each message as it
     /// is (the dead-letter record stays in its attributes).
     pub async fn start_message_move_task(

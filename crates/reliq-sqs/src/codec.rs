@@ -20,8 +20,7 @@ use std::collections::HashMap;
 
 use aws_sdk_sqs::types::MessageAttributeValue;
 use bytes::Bytes;
-use reliq_core::headers;
-use reliq_core::{BrokerError, Headers, Message, MessageId};
+use reliq_core::{BrokerError, Headers, Message, MessageId, seam::headers};
 
 /// The attribute holding reliq's packed metadata.
 pub const RELIQ_ATTRIBUTE: &str = "reliq";

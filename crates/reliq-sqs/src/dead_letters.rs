@@ -8,11 +8,9 @@ use async_trait::async_trait;
 use aws_sdk_sqs::types::{
     ChangeMessageVisibilityBatchRequestEntry, MessageSystemAttributeName, QueueAttributeName,
 };
-use reliq_core::dead_letters::IdCounts;
-use reliq_core::headers::{DeadLetter, DeadLetterReason, Origin};
 use reliq_core::{
-    BrokerError, Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, MessageId,
-    Subscription,
+    BrokerError, Cursor, DeadLetter, DeadLetterCount, DeadLetterEntry, DeadLetterPage,
+    DeadLetterReason, DeadLetters, MessageId, Origin, Subscription, seam::IdCounts,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -420,7 +418,7 @@ impl Reader {
             Err(_)
                 if message
                     .headers()
-                    .get(reliq_core::headers::DEAD_LETTER_VERSION)
+                    .get(reliq_core::seam::headers::DEAD_LETTER_VERSION)
                     .is_none() =>
             {
                 // Moved by the redrive policy (a crash loop): no record of reliq's.

@@ -68,4 +68,4 @@ impl Default for SqsOptions {
 
 /// Test fault switches (shared by every backend; feature `test-util`).
 #[cfg(feature = "test-util")]
-pub use reliq_core::faults::Faults;
+pub use reliq_core::seam::Faults;

@@ -57,7 +57,7 @@ impl Scope {
     /// The scope of `region` (its partition from its name).
     pub(crate) fn new(region: &str, account: Option<String>, fifo: bool) -> Self {
         Self {
-            partition: reliq_core::permissions::aws_partition(region).to_owned(),
+            partition: reliq_core::seam::aws_partition(region).to_owned(),
             region: region.to_owned(),
             account,
             fifo,
@@ -113,7 +113,7 @@ pub(crate) fn permissions(scope: &Scope, access: &Access) -> Permissions {
         .principal
         .clone()
         .unwrap_or_else(|| PLACEHOLDER.to_owned());
-    let document = reliq_core::permissions::iam_policy(&grants);
+    let document = reliq_core::seam::iam_policy(&grants);
     Permissions {
         backend: "sqs",
         principal,

@@ -1,7 +1,10 @@
 //! Receiving from a consumer queue (a background long poll bounded by the prefetch, a
 //! visibility extender per delivery).
 
-use reliq_core::sync::lock;
+use reliq_core::{
+    BrokerError, Delivery, Message, Origin, Subscription,
+    seam::{DeliveryToken, Receiver, ReceiverId, Renewed, RetryRequest, lock},
+};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -9,11 +12,6 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::MessageSystemAttributeName;
-use reliq_core::headers::Origin;
-use reliq_core::lease::Renewed;
-use reliq_core::{
-    BrokerError, Delivery, DeliveryToken, Message, Receiver, ReceiverId, RetryRequest, Subscription,
-};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -343,7 +341,7 @@ fn extend(broker: SqsBroker, url: String, lease: Arc<Lease>, every: Duration) {
     let seconds = whole_seconds(every).max(1);
     let max = broker.inner.options.max_lease_extension;
     let settled = lease.settled.clone();
-    reliq_core::lease::keep_leased(settled, every / 3, Some(max), move || {
+    reliq_core::seam::keep_leased(settled, every / 3, Some(max), move || {
         let (broker, url, lease) = (broker.clone(), url.clone(), lease.clone());
         async move {
             // Held across the renewal: settling waits for it, so no renewal follows a

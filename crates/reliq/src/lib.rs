@@ -69,18 +69,19 @@ pub use reliq_core::{
 /// A consumer's topology as data: the plan ([`Broker::plan`]), the broker's objects
 /// ([`Broker::inspect`]) and their differences ([`Broker::check_topology`]).
 pub mod topology {
-    pub use reliq_core::topology::{
+    pub use reliq_core::seam::{compare, duration_text};
+    pub use reliq_core::{
         Difference, Drift, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan,
-        PlannedObject, Setting, Severity, TopologyReport, Wanted, compare, duration_text,
+        PlannedObject, Setting, Severity, TopologyReport, Wanted,
     };
 }
 
 /// Secrets in broker URLs: `<key>.file` / `<key>.env` indirection and redaction.
-pub use reliq_core::secrets;
+pub use reliq_core::seam::secrets;
 
 /// The header names reliq reads and writes on every message.
 pub mod headers {
-    pub use reliq_core::headers::{
+    pub use reliq_core::seam::headers::{
         ATTEMPT, CAUSATION_ID, CONSUMER, CORRELATION_ID, DEAD_LETTER_REASON, DEAD_LETTER_VERSION,
         DEAD_LETTERED_AT, ERROR_CLASS, FIRST_FAILURE_AT, LAST_ERROR, LAST_FAILURE_AT, MESSAGE_ID,
         OCCURRED_AT, ORIGINAL_DESTINATION, ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_ROUTE,
@@ -89,10 +90,10 @@ pub mod headers {
 }
 
 /// The metric names the runtime, the replay engine, the outbox relay, publishes and the
-/// backlog poller record (the table is in [`reliq_core::telemetry`]).
+/// backlog poller record (the table is in [`reliq_core::metrics`]).
 pub mod metrics {
-    pub use reliq_core::gauges::tier_label;
-    pub use reliq_core::telemetry::{
+    pub use reliq_core::metrics::tier_label;
+    pub use reliq_core::metrics::{
         ALL_METRICS, BACKLOG, BACKLOG_LAST_POLL, BACKLOG_POLL_FAILURES, BATCH_SIZE,
         BATCH_SIZE_BUCKETS, CIRCUIT_STATE, CIRCUIT_TRANSITIONS, DEAD_LETTERED, DISCARDED,
         DLQ_MESSAGES, DLQ_OLDEST_AGE, DUPLICATES, DURATION_BUCKETS, HANDLER_DURATION, IN_FLIGHT,

@@ -333,19 +333,19 @@ pub fn detail(consumer: &str, d: &EntryDetail, who: &Principal, csrf: &str) -> M
     let user_headers: Vec<(&String, &String)> = d
         .headers
         .iter()
-        .filter(|(k, _)| !k.starts_with(reliq_core::headers::PREFIX))
+        .filter(|(k, _)| !k.starts_with(reliq_core::seam::headers::PREFIX))
         .collect();
     html! {
         dl {
             dt { "Reason" } dd { (s.reason) }
             dt { "Class" } dd { (s.class.as_deref().unwrap_or("—")) }
             dt { "Attempts" } dd { (s.attempts) }
-            dt { "First failure" } dd { (header(reliq_core::headers::FIRST_FAILURE_AT)) }
-            dt { "Last failure" } dd { (header(reliq_core::headers::LAST_FAILURE_AT)) }
+            dt { "First failure" } dd { (header(reliq_core::seam::headers::FIRST_FAILURE_AT)) }
+            dt { "Last failure" } dd { (header(reliq_core::seam::headers::LAST_FAILURE_AT)) }
             dt { "Dead-lettered at" } dd { (s.dead_lettered_at) }
             dt { "Last error" } dd { code { (s.error.as_deref().unwrap_or("—")) } }
             dt { "Fingerprint" } dd { code { (s.fingerprint) } }
-            dt { "Original destination" } dd { code { (header(reliq_core::headers::ORIGINAL_DESTINATION)) } }
+            dt { "Original destination" } dd { code { (header(reliq_core::seam::headers::ORIGINAL_DESTINATION)) } }
             dt { "Original position" } dd { (s.position) }
             dt { "Key" } dd { (s.key.as_deref().unwrap_or("—")) }
         }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use reliq_core::{
     BoxError, Broker, Consumer, ConsumerHandle, Delivery, Destination, MemoryInbox, Message,
-    MessageId, Permanent, Poison, RetryPolicy, headers,
+    MessageId, Permanent, Poison, RetryPolicy, seam::headers,
 };
 
 /// The URL of a real backend, from the environment or brokers.env.

@@ -64,7 +64,23 @@ impl std::fmt::Debug for ConsumerBuilder {
     }
 }
 
-/// Entry point of the runtime.
+/// Entry point of the runtime: receive (bounded) → handle (timeout, panic capture) →
+/// classify → ack / retry / dead-letter, written once for every backend.
+///
+/// Guarantees:
+/// - The source delivery is settled only after the retry or dead-letter copy was
+///   confirmed by the broker. If that publish fails (the DLQ or retry route down, a node
+///   lost), the delivery is *held* — still leased, its handler not called again, no
+///   attempt spent — and the copy sent again after the settle back-off, until it is
+///   confirmed; a hard stop releases it (the broker delivers it again later). A delivery
+///   the receiver no longer holds (its channel closed, its partition revoked) is left to
+///   the broker's redelivery. A message is never dropped and never just logged.
+/// - At most `max_in_flight` deliveries are held (received, not yet settled); the broker
+///   is asked for the same prefetch bound. At most `concurrency` handlers run at once.
+/// - With [`DeliveryOrder::PerKey`], deliveries with the same key are handled one after the
+///   other in arrival order, while other keys run in parallel.
+/// - Shutdown stops receiving, lets in-flight work finish within `shutdown_timeout`, then
+///   releases whatever is left. Nothing is lost and nothing is settled twice.
 #[derive(Debug)]
 pub struct Consumer;
 
@@ -302,7 +318,7 @@ impl ConsumerBuilder {
 
     /// Like [`ConsumerBuilder::start`], with a batch handler: one call for up to
     /// [`ConsumerBuilder::batch_size`] deliveries, the successes acknowledged together
-    /// (see [`crate::batch`]). A batch counts as one handler against `concurrency`, the
+    /// (see [`Batch`](crate::Batch)). A batch counts as one handler against `concurrency`, the
     /// handler timeout and the handler metrics. [`DeliveryOrder::PerKey`] is refused: two
     /// batches in flight may hold the same key.
     pub async fn start_batch<F, Fut>(self, handler: F) -> Result<ConsumerHandle, ConsumerError>

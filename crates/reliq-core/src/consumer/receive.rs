@@ -15,11 +15,12 @@ use futures::stream::StreamExt as _;
 use futures_buffered::FuturesUnorderedBounded;
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Duration;
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
 use tokio_util::task::TaskTracker;
 
 /// How deliveries of one consumer are ordered relative to each other.
@@ -67,6 +68,13 @@ pub(super) const RECEIVE_BATCH: usize = 64;
 pub(super) type Dispatch<H> =
     fn(&Arc<Shared<H>>, &Arc<Semaphore>, &mut Vec<Delivery>, OwnedSemaphorePermit);
 
+/// The stop signal, registered once for the whole loop (a fresh `cancelled()` per
+/// message costs a lock on the token each time). Each step below returns `None` when it
+/// fired.
+type Stopped<'a, 'b> = Pin<&'a mut WaitForCancellationFuture<'b>>;
+
+/// Receives while there is in-flight room, the circuit breaker and the rate limit allow,
+/// and hands out what arrives; on stop, releases what a cut-short receive took.
 pub(super) async fn receive_loop<H: Send + Sync + 'static>(
     shared: Arc<Shared<H>>,
     stop: CancellationToken,
@@ -79,100 +87,20 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
     let _runners = CloseOnDrop(&shared.runners);
     let mut receive_errors: u32 = 0;
     let mut batch = Vec::with_capacity(receive_max);
-    // One registration for the whole loop (a fresh `cancelled()` per message costs a
-    // lock on the token each time).
     let stopped = stop.cancelled();
     tokio::pin!(stopped);
     loop {
-        // After failed settlements, slow down instead of hammering a broken route —
-        // until a delivery is handled and acknowledged again, which resets the back-off.
-        let pause = shared.settler().backoff.current();
-        if !pause.is_zero() {
-            Stats::bump(&shared.settler().stats.throttled);
-            tokio::select! {
-                _ = tokio::time::sleep(pause) => {}
-                _ = &mut stopped => break,
-            }
-        }
-        let mut permits = tokio::select! {
-            p = in_flight.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-            _ = &mut stopped => break,
+        let Some(room) = take_room(&shared, &in_flight, receive_max, &mut stopped).await else {
+            break;
         };
-        // Whatever else is free now joins the batch; nothing waits for more room.
-        let more = in_flight.available_permits().min(receive_max - 1);
-        if more > 0
-            && let Ok(extra) = in_flight
-                .clone()
-                .try_acquire_many_owned(u32::try_from(more).unwrap_or(1))
-        {
-            permits.merge(extra);
-        }
-        // The circuit breaker: nothing while it is open (what waits stays in the broker),
-        // its probes when half-open.
-        let mut probes = false;
-        if let Some(breaker) = &shared.settler().breaker {
-            let want = permits.num_permits();
-            let (allowed, as_probes) = tokio::select! {
-                a = breaker.admit(want) => a,
-                _ = &mut stopped => break,
-            };
-            probes = as_probes;
-            if allowed < want {
-                drop(permits.split(want - allowed));
-            }
-        }
-        // The rate limit: as many deliveries as it allows now (waiting for the first);
-        // the in-flight room left over goes back at once.
-        let cells_taken = shared.rate.as_ref().map(|_| tokio::time::Instant::now());
-        if let Some(rate) = &shared.rate {
-            let want = permits.num_permits();
-            let allowed = tokio::select! {
-                n = rate.take(want) => n,
-                _ = &mut stopped => break,
-            };
-            if allowed < want {
-                Stats::bump(&shared.settler().stats.throttled);
-                drop(permits.split(want - allowed));
-            }
-        }
-        // Cancelled by the stop signal, a receive keeps in `batch` whatever it took from
-        // the broker (the `receive_batch` cancel-safety contract); it is released below.
-        let want = permits.num_permits();
-        let received = if shared
-            .settler()
-            .receiver
-            .try_receive_batch(want, &mut batch)
-        {
-            Ok(())
-        } else {
-            tokio::select! {
-                r = shared.settler().receiver.receive_batch(want, &mut batch) => r,
-                _ = &mut stopped => break,
-            }
+        let Some(admitted) = admit(&shared, room, &mut stopped).await else {
+            break;
         };
-        // A receive the broker made wait: its cells are stale (see `rate`).
-        if let (Some(rate), Some(taken)) = (&shared.rate, cells_taken)
-            && taken.elapsed() > rate.interval()
-            && !batch.is_empty()
-        {
-            tokio::select! {
-                () = rate.take_exactly(batch.len()) => {}
-                _ = &mut stopped => break,
-            }
-        }
-        if let Some(breaker) = &shared.settler().breaker {
-            if probes {
-                breaker.unused(permits.num_permits().saturating_sub(batch.len()));
-            } else if !batch.is_empty() && breaker.state() != crate::breaker::CircuitState::Closed {
-                // Received under a closed breaker that opened meanwhile: held (leased)
-                // until it lets deliveries through again. Stopping releases them below.
-                tokio::select! {
-                    () = breaker.hold(batch.len()) => {}
-                    _ = &mut stopped => break,
-                }
-            }
-        }
-        dispatch(&shared, &in_flight, &mut batch, permits);
+        let Some(received) = receive_admitted(&shared, &admitted, &mut batch, &mut stopped).await
+        else {
+            break;
+        };
+        dispatch(&shared, &in_flight, &mut batch, admitted.permits);
         match received {
             Ok(()) => receive_errors = 0,
             Err(BrokerError::Closed) => {
@@ -185,7 +113,7 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
                 tracing::warn!(consumer = %shared.settler().name, error = %crate::classify::ErrorChain(&e), retry_in = ?wait, "receive failed");
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
-                    _ = &mut stopped => break,
+                    _ = stopped.as_mut() => break,
                 }
             }
         }
@@ -198,6 +126,134 @@ pub(super) async fn receive_loop<H: Send + Sync + 'static>(
             shared.settler().release(&d, Duration::ZERO).await;
         }
     }
+}
+
+/// In-flight room for the next receive: one permit (waiting for it), and whatever else is
+/// free now, up to `receive_max`. After failed settlements it first pauses instead of
+/// hammering a broken route — until a delivery is handled and acknowledged again, which
+/// resets the back-off.
+async fn take_room<H>(
+    shared: &Shared<H>,
+    in_flight: &Arc<Semaphore>,
+    receive_max: usize,
+    stopped: &mut Stopped<'_, '_>,
+) -> Option<OwnedSemaphorePermit> {
+    let pause = shared.settler().backoff.current();
+    if !pause.is_zero() {
+        Stats::bump(&shared.settler().stats.throttled);
+        tokio::select! {
+            _ = tokio::time::sleep(pause) => {}
+            _ = stopped.as_mut() => return None,
+        }
+    }
+    let mut permits = tokio::select! {
+        p = in_flight.clone().acquire_owned() => p.ok()?,
+        _ = stopped.as_mut() => return None,
+    };
+    // Whatever else is free now joins the batch; nothing waits for more room.
+    let more = in_flight.available_permits().min(receive_max - 1);
+    if more > 0
+        && let Ok(extra) = in_flight
+            .clone()
+            .try_acquire_many_owned(u32::try_from(more).unwrap_or(1))
+    {
+        permits.merge(extra);
+    }
+    Some(permits)
+}
+
+/// The room the circuit breaker and the rate limit let through.
+struct Admitted {
+    /// One per delivery this receive may take.
+    permits: OwnedSemaphorePermit,
+    /// Half-open breaker: the permits are its probes.
+    probes: bool,
+    /// When the rate limit's cells were taken (with a rate limit).
+    cells_taken: Option<tokio::time::Instant>,
+}
+
+/// The circuit breaker (nothing while it is open — what waits stays in the broker — its
+/// probes when half-open), then the rate limit (as many deliveries as it allows now,
+/// waiting for the first); the in-flight room left over goes back at once.
+async fn admit<H>(
+    shared: &Shared<H>,
+    mut permits: OwnedSemaphorePermit,
+    stopped: &mut Stopped<'_, '_>,
+) -> Option<Admitted> {
+    let mut probes = false;
+    if let Some(breaker) = &shared.settler().breaker {
+        let want = permits.num_permits();
+        let (allowed, as_probes) = tokio::select! {
+            a = breaker.admit(want) => a,
+            _ = stopped.as_mut() => return None,
+        };
+        probes = as_probes;
+        if allowed < want {
+            drop(permits.split(want - allowed));
+        }
+    }
+    let cells_taken = shared.rate.as_ref().map(|_| tokio::time::Instant::now());
+    if let Some(rate) = &shared.rate {
+        let want = permits.num_permits();
+        let allowed = tokio::select! {
+            n = rate.take(want) => n,
+            _ = stopped.as_mut() => return None,
+        };
+        if allowed < want {
+            Stats::bump(&shared.settler().stats.throttled);
+            drop(permits.split(want - allowed));
+        }
+    }
+    Some(Admitted {
+        permits,
+        probes,
+        cells_taken,
+    })
+}
+
+/// One receive of up to the admitted number of deliveries into `batch` (the backend's
+/// shortcut first). Cancelled by the stop signal, a receive keeps in `batch` whatever it
+/// took from the broker (the `receive_batch` cancel-safety contract); the loop releases
+/// it. Then the limits' bookkeeping: a receive the broker made wait takes fresh rate
+/// cells, unused probes go back to the breaker, and deliveries received under a breaker
+/// that opened meanwhile are held (leased) until it lets deliveries through again.
+async fn receive_admitted<H>(
+    shared: &Shared<H>,
+    admitted: &Admitted,
+    batch: &mut Vec<Delivery>,
+    stopped: &mut Stopped<'_, '_>,
+) -> Option<Result<(), BrokerError>> {
+    let want = admitted.permits.num_permits();
+    let receiver = &shared.settler().receiver;
+    let received = if receiver.try_receive_batch(want, batch) {
+        Ok(())
+    } else {
+        tokio::select! {
+            r = receiver.receive_batch(want, batch) => r,
+            _ = stopped.as_mut() => return None,
+        }
+    };
+    // A receive the broker made wait: its cells are stale (see `rate`).
+    if let (Some(rate), Some(taken)) = (&shared.rate, admitted.cells_taken)
+        && taken.elapsed() > rate.interval()
+        && !batch.is_empty()
+    {
+        tokio::select! {
+            () = rate.take_exactly(batch.len()) => {}
+            _ = stopped.as_mut() => return None,
+        }
+    }
+    if let Some(breaker) = &shared.settler().breaker {
+        if admitted.probes {
+            breaker.unused(want.saturating_sub(batch.len()));
+        } else if !batch.is_empty() && breaker.state() != crate::breaker::CircuitState::Closed {
+            tokio::select! {
+                () = breaker.hold(batch.len()) => {}
+                _ = stopped.as_mut() => return None,
+            }
+        }
+    }
+    Some(received)
 }
 
 /// Per-message handler: count and dispatch what one `receive_batch` returned, one

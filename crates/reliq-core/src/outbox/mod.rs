@@ -1,49 +1,3 @@
-//! The transactional outbox: the relay, written once for every store.
-//!
-//! A producer that changes its database *and* publishes an event cannot make both happen
-//! atomically (the dual-write problem). With an outbox it writes the event as a row in the
-//! **same transaction** as the business change (`enqueue` of reliq-postgres /
-//! reliq-sqlite), with the message's stable id. A [`Relay`] then claims unsent rows,
-//! publishes them through any [`Broker`](crate::broker::Broker) (whose `publish` returns
-//! only after the broker confirmed), and marks them sent.
-//!
-//! Guarantees:
-//! - **Nothing is lost**: a row is marked sent only after the broker confirmed it; a failed
-//!   publish keeps the row (released for the next attempt, after a back-off).
-//! - **At-least-once, same id**: a crash between the confirm and the mark publishes the row
-//!   again, with the same message id, once its lease expired. Consumers absorb the copy
-//!   with an inbox.
-//! - **Several relays may run at once**: a claim leases rows to one relay
-//!   ([`OutboxStore::claim_batch`]); while the lease holds no other relay claims them, and
-//!   a relay stops publishing a batch before its lease ends (leaving a safety margin of a
-//!   tenth of the lease), so a row is not published twice while its lease holds.
-//! - **Order**: one relay publishes in enqueue order (the store's sequence), one message
-//!   at a time, and stops at the first failure, so a later row never overtakes an earlier
-//!   one. A row that can never be published (say, an unroutable destination) therefore
-//!   holds back the rows behind it until an operator fixes the destination or deletes
-//!   the row; its `attempts` and `last_error` columns say why. With several relays,
-//!   batches run in parallel and order between batches is not kept.
-//!
-//! The store supplies the SQL ([`OutboxStore`]); the relay loop, back-off, lease guard,
-//! counters and metrics are here.
-//!
-//! ```
-//! # async fn demo(store: std::sync::Arc<dyn reliq_core::outbox::OutboxStore>,
-//! #               broker: std::sync::Arc<dyn reliq_core::Broker>) -> Result<(), Box<dyn std::error::Error>> {
-//! use std::time::Duration;
-//! use reliq_core::outbox::Relay;
-//!
-//! let relay = Relay::builder(store, broker)
-//!     .name("orders")                       // the `relay` metric label
-//!     .batch_size(100)
-//!     .lease(Duration::from_secs(30))
-//!     .build()?
-//!     .start();
-//! // … on shutdown: finishes the batch in progress, then stops.
-//! let stats = relay.shutdown().await;
-//! # let _ = stats; Ok(()) }
-//! ```
-
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -116,6 +70,52 @@ pub struct OutboxError(#[from] pub BoxError);
 /// The SQL side of an outbox: how a relay claims, marks and releases rows. Implemented
 /// by reliq-postgres (`FOR UPDATE SKIP LOCKED` + lease columns) and reliq-sqlite (lease
 /// columns).
+///
+/// The transactional outbox: the relay, written once for every store.
+///
+/// A producer that changes its database *and* publishes an event cannot make both happen
+/// atomically (the dual-write problem). With an outbox it writes the event as a row in the
+/// **same transaction** as the business change (`enqueue` of reliq-postgres /
+/// reliq-sqlite), with the message's stable id. A [`Relay`] then claims unsent rows,
+/// publishes them through any [`Broker`](crate::broker::Broker) (whose `publish` returns
+/// only after the broker confirmed), and marks them sent.
+///
+/// Guarantees:
+/// - **Nothing is lost**: a row is marked sent only after the broker confirmed it; a failed
+///   publish keeps the row (released for the next attempt, after a back-off).
+/// - **At-least-once, same id**: a crash between the confirm and the mark publishes the row
+///   again, with the same message id, once its lease expired. Consumers absorb the copy
+///   with an inbox.
+/// - **Several relays may run at once**: a claim leases rows to one relay
+///   ([`OutboxStore::claim_batch`]); while the lease holds no other relay claims them, and
+///   a relay stops publishing a batch before its lease ends (leaving a safety margin of a
+///   tenth of the lease), so a row is not published twice while its lease holds.
+/// - **Order**: one relay publishes in enqueue order (the store's sequence), one message
+///   at a time, and stops at the first failure, so a later row never overtakes an earlier
+///   one. A row that can never be published (say, an unroutable destination) therefore
+///   holds back the rows behind it until an operator fixes the destination or deletes
+///   the row; its `attempts` and `last_error` columns say why. With several relays,
+///   batches run in parallel and order between batches is not kept.
+///
+/// The store supplies the SQL ([`OutboxStore`]); the relay loop, back-off, lease guard,
+/// counters and metrics are here.
+///
+/// ```
+/// # async fn demo(store: std::sync::Arc<dyn reliq_core::OutboxStore>,
+/// #               broker: std::sync::Arc<dyn reliq_core::Broker>) -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use reliq_core::Relay;
+///
+/// let relay = Relay::builder(store, broker)
+///     .name("orders")                       // the `relay` metric label
+///     .batch_size(100)
+///     .lease(Duration::from_secs(30))
+///     .build()?
+///     .start();
+/// // … on shutdown: finishes the batch in progress, then stops.
+/// let stats = relay.shutdown().await;
+/// # let _ = stats; Ok(()) }
+/// ```
 #[async_trait]
 pub trait OutboxStore: Send + Sync + 'static {
     /// Lease up to `limit` unsent rows whose lease is free (never leased, released, or

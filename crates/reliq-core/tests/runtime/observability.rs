@@ -137,7 +137,7 @@ async fn a_delivery_span_records_id_attempt_and_trace_context() {
         .await
         .unwrap();
     let m = Message::new("x").with_header(
-        reliq_core::headers::TRACEPARENT,
+        reliq_core::seam::headers::TRACEPARENT,
         "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
     );
     let id = m.id().to_string();

@@ -97,7 +97,7 @@ pub async fn filled_and_started(
 }
 
 struct MisbehavingReceiver {
-    inner: Box<dyn reliq_core::Receiver>,
+    inner: Box<dyn reliq_core::seam::Receiver>,
     how: How,
     receives: std::sync::atomic::AtomicU32,
 }
@@ -116,7 +116,7 @@ impl reliq_core::Broker for Misbehaving {
     async fn subscribe(
         &self,
         s: &Subscription,
-    ) -> Result<Box<dyn reliq_core::Receiver>, reliq_core::BrokerError> {
+    ) -> Result<Box<dyn reliq_core::seam::Receiver>, reliq_core::BrokerError> {
         let mut s = s.clone();
         if let How::Greedy = self.how {
             // Room for the extra deliveries on the broker's side.
@@ -155,7 +155,7 @@ impl reliq_core::Broker for Misbehaving {
 }
 
 #[async_trait::async_trait]
-impl reliq_core::Receiver for MisbehavingReceiver {
+impl reliq_core::seam::Receiver for MisbehavingReceiver {
     async fn receive(&self) -> Result<Delivery, reliq_core::BrokerError> {
         self.inner.receive().await
     }
@@ -186,7 +186,7 @@ impl reliq_core::Receiver for MisbehavingReceiver {
     async fn retry(
         &self,
         d: &Delivery,
-        r: reliq_core::RetryRequest,
+        r: reliq_core::seam::RetryRequest,
     ) -> Result<(), reliq_core::BrokerError> {
         self.inner.retry(d, r).await
     }

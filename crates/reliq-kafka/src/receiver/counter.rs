@@ -4,12 +4,10 @@
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use reliq_core::headers::{DeadLetter, DeadLetterReason};
-use reliq_core::{BrokerError, Clock, Delivery};
+use reliq_core::{BrokerError, Clock, DeadLetter, DeadLetterReason, Delivery, seam::lock};
 
 use super::shared::{Ctx, Record, Shared};
 use crate::client::route_produce;
-use reliq_core::sync::lock;
 
 /// Prefix of the commit metadata that carries the crash-loop counter.
 const COUNTER_PREFIX: &str = "reliq-deliveries";

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use rdkafka::bindings as rd;
 use rdkafka::message::{BorrowedMessage, Headers as _, Message};
-use reliq_core::RawMessage;
+use reliq_core::seam::RawMessage;
 
 use crate::codec::RecordView;
 

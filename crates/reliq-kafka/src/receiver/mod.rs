@@ -33,7 +33,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use reliq_core::{
-    BrokerError, Delivery, Message, Receiver, ReceiverId, RetryRequest, Subscription,
+    BrokerError, Delivery, Message, Subscription,
+    seam::{Receiver, ReceiverId, RetryRequest, lock},
 };
 use tokio::sync::mpsc;
 
@@ -43,8 +44,7 @@ use crate::client::Inner;
 use crate::error::KafkaError;
 use crate::names::relay_group;
 use crate::options::RetryMode;
-use crate::relay::stale_tiers;
-use reliq_core::sync::lock;
+use crate::stale_tiers::stale_tiers;
 
 /// How long `subscribe` waits for the source consumer's first partition assignment.
 const ASSIGN_WAIT: Duration = Duration::from_secs(10);

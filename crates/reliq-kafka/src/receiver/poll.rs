@@ -9,8 +9,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use reliq_core::Delivery;
-use reliq_core::headers::{self, Origin};
+use reliq_core::{
+    Delivery, Origin,
+    seam::{headers, lock},
+};
 
 use super::fetch::POLL_BATCH;
 use super::fetch::{FetchQueue, KafkaRecord};
@@ -18,7 +20,6 @@ use super::flow::{FULL_RECHECK, Flow, RelayHold, buffer_bound, refill_room};
 use super::shared::{ConsumerHandle, Ctx, Held, Polled, Record, Role, Shared, State};
 use super::token::TokenInfo;
 use crate::codec::decode;
-use reliq_core::sync::lock;
 
 /// Longest a poll blocks, so settlements (commits, resumes) are applied promptly.
 const POLL_SLICE: Duration = Duration::from_millis(20);

@@ -14,7 +14,7 @@ use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
 use super::counter::parse_counter;
 use super::shared::{Ctx, Part, Shared, State};
-use reliq_core::sync::lock;
+use reliq_core::seam::lock;
 
 impl Ctx {
     /// Route the partitions about to be assigned to the fetch queue (before the

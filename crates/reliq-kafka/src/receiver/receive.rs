@@ -1,11 +1,10 @@
 //! The runtime's end of the stream: the chunks the poll threads send become deliveries.
 
-use reliq_core::{BrokerError, Delivery};
+use reliq_core::{BrokerError, Delivery, seam::lock};
 
 use super::fetch::LazyRecord;
 use super::flow::{buffer_bound, refill_room};
 use super::shared::{Inbound, Record, Shared};
-use reliq_core::sync::lock;
 
 impl Shared {
     pub(super) async fn receive_batch(

@@ -3,13 +3,15 @@
 
 use std::time::{Duration, SystemTime};
 
-use reliq_core::{BrokerError, Delivery, Message, RetryRequest, headers};
+use reliq_core::{
+    BrokerError, Delivery, Message,
+    seam::{RetryRequest, headers, lock},
+};
 
 use super::shared::{Held, Record, Shared, State};
 use super::token::TokenInfo;
 use crate::client::route_produce;
 use crate::codec::source_headers;
-use reliq_core::sync::lock;
 
 impl Shared {
     pub(super) fn ack(&self, delivery: &Delivery) -> Result<(), BrokerError> {

@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock, Weak};
 use std::time::{Duration, SystemTime};
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use reliq_core::{BrokerError, Delivery, Message, ReceiverId, Subscription};
+use reliq_core::{BrokerError, Delivery, Message, Subscription, seam::ReceiverId};
 use tokio::sync::mpsc;
 
 use super::fetch::{FetchQueue, Fetched, RecordOwner};

@@ -1,6 +1,9 @@
 //! Which record a delivery is, packed into its token.
 
-use reliq_core::{Delivery, DeliveryToken, ReceiverId};
+use reliq_core::{
+    Delivery,
+    seam::{DeliveryToken, ReceiverId},
+};
 
 /// Which record a delivery is, packed into its [`DeliveryToken`] without an allocation:
 /// `tag` = offset; `lane` = a marker bit (63) | generation (bits 40–61, wrapping) |
@@ -46,7 +49,7 @@ impl TokenInfo {
 #[cfg(test)]
 mod tests {
     use reliq_core::Message;
-    use reliq_core::headers::Origin;
+    use reliq_core::Origin;
 
     use super::*;
 

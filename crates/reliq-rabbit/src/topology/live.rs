@@ -352,13 +352,13 @@ mod tests {
             objects: vec![planned.clone()],
             ..plan.clone()
         };
-        assert_eq!(reliq_core::topology::compare(&only_queue, &live), vec![]);
+        assert_eq!(reliq_core::seam::compare(&only_queue, &live), vec![]);
         // A policy may add a length limit; an operator policy's smaller delivery limit wins.
         let policies = [policy("ops", "^orders\\.", 20, json!({"max-length": 1000}))];
         let operator = [policy("cap", ".*", 0, json!({"delivery-limit": 2}))];
         let found = effective(&queue, "orders.inventory", &policies, &operator, planned);
         let live = LiveTopology::default().found(ObjectKind::Queue, "orders.inventory", found);
-        let drift: Vec<String> = reliq_core::topology::compare(&only_queue, &live)
+        let drift: Vec<String> = reliq_core::seam::compare(&only_queue, &live)
             .iter()
             .map(ToString::to_string)
             .collect();

@@ -1,11 +1,9 @@
-//! The advisory relay: messages the consumer gave up on, moved to the DLQ.
+//! The advisory watcher: messages the consumer gave up on, moved to the DLQ.
 
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
-use reliq_core::BrokerError;
-use reliq_core::Subscription;
-use reliq_core::headers::{self, DeadLetter, DeadLetterReason, Origin};
+use reliq_core::{BrokerError, DeadLetter, DeadLetterReason, Origin, Subscription, seam::headers};
 
 use crate::client::NatsBroker;
 use crate::codec::{MSG_ID, copy_origin, from_nats, route_of, to_nats_headers};
@@ -13,12 +11,12 @@ use crate::error::api;
 use crate::names::{consumer_name, dead_letter_subject, stream_name};
 
 /// Turns `MAX_DELIVERIES` advisories of one consumer into DLQ entries.
-pub(crate) struct AdvisoryRelay {
+pub(crate) struct AdvisoryWatcher {
     pub(crate) broker: NatsBroker,
     pub(crate) sub: Subscription,
 }
 
-/// The advisories the relay handles.
+/// The advisories the watcher handles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Advisory {
     /// `MAX_DELIVERIES`: the server will not deliver the message again.
@@ -36,7 +34,7 @@ struct ConsumerAdvisory {
     reason: String,
 }
 
-impl AdvisoryRelay {
+impl AdvisoryWatcher {
     pub(crate) async fn run(self) {
         let stream = stream_name(&self.sub.source);
         let consumer = consumer_name(&self.sub.consumer);
@@ -73,16 +71,20 @@ impl AdvisoryRelay {
             }
             let mut wait = Duration::from_millis(100);
             // Never give up on a message the broker will not deliver again.
-            while let Err(e) = self.relay(&advisory, kind).await {
+            while let Err(e) = self.move_to_dlq(&advisory, kind).await {
                 tracing::warn!(seq = advisory.stream_seq, error = %e, retry_in = ?wait,
-                    "relaying a message the consumer gave up on to the DLQ failed");
+                    "moving a message the consumer gave up on to the DLQ failed");
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(10));
             }
         }
     }
 
-    async fn relay(&self, advisory: &ConsumerAdvisory, kind: Advisory) -> Result<(), BrokerError> {
+    async fn move_to_dlq(
+        &self,
+        advisory: &ConsumerAdvisory,
+        kind: Advisory,
+    ) -> Result<(), BrokerError> {
         let stream = self
             .broker
             .inner

@@ -1,7 +1,8 @@
-//! The relays' side of a redeploy: retry topics of this consumer that its current policy
-//! has no tier for (left by an earlier policy) and that still hold records, found by
-//! metadata. The receiver runs a relay for each, with that tier's delay, so no waiting
-//! retry is stranded.
+//! Stale retry tiers, for a redeploy: retry topics of this consumer that its current
+//! policy has no tier for (left by an earlier policy) and that still hold records, found
+//! by metadata. The receiver runs a tier relay for each (a consumer of the retry topic
+//! that hands each record back when due — the only thing "relay" names in this crate),
+//! with that tier's delay, so no waiting retry is stranded.
 
 use std::sync::Arc;
 use std::time::Duration;
