@@ -27,13 +27,14 @@ use std::time::SystemTime;
 
 use axum::Router;
 use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, RawQuery, Request, State};
-use axum::http::{HeaderMap, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use base64::Engine;
 use reliq_core::{Cursor, Subscription};
 use serde::Deserialize;
+use tower_http::set_header::SetResponseHeaderLayer;
 
 use crate::audit::AuditRecord;
 use crate::auth::Role;
@@ -105,7 +106,7 @@ impl Default for Limits {
 /// `axum::serve(listener, router.into_make_service_with_connect_info::<SocketAddr>())` so
 /// the audit log records peers.
 pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
-    Router::new()
+    let routes = Router::new()
         .route("/v1/openapi.json", get(openapi))
         .route("/metrics", get(metrics_text))
         .route("/v1/consumers/{consumer}/dlq/stats", get(stats))
@@ -118,13 +119,39 @@ pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
         .merge(crate::console::routes())
-        .layer(DefaultBodyLimit::max(limits.max_body_bytes))
+        .layer(DefaultBodyLimit::max(limits.max_body_bytes));
+    let hardened = BROWSER_HARDENING
+        .into_iter()
+        .fold(routes, |r, (name, value)| {
+            r.layer(SetResponseHeaderLayer::overriding(
+                name,
+                HeaderValue::from_static(value),
+            ))
+        });
+    hardened
         .layer(middleware::from_fn_with_state(
             state.clone(),
             audit_every_request,
         ))
         .with_state(state)
 }
+
+/// What every response tells a browser, on the console's pages and the API alike (an
+/// error page or a refusal too): run no script at all and load nothing from elsewhere
+/// (the console is plain HTML forms and one stylesheet of its own), post forms only back
+/// here, never be framed (clickjacking), take no content type but the one sent, and send
+/// no referrer (the console's URLs name consumers and message ids).
+const BROWSER_HARDENING: [(header::HeaderName, &str); 4] = [
+    (header::CONTENT_SECURITY_POLICY, CONTENT_SECURITY_POLICY),
+    (header::X_FRAME_OPTIONS, "DENY"),
+    (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+    (header::REFERRER_POLICY, "no-referrer"),
+];
+
+/// The console's content security policy: nothing but its own stylesheet and images, no
+/// script (inline or not), forms to itself, no framing.
+pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; style-src 'self'; \
+     img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
 
 /// Writes one audit record per request, whatever answered it (a handler, a refused
 /// token, a body over the limit, an unknown path), with the handler's note when it left one.

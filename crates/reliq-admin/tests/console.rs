@@ -31,6 +31,7 @@ struct Answer {
     status: StatusCode,
     location: Option<String>,
     cookie: Option<String>,
+    headers: header::HeaderMap,
     body: String,
 }
 
@@ -64,11 +65,13 @@ impl Console {
         };
         let location = text(header::LOCATION);
         let cookie = text(header::SET_COOKIE);
+        let headers = response.headers().clone();
         let body = String::from_utf8(response.into_body().collect().await?.to_bytes().to_vec())?;
         Ok(Answer {
             status,
             location,
             cookie,
+            headers,
             body,
         })
     }
@@ -555,6 +558,98 @@ async fn an_admin_purges_a_group_and_reads_the_audit_page() -> anyhow::Result<()
         "{}",
         audit_page.body
     );
+    f.finish().await
+}
+
+/// The browser-hardening headers an answer must carry, whatever answered.
+fn hardened(what: &str, a: &Answer) -> anyhow::Result<()> {
+    let get = |name: header::HeaderName| {
+        a.headers
+            .get(&name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let csp = get(header::CONTENT_SECURITY_POLICY);
+    for directive in [
+        "default-src 'none'",
+        "style-src 'self'",
+        "form-action 'self'",
+        "frame-ancestors 'none'",
+    ] {
+        ensure!(
+            csp.contains(directive),
+            "{what}: CSP `{csp}` lacks `{directive}`"
+        );
+    }
+    ensure!(
+        !csp.contains("script-src"),
+        "{what}: the CSP allows scripts: `{csp}`"
+    );
+    ensure!(
+        get(header::X_FRAME_OPTIONS) == "DENY",
+        "{what}: X-Frame-Options"
+    );
+    ensure!(
+        get(header::X_CONTENT_TYPE_OPTIONS) == "nosniff",
+        "{what}: X-Content-Type-Options"
+    );
+    ensure!(
+        get(header::REFERRER_POLICY) == "no-referrer",
+        "{what}: Referrer-Policy"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_answer_carries_the_browser_hardening_headers() -> anyhow::Result<()> {
+    let f = fixture().await?;
+    let signed_out = f.console.send("GET", "/console/", None, None).await?;
+    hardened("a signed-out page", &signed_out)?;
+    let sign_in = f
+        .console
+        .send("GET", "/console/sign-in", None, None)
+        .await?;
+    hardened("the sign-in page", &sign_in)?;
+    let refused = f
+        .console
+        .send(
+            "POST",
+            "/console/sign-in",
+            None,
+            Some(&[("token", "wrong")]),
+        )
+        .await?;
+    hardened("a refused sign-in", &refused)?;
+    let ada = f.session(&f.admin).await?;
+    for path in [
+        "/console/",
+        "/console/consumers/billing?source=invoices",
+        "/console/audit",
+        "/console/assets/console.css",
+        "/console/no-such-page",
+        "/v1/openapi.json",
+    ] {
+        let page = f.get(path, &ada.cookie).await?;
+        hardened(path, &page)?;
+    }
+    let message = f
+        .get(
+            "/console/consumers/billing/entries?source=invoices",
+            &ada.cookie,
+        )
+        .await?;
+    let at = message
+        .body
+        .find("/console/consumers/billing/entries/")
+        .context("a link to a message")?;
+    let link: String = message.body[at..]
+        .chars()
+        .take_while(|c| *c != '"')
+        .collect();
+    let detail = f.get(&link.replace("&amp;", "&"), &ada.cookie).await?;
+    ensure!(detail.status == StatusCode::OK, "{link}: {}", detail.status);
+    hardened("a message page", &detail)?;
     f.finish().await
 }
 
