@@ -153,6 +153,38 @@ impl RawKafka {
     }
 }
 
+/// `promtool check metrics` (Prometheus's own linter: help text, units, counter suffixes)
+/// on a scrape: silent and exit 0. `just test` installs promtool (`scripts/brokers
+/// promtool`).
+fn promtool_finds_nothing(scrape: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .context("promtool (install it with `scripts/brokers promtool`)")?;
+    child
+        .stdin
+        .take()
+        .context("promtool's stdin")?
+        .write_all(scrape.as_bytes())?;
+    let out = child.wait_with_output()?;
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reliq: Vec<&str> = said.lines().filter(|l| l.contains("reliq_")).collect();
+    ensure!(
+        reliq.is_empty(),
+        "promtool check metrics on a scrape:\n{}",
+        reliq.join("\n")
+    );
+    Ok(())
+}
+
 /// Every `reliq_…` name in `text` (an alert rule file, a dashboard), histogram series
 /// (`_bucket`, `_sum`, `_count`) as they are scraped.
 fn names_used(text: &str) -> BTreeSet<String> {
@@ -380,6 +412,7 @@ async fn orders_metrics_agree_with_the_run_and_with_kafka() -> anyhow::Result<()
             );
         }
     }
+    promtool_finds_nothing(&scrape.text)?;
     db.close().await;
     db2.close().await;
     Ok(())

@@ -144,6 +144,7 @@ impl CircuitBreaker {
     /// half of at least 20 outcomes over the last 10 s are transient failures; cools down
     /// for 30 s; closes after 3 probes succeed.
     pub fn new(name: impl Into<String>) -> Self {
+        crate::telemetry::describe_metrics();
         let name = name.into();
         gauge!(CIRCUIT_STATE, "breaker" => name.clone()).set(CircuitState::Closed.gauge());
         Self {

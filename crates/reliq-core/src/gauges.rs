@@ -68,6 +68,7 @@ impl BacklogGauges {
     /// Watch `consumers` (each as its consumer subscribes: the retry tiers name Kafka's
     /// and RabbitMQ's tier routes) on `broker`, every 15 s.
     pub fn new(broker: Arc<dyn Broker>, consumers: impl IntoIterator<Item = Subscription>) -> Self {
+        crate::telemetry::describe_metrics();
         Self {
             broker,
             consumers: consumers

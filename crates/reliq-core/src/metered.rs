@@ -58,6 +58,7 @@ impl std::fmt::Debug for MeteredBroker {
 impl MeteredBroker {
     /// Meter `inner`'s publishes.
     pub fn new(inner: Arc<dyn Broker>) -> Self {
+        crate::telemetry::describe_metrics();
         Self {
             inner,
             topics: Mutex::new(HashMap::new()),

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+use metrics::{Counter, Gauge, Histogram, Unit, counter, gauge, histogram};
 
 use crate::classify::ErrorClass;
 use crate::headers::DeadLetterReason;
@@ -219,6 +219,213 @@ pub const ALL_METRICS: &[&str] = &[
     CIRCUIT_TRANSITIONS,
 ];
 
+/// The kind of one of reliq's metrics, for [`describe_metrics`].
+#[derive(Clone, Copy)]
+enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Every metric's kind, unit and help text (what a scrape shows in `# HELP`): one row
+/// per name of [`ALL_METRICS`] (a test checks that).
+const DESCRIPTIONS: &[(&str, Kind, Unit, &str)] = &[
+    (
+        RECEIVED,
+        Kind::Counter,
+        Unit::Count,
+        "Deliveries the consumer received from the broker.",
+    ),
+    (
+        PROCESSED,
+        Kind::Counter,
+        Unit::Count,
+        "Deliveries the handler handled and the consumer acknowledged.",
+    ),
+    (
+        RETRIED,
+        Kind::Counter,
+        Unit::Count,
+        "Deliveries sent to a retry (by the failure class that caused it).",
+    ),
+    (
+        DEAD_LETTERED,
+        Kind::Counter,
+        Unit::Count,
+        "Deliveries moved to the dead-letter queue (by reason), each after the DLQ copy was confirmed.",
+    ),
+    (
+        DISCARDED,
+        Kind::Counter,
+        Unit::Count,
+        "Deliveries dropped on purpose by the retry policy's final route (by reason).",
+    ),
+    (
+        DUPLICATES,
+        Kind::Counter,
+        Unit::Count,
+        "Deliveries the inbox recognised as already handled and acknowledged without calling the handler.",
+    ),
+    (
+        HANDLER_DURATION,
+        Kind::Histogram,
+        Unit::Seconds,
+        "Time of one handler call (per message, or per batch with a batch handler).",
+    ),
+    (
+        BATCH_SIZE,
+        Kind::Histogram,
+        Unit::Count,
+        "Deliveries per batch-handler call.",
+    ),
+    (
+        IN_FLIGHT,
+        Kind::Gauge,
+        Unit::Count,
+        "Deliveries received and not yet settled.",
+    ),
+    (
+        SETTLE_FAILURES,
+        Kind::Counter,
+        Unit::Count,
+        "Settlements the broker refused or did not confirm (by operation: ack, retry, dead_letter, release); the delivery is held and settled again.",
+    ),
+    (
+        REPLAYED,
+        Kind::Counter,
+        Unit::Count,
+        "Dead letters replayed to their consumer and removed from the DLQ.",
+    ),
+    (
+        OUTBOX_PUBLISHED,
+        Kind::Counter,
+        Unit::Count,
+        "Outbox rows the relay published and marked sent.",
+    ),
+    (
+        OUTBOX_PUBLISH_FAILURES,
+        Kind::Counter,
+        Unit::Count,
+        "Outbox publishes the broker refused or did not confirm (the row is tried again).",
+    ),
+    (
+        OUTBOX_STORE_FAILURES,
+        Kind::Counter,
+        Unit::Count,
+        "Outbox store calls (claim, mark sent) that failed.",
+    ),
+    (
+        OUTBOX_BACKLOG,
+        Kind::Gauge,
+        Unit::Count,
+        "Outbox rows not yet sent, read from the store every 5 s.",
+    ),
+    (
+        OUTBOX_OLDEST_AGE,
+        Kind::Gauge,
+        Unit::Seconds,
+        "Age of the oldest unsent outbox row.",
+    ),
+    (
+        PUBLISHED,
+        Kind::Counter,
+        Unit::Count,
+        "Messages published and confirmed by the broker.",
+    ),
+    (
+        PUBLISH_FAILURES,
+        Kind::Counter,
+        Unit::Count,
+        "Publishes that failed (by kind of broker error).",
+    ),
+    (
+        PUBLISH_DURATION,
+        Kind::Histogram,
+        Unit::Seconds,
+        "Time from publish to the broker's confirm, failures included.",
+    ),
+    (
+        PRODUCER_BUFFER_RATIO,
+        Kind::Gauge,
+        Unit::Count,
+        "Share of the Kafka producer's queue.buffering.max.messages in use after a publish (0 to 1).",
+    ),
+    (
+        BACKLOG,
+        Kind::Gauge,
+        Unit::Count,
+        "Messages waiting at the broker for the consumer (Kafka: its lag).",
+    ),
+    (
+        UNSETTLED,
+        Kind::Gauge,
+        Unit::Count,
+        "Messages delivered to the consumer and not yet settled, where the broker says.",
+    ),
+    (
+        RETRY_WAITING,
+        Kind::Gauge,
+        Unit::Count,
+        "Retries waiting at the broker (by tier).",
+    ),
+    (
+        DLQ_MESSAGES,
+        Kind::Gauge,
+        Unit::Count,
+        "Messages in the consumer's dead-letter queue.",
+    ),
+    (
+        DLQ_OLDEST_AGE,
+        Kind::Gauge,
+        Unit::Seconds,
+        "Age of the oldest dead letter (0 when the DLQ is empty).",
+    ),
+    (
+        BACKLOG_LAST_POLL,
+        Kind::Gauge,
+        Unit::Seconds,
+        "Unix time of the last backlog poll that read everything (a stale one means the gauges are old).",
+    ),
+    (
+        BACKLOG_POLL_FAILURES,
+        Kind::Counter,
+        Unit::Count,
+        "Backlog polls that could not read the broker.",
+    ),
+    (
+        TOPOLOGY_DRIFT,
+        Kind::Gauge,
+        Unit::Count,
+        "Differences between the consumer's planned topology and the broker's (by severity).",
+    ),
+    (
+        CIRCUIT_STATE,
+        Kind::Gauge,
+        Unit::Count,
+        "A circuit breaker's state: 0 closed, 1 half-open, 2 open.",
+    ),
+    (
+        CIRCUIT_TRANSITIONS,
+        Kind::Counter,
+        Unit::Count,
+        "A circuit breaker's state changes (by the state entered).",
+    ),
+];
+
+/// Gives every metric of [`ALL_METRICS`] its help text and unit in the installed
+/// recorder (what a Prometheus scrape shows as `# HELP`). The consumer, the outbox relay,
+/// a [`MeteredBroker`](crate::metered::MeteredBroker) and the backlog poller call it when
+/// they start; an application that installs its recorder later calls it after that.
+pub fn describe_metrics() {
+    for &(name, kind, unit, help) in DESCRIPTIONS {
+        match kind {
+            Kind::Counter => metrics::describe_counter!(name, unit, help),
+            Kind::Gauge => metrics::describe_gauge!(name, unit, help),
+            Kind::Histogram => metrics::describe_histogram!(name, unit, help),
+        }
+    }
+}
+
 /// A settlement operation, for `reliq_settle_failures_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum SettleOp {
@@ -258,6 +465,7 @@ pub(crate) struct ConsumerMetrics {
 
 impl ConsumerMetrics {
     pub fn new(consumer: &str) -> Self {
+        describe_metrics();
         let c = consumer.to_owned();
         Self {
             received: counter!(RECEIVED, "consumer" => c.clone()),
@@ -304,6 +512,7 @@ pub(crate) struct RelayMetrics {
 
 impl RelayMetrics {
     pub fn new(relay: &str) -> Self {
+        describe_metrics();
         let r = relay.to_owned();
         Self {
             published: counter!(OUTBOX_PUBLISHED, "relay" => r.clone()),
@@ -400,6 +609,16 @@ impl Default for Clock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_metric_has_help_text_once() {
+        let described: Vec<&str> = DESCRIPTIONS.iter().map(|d| d.0).collect();
+        for name in ALL_METRICS {
+            assert_eq!(described.iter().filter(|d| *d == name).count(), 1, "{name}");
+        }
+        assert_eq!(described.len(), ALL_METRICS.len());
+        assert!(DESCRIPTIONS.iter().all(|d| d.3.ends_with('.')));
+    }
 
     #[test]
     fn traceparent_parses_valid_and_rejects_bad() {

@@ -92,7 +92,6 @@ pub mod headers {
 /// The metric names the runtime, the replay engine, the outbox relay, publishes and the
 /// backlog poller record (the table is in [`reliq_core::metrics`]).
 pub mod metrics {
-    pub use reliq_core::metrics::tier_label;
     pub use reliq_core::metrics::{
         ALL_METRICS, BACKLOG, BACKLOG_LAST_POLL, BACKLOG_POLL_FAILURES, BATCH_SIZE,
         BATCH_SIZE_BUCKETS, CIRCUIT_STATE, CIRCUIT_TRANSITIONS, DEAD_LETTERED, DISCARDED,
@@ -101,6 +100,7 @@ pub mod metrics {
         PRODUCER_BUFFER_RATIO, PUBLISH_DURATION, PUBLISH_FAILURES, PUBLISHED, RECEIVED, REPLAYED,
         RETRIED, RETRY_WAITING, SETTLE_FAILURES, TOPOLOGY_DRIFT, UNSETTLED,
     };
+    pub use reliq_core::metrics::{describe_metrics, tier_label};
 }
 
 #[cfg(feature = "postgres")]
