@@ -19,7 +19,8 @@
 //! `<filter>` is [`crate::filter::FilterSpec`]'s fields as query parameters (lists repeat or are
 //! comma-separated). Errors are `{"error": "…"}` with 400 (bad input, naming the field),
 //! 401 (no, wrong, removed or expired token), 403 (a role that may not), 404, 413 (body
-//! over the limit), 502/503 (the broker).
+//! over the limit), 429 (too many failed authentications from the client's address, with
+//! `Retry-After`: see [`crate::AuthBudget`]), 502/503 (the broker).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -128,7 +129,16 @@ pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
                 HeaderValue::from_static(value),
             ))
         });
+    metrics::describe_counter!(
+        crate::throttle::REFUSED_REQUESTS,
+        metrics::Unit::Count,
+        "Requests the admin server refused (by reason: unauthorized, forbidden, throttled)."
+    );
     hardened
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            crate::throttle::throttle_failed_auth,
+        ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             audit_every_request,
@@ -171,7 +181,7 @@ async fn audit_every_request(
         .remove::<AuditNote>()
         .unwrap_or_default();
     let status = response.status().as_u16();
-    if note.quiet && status < 400 {
+    if note.unaudited || (note.quiet && status < 400) {
         return response;
     }
     let outcome = match status {

@@ -30,6 +30,7 @@ mod jobs;
 mod ops;
 mod sessions;
 mod state;
+mod throttle;
 
 pub use audit::{AuditLog, AuditRecord};
 pub use auth::{Principal, Refusal, Role, Tokens, hash_token, new_token};
@@ -41,3 +42,4 @@ pub use ops::{
     Group, MAX_LIST, PurgeRequest, ReplayRequest, Run, RunOutcome,
 };
 pub use sessions::SESSION_COOKIE;
+pub use throttle::{AuthBudget, REFUSED_REQUESTS};

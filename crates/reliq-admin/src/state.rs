@@ -10,6 +10,7 @@ use crate::auth::{Principal, Tokens};
 use crate::filter::FilterSpec;
 use crate::jobs::Jobs;
 use crate::sessions::Sessions;
+use crate::throttle::{AuthBudget, AuthThrottle};
 
 /// What the API serves from.
 pub struct AdminState {
@@ -24,6 +25,8 @@ pub struct AdminState {
     pub(crate) secure_cookies: bool,
     /// The Prometheus recorder's handle, rendered at `GET /metrics`.
     pub(crate) metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+    /// Failed authentications per client address.
+    pub(crate) throttle: AuthThrottle,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -47,7 +50,15 @@ impl AdminState {
             sessions: Sessions::default(),
             secure_cookies: false,
             metrics: None,
+            throttle: AuthThrottle::new(AuthBudget::default()),
         }
+    }
+
+    /// How many failed authentications a client address may make before it is answered
+    /// 429 (default: 10 at once, then one every 6 s).
+    pub fn with_auth_budget(mut self, budget: AuthBudget) -> Self {
+        self.throttle = AuthThrottle::new(budget);
+        self
     }
 
     /// The consumers the console's overview lists: each one's subscription as its
@@ -86,4 +97,7 @@ pub(crate) struct AuditNote {
     /// Not audited when allowed: a scrape every few seconds would drown the log (a
     /// refused one is still written).
     pub(crate) quiet: bool,
+    /// Not audited at all: a throttled address's 429 (counted into the block's summary
+    /// record instead).
+    pub(crate) unaudited: bool,
 }

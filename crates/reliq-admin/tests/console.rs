@@ -695,3 +695,80 @@ async fn a_token_taken_out_of_the_file_ends_its_sessions() -> anyhow::Result<()>
     );
     f.finish().await
 }
+
+/// A request to the API from `peer` with `token` as its bearer: the status, and the
+/// `Retry-After` header when there is one.
+async fn api_from(
+    f: &Fixture,
+    peer: &str,
+    token: &str,
+) -> anyhow::Result<(StatusCode, Option<u64>)> {
+    let mut request = Request::builder()
+        .uri("/v1/consumers/billing/dlq/stats?source=invoices")
+        .header(header::AUTHORIZATION, format!("Bearer {token}"))
+        .body(Body::empty())?;
+    let peer: std::net::SocketAddr = peer.parse()?;
+    request
+        .extensions_mut()
+        .insert(axum::extract::ConnectInfo(peer));
+    let response = f.console.app.clone().oneshot(request).await?;
+    let retry_after = response
+        .headers()
+        .get(header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok());
+    Ok((response.status(), retry_after))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guessing_tokens_is_throttled_per_address_and_the_audit_log_stays_bounded()
+-> anyhow::Result<()> {
+    let f = fixture().await?;
+    let guesser = "192.0.2.7:40000";
+    let mut statuses = Vec::new();
+    for i in 0..200 {
+        statuses.push(api_from(&f, guesser, &format!("wrong-{i}")).await?);
+    }
+    // The default budget: 10 failures, the 11th exhausts it (answered 401 too), then 429
+    // with a wait of at most its refill (6 s).
+    let unauthorized = statuses
+        .iter()
+        .filter(|(s, _)| *s == StatusCode::UNAUTHORIZED)
+        .count();
+    ensure!(unauthorized == 11, "{unauthorized} answered 401, not 11");
+    ensure!(
+        statuses[11..]
+            .iter()
+            .all(|(s, wait)| *s == StatusCode::TOO_MANY_REQUESTS
+                && wait.is_some_and(|w| (1..=6).contains(&w))),
+        "after the budget: {:?}",
+        &statuses[11..14]
+    );
+    // While blocked, the address's credentials are not even checked: the right token
+    // from it is refused too; from another address it is served.
+    let (blocked, _) = api_from(&f, guesser, &f.reader).await?;
+    ensure!(blocked == StatusCode::TOO_MANY_REQUESTS, "{blocked}");
+    let (served, _) = api_from(&f, "198.51.100.1:40000", &f.reader).await?;
+    ensure!(served == StatusCode::OK, "another address: {served}");
+    // The audit log: the 11 failures one by one, the 190 throttled answers not at all.
+    let audit = std::fs::read_to_string(&f.audit_path)?;
+    let from_guesser = audit.lines().filter(|l| l.contains("192.0.2.7")).count();
+    ensure!(
+        from_guesser == 11,
+        "{from_guesser} audit records from the guesser"
+    );
+    // After the wait the address is served again, and one record sums up the block.
+    tokio::time::sleep(Duration::from_millis(6_200)).await;
+    let (again, _) = api_from(&f, guesser, &f.reader).await?;
+    ensure!(again == StatusCode::OK, "after the wait: {again}");
+    let audit = std::fs::read_to_string(&f.audit_path)?;
+    let summary: Vec<&str> = audit
+        .lines()
+        .filter(|l| l.contains("192.0.2.7") && l.contains("throttled"))
+        .collect();
+    ensure!(
+        summary.len() == 1 && summary[0].contains("190 more request(s) refused"),
+        "{summary:?}"
+    );
+    f.finish().await
+}
