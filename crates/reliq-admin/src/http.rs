@@ -24,7 +24,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use axum::Router;
 use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, RawQuery, Request, State};
@@ -137,7 +137,7 @@ pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
     hardened
         .layer(middleware::from_fn_with_state(
             state.clone(),
-            crate::throttle::throttle_failed_auth,
+            throttle_failed_auth,
         ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
@@ -162,6 +162,82 @@ const BROWSER_HARDENING: [(header::HeaderName, &str); 4] = [
 /// script (inline or not), forms to itself, no framing.
 pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; style-src 'self'; \
      img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
+
+/// The middleware: refuses a blocked address before anything else runs, and counts the
+/// failed authentications of the others.
+async fn throttle_failed_auth(
+    State(state): State<Arc<AdminState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let addr = request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip());
+    let Some(addr) = addr else {
+        // No peer address (a router served without connect info): nothing to key on.
+        return next.run(request).await;
+    };
+    let now = Instant::now();
+    if let Some(wait) = state.throttle.refuse(addr, now) {
+        metrics::counter!(crate::throttle::REFUSED_REQUESTS, "reason" => "throttled").increment(1);
+        return throttled(wait);
+    }
+    if let Some(unaudited) = state.throttle.ended(addr, now)
+        && unaudited > 0
+    {
+        state.audit.write(AuditRecord {
+            remote: Some(addr.to_string()),
+            request: "(throttled requests)".into(),
+            action: "throttled".into(),
+            outcome: "refused",
+            status: 429,
+            reason: Some(format!(
+                "{unaudited} more request(s) refused while throttled after too many failed \
+                 authentications"
+            )),
+            ..AuditRecord::default()
+        });
+    }
+    let response = next.run(request).await;
+    match response.status() {
+        StatusCode::UNAUTHORIZED => {
+            metrics::counter!(crate::throttle::REFUSED_REQUESTS, "reason" => "unauthorized")
+                .increment(1);
+            if state.throttle.failed(addr, now) {
+                tracing::warn!(remote = %addr, "too many failed authentications; address throttled");
+            }
+        }
+        StatusCode::FORBIDDEN => {
+            metrics::counter!(crate::throttle::REFUSED_REQUESTS, "reason" => "forbidden")
+                .increment(1);
+        }
+        _ => {}
+    }
+    response
+}
+
+/// The 429 answer, kept out of the audit log (the block's summary record counts it).
+fn throttled(wait: Duration) -> Response {
+    let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    let mut response = (
+        StatusCode::TOO_MANY_REQUESTS,
+        axum::Json(serde_json::json!({
+            "error": "too many failed authentications from this address; try again later"
+        })),
+    )
+        .into_response();
+    if let Ok(v) = HeaderValue::from_str(&seconds.to_string()) {
+        response.headers_mut().insert(header::RETRY_AFTER, v);
+    }
+    response.extensions_mut().insert(AuditNote {
+        action: "throttled",
+        reason: Some("too many failed authentications".into()),
+        unaudited: true,
+        ..AuditNote::default()
+    });
+    response
+}
 
 /// Writes one audit record per request, whatever answered it (a handler, a refused
 /// token, a body over the limit, an unknown path), with the handler's note when it left one.

@@ -10,21 +10,14 @@
 //! its block. `reliq_admin_refused_requests_total` counts every refusal by reason.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::num::NonZeroU32;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use axum::extract::{ConnectInfo, Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
 use governor::clock::{Clock as _, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use reliq_core::seam::lock;
-
-use crate::audit::AuditRecord;
-use crate::state::{AdminState, AuditNote};
 
 /// `reliq_admin_refused_requests_total{reason}`: requests the admin server refused,
 /// by reason (`unauthorized`, `forbidden`, `throttled`).
@@ -76,7 +69,7 @@ impl AuthThrottle {
     }
 
     /// How long `addr` must still wait, when it is blocked; counts the refusal.
-    fn refuse(&self, addr: IpAddr, now: Instant) -> Option<Duration> {
+    pub(crate) fn refuse(&self, addr: IpAddr, now: Instant) -> Option<Duration> {
         let mut blocked = lock(&self.blocked);
         let block = blocked.get_mut(&addr)?;
         if block.until <= now {
@@ -87,7 +80,7 @@ impl AuthThrottle {
     }
 
     /// A block that is over, with the refusals it answered and did not audit.
-    fn ended(&self, addr: IpAddr, now: Instant) -> Option<u64> {
+    pub(crate) fn ended(&self, addr: IpAddr, now: Instant) -> Option<u64> {
         let mut blocked = lock(&self.blocked);
         match blocked.get(&addr) {
             Some(b) if b.until <= now => blocked.remove(&addr).map(|b| b.unaudited),
@@ -97,7 +90,7 @@ impl AuthThrottle {
 
     /// A failed authentication from `addr`: true when it exhausted the budget (the
     /// address is blocked from now on).
-    fn failed(&self, addr: IpAddr, now: Instant) -> bool {
+    pub(crate) fn failed(&self, addr: IpAddr, now: Instant) -> bool {
         let Err(not_until) = self.failures.check_key(&addr) else {
             return false;
         };
@@ -115,78 +108,4 @@ impl AuthThrottle {
         self.failures.retain_recent();
         true
     }
-}
-
-/// The middleware: refuses a blocked address before anything else runs, and counts the
-/// failed authentications of the others.
-pub(crate) async fn throttle_failed_auth(
-    State(state): State<Arc<AdminState>>,
-    request: Request,
-    next: Next,
-) -> Response {
-    let addr = request
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0.ip());
-    let Some(addr) = addr else {
-        // No peer address (a router served without connect info): nothing to key on.
-        return next.run(request).await;
-    };
-    let now = Instant::now();
-    if let Some(wait) = state.throttle.refuse(addr, now) {
-        metrics::counter!(REFUSED_REQUESTS, "reason" => "throttled").increment(1);
-        return throttled(wait);
-    }
-    if let Some(unaudited) = state.throttle.ended(addr, now)
-        && unaudited > 0
-    {
-        state.audit.write(AuditRecord {
-            remote: Some(addr.to_string()),
-            request: "(throttled requests)".into(),
-            action: "throttled".into(),
-            outcome: "refused",
-            status: 429,
-            reason: Some(format!(
-                "{unaudited} more request(s) refused while throttled after too many failed \
-                 authentications"
-            )),
-            ..AuditRecord::default()
-        });
-    }
-    let response = next.run(request).await;
-    match response.status() {
-        StatusCode::UNAUTHORIZED => {
-            metrics::counter!(REFUSED_REQUESTS, "reason" => "unauthorized").increment(1);
-            if state.throttle.failed(addr, now) {
-                tracing::warn!(remote = %addr, "too many failed authentications; address throttled");
-            }
-        }
-        StatusCode::FORBIDDEN => {
-            metrics::counter!(REFUSED_REQUESTS, "reason" => "forbidden").increment(1);
-        }
-        _ => {}
-    }
-    response
-}
-
-/// The 429 answer, kept out of the audit log (the block's summary record counts it).
-fn throttled(wait: Duration) -> Response {
-    let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-    let mut response = (
-        StatusCode::TOO_MANY_REQUESTS,
-        axum::Json(serde_json::json!({
-            "error": "too many failed authentications from this address; try again later"
-        })),
-    )
-        .into_response();
-    if let Ok(v) = HeaderValue::from_str(&seconds.to_string()) {
-        response.headers_mut().insert(header::RETRY_AFTER, v);
-    }
-    response.extensions_mut().insert(AuditNote {
-        action: "throttled",
-        reason: Some("too many failed authentications".into()),
-        unaudited: true,
-        ..AuditNote::default()
-    });
-    response
 }
