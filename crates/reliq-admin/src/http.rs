@@ -163,6 +163,14 @@ const BROWSER_HARDENING: [(header::HeaderName, &str); 4] = [
 pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; style-src 'self'; \
      img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
 
+/// The client's address, when the router is served with connect info (`serve` does).
+fn peer(request: &Request) -> Option<SocketAddr> {
+    request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0)
+}
+
 /// The middleware: refuses a blocked address before anything else runs, and counts the
 /// failed authentications of the others.
 async fn throttle_failed_auth(
@@ -170,11 +178,7 @@ async fn throttle_failed_auth(
     request: Request,
     next: Next,
 ) -> Response {
-    let addr = request
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0.ip());
-    let Some(addr) = addr else {
+    let Some(addr) = peer(&request).map(|p| p.ip()) else {
         // No peer address (a router served without connect info): nothing to key on.
         return next.run(request).await;
     };
@@ -246,10 +250,7 @@ async fn audit_every_request(
     request: Request,
     next: Next,
 ) -> Response {
-    let remote = request
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0.to_string());
+    let remote = peer(&request).map(|p| p.to_string());
     let line = format!("{} {}", request.method(), request.uri().path());
     let mut response = next.run(request).await;
     let note = response
