@@ -165,4 +165,14 @@ impl Backend for KafkaBackend {
         // Kafka has no per-record lease to count; the runtime's own bound is checked.
         None
     }
+
+    async fn objects(
+        &self,
+        _broker: &Arc<dyn Broker>,
+        fragment: &str,
+    ) -> anyhow::Result<Vec<String>> {
+        let mut names = self.admin.topic_names().await?;
+        names.retain(|n| n.contains(fragment));
+        Ok(names)
+    }
 }

@@ -76,4 +76,14 @@ impl Backend for MemoryBackend {
     async fn unsettled(&self, _broker: &Arc<dyn Broker>, sub: &Subscription) -> Option<usize> {
         Some(self.broker.depth(sub).1)
     }
+
+    async fn objects(
+        &self,
+        _broker: &Arc<dyn Broker>,
+        fragment: &str,
+    ) -> anyhow::Result<Vec<String>> {
+        let mut names = self.broker.object_names();
+        names.retain(|n| n.contains(fragment));
+        Ok(names)
+    }
 }

@@ -106,4 +106,14 @@ impl Backend for NatsBackend {
     async fn unsettled(&self, _broker: &Arc<dyn Broker>, sub: &Subscription) -> Option<usize> {
         self.connect_nats().await.ok()?.ack_pending(sub).await.ok()
     }
+
+    async fn objects(
+        &self,
+        _broker: &Arc<dyn Broker>,
+        fragment: &str,
+    ) -> anyhow::Result<Vec<String>> {
+        let mut names = self.connect_nats().await?.object_names().await?;
+        names.retain(|n| n.contains(fragment));
+        Ok(names)
+    }
 }

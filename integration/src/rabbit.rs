@@ -252,6 +252,32 @@ impl Backend for RabbitBackend {
             .and_then(serde_json::Value::as_u64)
             .and_then(|n| usize::try_from(n).ok())
     }
+
+    async fn objects(
+        &self,
+        _broker: &Arc<dyn Broker>,
+        fragment: &str,
+    ) -> anyhow::Result<Vec<String>> {
+        let (admin, _) = self.admin().await?;
+        let api = admin.management().context("no management URL")?;
+        let vhost = reliq_rabbit::encode_segment(self.vhost());
+        let mut names = Vec::new();
+        for kind in ["queues", "exchanges"] {
+            let list = api
+                .get(&format!("/api/{kind}/{vhost}?columns=name"))
+                .await?;
+            names.extend(
+                list.as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|o| o.get("name")?.as_str())
+                    .filter(|n| n.contains(fragment))
+                    .map(|n| format!("{kind}/{n}")),
+            );
+        }
+        names.sort();
+        Ok(names)
+    }
 }
 
 /// Delete the dead-letter streams (and removal ledgers) of subscriptions whose landing

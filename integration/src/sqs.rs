@@ -120,4 +120,15 @@ impl Backend for SqsBackend {
     async fn unsettled(&self, _broker: &Arc<dyn Broker>, sub: &Subscription) -> Option<usize> {
         self.connect_sqs().await.ok()?.not_visible(sub).await.ok()
     }
+
+    async fn objects(
+        &self,
+        _broker: &Arc<dyn Broker>,
+        fragment: &str,
+    ) -> anyhow::Result<Vec<String>> {
+        // Every queue name of a test starts with its (sanitized) source name.
+        let mut names = self.connect_sqs().await?.queue_names(fragment).await?;
+        names.retain(|n| n.contains(fragment));
+        Ok(names)
+    }
 }

@@ -768,7 +768,9 @@ mod kafka_dead_letters {
             })
         }
 
+        /// The reader, its topics declared first (as the consumer's subscribe does).
         async fn reader(&self) -> anyhow::Result<Box<dyn DeadLetters>> {
+            self.broker.declare_dead_letters(&self.sub).await?;
             Ok(self.broker.dead_letters(&self.sub).await?)
         }
 

@@ -1,6 +1,6 @@
 //! What an operation can fail with, and the HTTP status each maps to.
 
-use reliq_core::BrokerError;
+use reliq_core::{BrokerError, NameError};
 
 /// An operator operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -56,11 +56,23 @@ impl AdminError {
     pub fn status(&self) -> u16 {
         match self {
             Self::InvalidInput { .. } => 400,
-            Self::NotFound { .. } | Self::NoSuchJob(_) => 404,
+            Self::NotFound { .. } | Self::NoSuchJob(_) | Self::Broker(BrokerError::NotFound(_)) => {
+                404
+            }
             Self::Broker(BrokerError::Timeout(_) | BrokerError::Connection { .. }) => 503,
             Self::Broker(BrokerError::Config { .. }) => 400,
             Self::Broker(_) => 502,
             Self::File { .. } | Self::Tokens { .. } => 500,
+        }
+    }
+}
+
+impl From<NameError> for AdminError {
+    fn from(e: NameError) -> Self {
+        Self::InvalidInput {
+            field: e.field,
+            value: e.value,
+            expected: e.reason.to_owned(),
         }
     }
 }

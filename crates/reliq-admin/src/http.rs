@@ -390,6 +390,7 @@ pub fn parse_consumer(spec: &str) -> Result<Subscription, AdminError> {
         return Err(bad("a consumer name and a source: NAME=SOURCE"));
     }
     let mut sub = Subscription::new(consumer, source);
+    sub.check_names()?;
     if let Some(tiers) = tiers {
         sub.retry_tiers = tiers
             .split(',')
@@ -422,7 +423,7 @@ fn query(raw: Option<String>) -> Result<(String, Vec<(String, String)>), AdminEr
     Ok((source, pairs))
 }
 
-fn dlq(state: &AdminState, consumer: &str, source: String) -> Dlq {
+fn dlq(state: &AdminState, consumer: &str, source: String) -> Result<Dlq, AdminError> {
     Dlq::new(state.broker.clone(), Subscription::new(consumer, source))
 }
 
@@ -449,12 +450,8 @@ fn begin(
         ..AuditNote::default()
     };
     let note = authorize(state, headers, role, note)?;
-    match query(raw_query) {
-        Ok((source, pairs)) => Ok(Begun {
-            note,
-            dlq: dlq(state, consumer, source),
-            pairs,
-        }),
+    match query(raw_query).and_then(|(source, pairs)| Ok((dlq(state, consumer, source)?, pairs))) {
+        Ok((dlq, pairs)) => Ok(Begun { note, dlq, pairs }),
         Err(e) => Err(Reply::failed(note, e)),
     }
 }

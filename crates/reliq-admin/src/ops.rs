@@ -249,12 +249,18 @@ pub struct EditOutcome {
 }
 
 impl Dlq {
-    /// The DLQ of `subscription`'s consumer on `broker`.
-    pub fn new(broker: Arc<dyn Broker>, subscription: Subscription) -> Self {
-        Self {
+    /// The DLQ of `subscription`'s consumer on `broker`. Its consumer and source names
+    /// are checked here, before they reach the broker
+    /// ([`Subscription::check_names`]): a refused one is [`AdminError::InvalidInput`]
+    /// naming `consumer` or `source`. Nothing is opened yet; an operation on a consumer
+    /// that never subscribed fails with [`BrokerError::NotFound`](reliq_core::BrokerError::NotFound)
+    /// and creates nothing.
+    pub fn new(broker: Arc<dyn Broker>, subscription: Subscription) -> Result<Self, AdminError> {
+        subscription.check_names()?;
+        Ok(Self {
             broker,
             subscription,
-        }
+        })
     }
 
     /// The consumer.

@@ -77,7 +77,9 @@ impl From<AdminError> for Failure {
     fn from(e: AdminError) -> Self {
         let code = match &e {
             AdminError::InvalidInput { .. } => BAD_INPUT,
-            AdminError::NotFound { .. } | AdminError::NoSuchJob(_) => NOT_FOUND,
+            AdminError::NotFound { .. }
+            | AdminError::NoSuchJob(_)
+            | AdminError::Broker(reliq::BrokerError::NotFound(_)) => NOT_FOUND,
             _ => FAILED,
         };
         Self {
@@ -102,10 +104,12 @@ fn failed(message: impl Into<String>) -> Failure {
 }
 
 async fn connect(target: &Target) -> Result<Dlq, Failure> {
-    Ok(Dlq::new(
-        connect_broker(target).await?,
-        reliq::Subscription::new(target.consumer.clone(), target.source.clone()),
-    ))
+    // Names checked before connecting: a bad one is bad input, and reaches no broker.
+    let subscription = reliq::Subscription::new(target.consumer.clone(), target.source.clone());
+    subscription
+        .check_names()
+        .map_err(|e| bad_input(e.to_string()))?;
+    Ok(Dlq::new(connect_broker(target).await?, subscription)?)
 }
 
 async fn connect_broker(target: &Target) -> Result<Arc<dyn reliq::Broker>, Failure> {

@@ -405,6 +405,65 @@ async fn a_request_without_a_source_is_refused_400_and_an_oversized_body_413() -
     Ok(())
 }
 
+/// A look creates nothing: the stats of a consumer that never subscribed are 404 (and its
+/// DLQ still does not exist after); names no broker object may have — traversal-like,
+/// with a space, over-long — are 400 naming the field, before any broker is asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_consumer_is_404_and_creates_nothing_and_bad_names_are_400() -> anyhow::Result<()>
+{
+    let f = fixture(1).await?;
+    let reader = Some(f.reader.secret.as_str());
+    let ghost = unique("ghost");
+    let stats = format!("{}/v1/consumers/{ghost}/dlq/stats?{}", f.base, f.q);
+    let refused = f.expect("GET", &stats, reader, None, 404).await?;
+    ensure!(
+        refused["error"]
+            .as_str()
+            .is_some_and(|e| e.contains(&format!(
+                "consumer `{ghost}` of `{}` has no dead-letter queue",
+                f.source
+            ))),
+        "{refused}"
+    );
+    let entries = format!("{}/v1/consumers/{ghost}/dlq/entries?{}", f.base, f.q);
+    f.expect("GET", &entries, reader, None, 404).await?;
+    let broker: Arc<dyn Broker> = reliq::connect(&url("nats")).await?;
+    let opened = broker
+        .dead_letters(&reliq_core::Subscription::new(
+            ghost.clone(),
+            f.source.clone(),
+        ))
+        .await
+        .map(drop);
+    ensure!(
+        matches!(opened, Err(reliq_core::BrokerError::NotFound(_))),
+        "the 404 created the DLQ: {opened:?}"
+    );
+
+    let long = "g".repeat(101);
+    for (consumer, query, field) in [
+        ("..%2F..%2Fetc", f.q.clone(), "consumer"),
+        ("bill%20ing", f.q.clone(), "consumer"),
+        (long.as_str(), f.q.clone(), "consumer"),
+        (
+            f.name.as_str(),
+            "source=orders%2F..%2Fx".to_owned(),
+            "source",
+        ),
+    ] {
+        let stats = format!("{}/v1/consumers/{consumer}/dlq/stats?{query}", f.base);
+        let refused = f.expect("GET", &stats, reader, None, 400).await?;
+        ensure!(
+            refused["error"]
+                .as_str()
+                .is_some_and(|e| e.contains(&format!("invalid `{field}`"))),
+            "{consumer} {query}: {refused}"
+        );
+    }
+    f.finish().await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reader_counts_lists_and_shows_dead_letters() -> anyhow::Result<()> {
     let f = fixture(4).await?;

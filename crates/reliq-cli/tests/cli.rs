@@ -304,16 +304,30 @@ async fn kafka_topology_plan_and_check() -> anyhow::Result<()> {
 /// own process).
 #[test]
 fn exit_codes_without_a_broker() -> anyhow::Result<()> {
+    // A consumer that never subscribed has no DLQ: every command says so (exit 4), and
+    // none creates one.
     let memory = |args: &[&str]| dlq("memory://cli", "c", "orders", args);
-    let stats = json(&mut memory(&["stats", "--json"]), 0)?;
-    ensure!(
-        stats["count"] == 0 && stats["groups"].as_array().is_some_and(Vec::is_empty),
-        "{stats}"
-    );
-    let (code, _, _) = run(&mut memory(&["show", "x"]))?;
-    ensure!(code == 4, "show of a missing id: exit {code}");
-    let plan = json(&mut memory(&["replay", "--dry-run", "--json"]), 0)?;
-    ensure!(plan["matched"] == 0 && plan["dry_run"] == true, "{plan}");
+    for args in [
+        &["stats", "--json"][..],
+        &["ls"],
+        &["show", "x"],
+        &["replay", "--dry-run", "--json"],
+        &["purge", "--dry-run"],
+    ] {
+        let (code, _, stderr) = run(&mut memory(args))?;
+        ensure!(
+            code == 4 && stderr.contains("consumer `c` of `orders` has no dead-letter queue"),
+            "{args:?} of an unknown consumer: exit {code}, {stderr}"
+        );
+    }
+    // A name no broker object may have: bad input naming the flag's field, no broker asked.
+    for (consumer, source, field) in [("../../etc", "orders", "consumer"), ("c", "a b", "source")] {
+        let (code, _, stderr) = run(&mut dlq("memory://cli", consumer, source, &["stats"]))?;
+        ensure!(
+            code == 2 && stderr.contains(&format!("invalid `{field}` name")),
+            "{consumer} / {source}: exit {code}, {stderr}"
+        );
+    }
     // An empty embedded broker: the plan, and every planned object missing (exit 5).
     let topology = |verb: &str| {
         let mut cmd = reliq();

@@ -199,6 +199,8 @@ pub async fn dead_letter_get_and_remove_by_id(b: &dyn Backend) -> anyhow::Result
 /// reliq record's time, not the broker's).
 pub async fn dead_letter_count_reports_the_oldest(b: &dyn Backend) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "dlq-count").await?;
+    // The consumer declares its DLQ: a reader opens only what exists.
+    park(&ctx, 0).await?;
     let dlq = ctx.broker.dead_letters(&ctx.subscription("c")).await?;
     let empty = dlq.count().await?;
     ensure!(

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, ensure};
 use reliq_admin::{AdminError, Dlq, EditRequest, FilterSpec, PurgeRequest, ReplayRequest};
 use reliq_core::{
-    BoxError, ConsumerHandle, Cursor, Delivery, Message, MessageId, Permanent, Poison,
-    seam::headers,
+    BoxError, BrokerError, ConsumerHandle, Cursor, Delivery, Message, MessageId, Permanent, Poison,
+    Subscription, seam::headers,
 };
 
 use crate::support::{Backend, Ctx, Recorder, browse_all, soon, wait_until};
@@ -142,7 +142,7 @@ pub async fn operator_stats_ls_and_show_change_nothing(b: &dyn Backend) -> anyho
     h.shutdown().await;
     let before = snapshot(&ctx).await?;
     ensure!(before.len() == 8, "{} entries parked", before.len());
-    let dlq = Dlq::new(ctx.broker.clone(), ctx.subscription("c"));
+    let dlq = Dlq::new(ctx.broker.clone(), ctx.subscription("c"))?;
 
     let stats = dlq.stats(&spec()).await?;
     ensure!(stats.count == 8 && stats.unreadable == 0, "{stats:?}");
@@ -305,7 +305,7 @@ pub async fn operator_replay_dry_run_then_at_a_rate(b: &dyn Backend) -> anyhow::
     let (h, rec) = failing_until_replayed(&ctx).await?;
     let (missing, poison) = park(&ctx, &h, 5, 3).await?;
     let before = snapshot(&ctx).await?;
-    let dlq = Dlq::new(ctx.broker.clone(), ctx.subscription("c"));
+    let dlq = Dlq::new(ctx.broker.clone(), ctx.subscription("c"))?;
     let permanent = FilterSpec {
         reason: vec!["permanent".into()],
         ..spec()
@@ -401,7 +401,7 @@ pub async fn operator_edit_and_purge(b: &dyn Backend) -> anyhow::Result<()> {
     let ctx = Ctx::new(b, "op-edit").await?;
     let (h, rec) = failing_until_replayed(&ctx).await?;
     let (missing, poison) = park(&ctx, &h, 2, 3).await?;
-    let dlq = Dlq::new(ctx.broker.clone(), ctx.subscription("c"));
+    let dlq = Dlq::new(ctx.broker.clone(), ctx.subscription("c"))?;
 
     let refused = dlq
         .edit(
@@ -788,5 +788,90 @@ pub async fn topology_check_names_each_difference_from_the_plan(
         ensure!(!dropped.is_empty(), "tiers are routes here: {plan}");
     }
     receiver.close().await?;
+    Ok(())
+}
+
+/// A look never changes the broker. Every read of the operator plane — stats, `ls`,
+/// `show`, count, the DLQ reader itself, the backlog, the plan and the live topology — of
+/// a consumer that never subscribed (of this test's source, and of a source that does not
+/// exist) is refused as not found (the API's 404, the command's exit 4) or answered, and
+/// creates nothing; a name no broker object may have is refused before it reaches the
+/// broker (`400` naming the field); reads of the consumer that exists create nothing
+/// either. Checked on the broker's own object list (topics, streams and their consumers,
+/// queues, exchanges), before and after.
+pub async fn reads_of_an_unknown_consumer_create_nothing(b: &dyn Backend) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "op-ro").await?;
+    let (h, _rec) = failing_until_replayed(&ctx).await?;
+    let (missing, _) = park(&ctx, &h, 1, 0).await?;
+    h.shutdown().await;
+    let before = b.objects(&ctx.broker, &ctx.topic).await?;
+    ensure!(
+        before.len() >= 2,
+        "the consumer's objects are listed: {before:?}"
+    );
+
+    let ghosts = [
+        ctx.subscription("ghost"),
+        Subscription::new("ghost", format!("{}-none", ctx.topic)),
+    ];
+    for sub in &ghosts {
+        let opened = ctx.broker.dead_letters(sub).await.map(drop);
+        ensure!(
+            matches!(opened, Err(BrokerError::NotFound(_))),
+            "opening the DLQ of `{}` on `{}`: {opened:?}",
+            sub.consumer,
+            sub.source
+        );
+        let dlq = Dlq::new(ctx.broker.clone(), sub.clone())?;
+        let reads = [
+            ("stats", dlq.stats(&spec()).await.map(drop)),
+            (
+                "ls",
+                dlq.list(&spec(), &Cursor::start(), 10).await.map(drop),
+            ),
+            ("show", dlq.show(missing[0].as_str()).await.map(drop)),
+            ("count", dlq.count().await.map(drop)),
+        ];
+        for (read, result) in reads {
+            match result {
+                Err(e @ AdminError::Broker(BrokerError::NotFound(_))) => {
+                    ensure!(e.status() == 404, "{read}: status {}", e.status());
+                    ensure!(
+                        e.to_string().contains("ghost"),
+                        "{read}: the error names the consumer: {e}"
+                    );
+                }
+                other => anyhow::bail!("{read} of `{}`: {other:?}", sub.source),
+            }
+        }
+        // Answered or refused, as the broker has it: only that nothing is created counts.
+        let _ = ctx.broker.backlog(sub).await;
+        let plan = ctx.broker.plan(sub).await?;
+        let _ = ctx.broker.inspect(sub, &plan).await;
+    }
+    for (consumer, source, field) in [
+        ("../../etc", ctx.topic.clone(), "consumer"),
+        ("ghost", format!("{}/../x", ctx.topic), "source"),
+        (&"g".repeat(200)[..], ctx.topic.clone(), "consumer"),
+    ] {
+        match Dlq::new(ctx.broker.clone(), Subscription::new(consumer, source)) {
+            Err(e @ AdminError::InvalidInput { field: f, .. }) if f == field => {
+                ensure!(e.status() == 400, "{e}: status {}", e.status());
+            }
+            other => anyhow::bail!("the name `{consumer}` was not refused: {other:?}"),
+        }
+    }
+
+    let dlq = Dlq::new(ctx.broker.clone(), ctx.subscription("c"))?;
+    let stats = dlq.stats(&spec()).await?;
+    ensure!(stats.count == 1, "{stats:?}");
+    ensure!(dlq.show(missing[0].as_str()).await?.summary.id == missing[0].as_str());
+    ensure!(dlq.count().await?.count == 1);
+
+    let after = b.objects(&ctx.broker, &ctx.topic).await?;
+    ensure!(
+        before == after,
+        "reads changed the broker's objects: before {before:?}, after {after:?}"
+    );
     Ok(())
 }

@@ -87,6 +87,16 @@ pub trait Backend: Send + Sync + 'static {
     /// Unsettled deliveries the broker has handed to this consumer right now, where the
     /// backend can tell (`None` otherwise).
     async fn unsettled(&self, broker: &Arc<dyn Broker>, sub: &Subscription) -> Option<usize>;
+
+    /// The names of the broker's objects — topics, streams and their consumers, queues,
+    /// exchanges — that contain `fragment` (a test's unique source name), sorted, read
+    /// with the broker's own listing (not through reliq): what the read-only scenarios
+    /// compare before and after a read.
+    async fn objects(
+        &self,
+        broker: &Arc<dyn Broker>,
+        fragment: &str,
+    ) -> anyhow::Result<Vec<String>>;
 }
 
 static UNIQUE: AtomicU64 = AtomicU64::new(0);

@@ -284,6 +284,7 @@ fn broker_class(e: &BrokerError) -> Option<ErrorClass> {
         | BrokerError::NotHeld(_) => Some(Transient),
         // No retry changes a missing route, a setting or a backend's abilities.
         BrokerError::Unroutable(_)
+        | BrokerError::NotFound(_)
         | BrokerError::Config { .. }
         | BrokerError::Unauthorized { .. }
         | BrokerError::Unsupported { .. }

@@ -39,6 +39,12 @@ pub enum BrokerError {
         #[source]
         source: Option<BoxError>,
     },
+    /// An object a read needs does not exist at the broker (a consumer's DLQ before the
+    /// consumer first subscribed, a queue deleted by hand). Reads never create what they
+    /// look at: only [`Broker::subscribe`](crate::Broker::subscribe) declares. The text
+    /// names the object and how it comes to exist.
+    #[error("{0}")]
+    NotFound(String),
     /// The receiver was closed.
     #[error("receiver closed")]
     Closed,
@@ -114,12 +120,13 @@ impl BrokerError {
 
     /// A short, stable name of the variant — the `kind` label of
     /// `reliq_publish_failures_total` and the spans' `error.type`: `unroutable`,
-    /// `rejected`, `timeout`, `connection`, `closed`, `foreign_delivery`, `not_held`,
+    /// `rejected`, `not_found`, `timeout`, `connection`, `closed`, `foreign_delivery`, `not_held`,
     /// `unsupported`, `unauthorized`, `config`, `other`.
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Unroutable(_) => "unroutable",
             Self::Rejected { .. } => "rejected",
+            Self::NotFound(_) => "not_found",
             Self::Timeout(_) => "timeout",
             Self::Connection { .. } => "connection",
             Self::Closed => "closed",

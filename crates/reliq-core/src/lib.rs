@@ -122,7 +122,7 @@ pub use replay::{
     Corrected, Correction, Progress, PurgeReport, Replay, ReplayEntry, ReplayReport, ReplayTarget,
 };
 pub use retry::{Decision, Failure, FinalRoute, PanicAction, PolicyError, RetryPolicy, Schedule};
-pub use subscription::{Capabilities, Destination, Subscription};
+pub use subscription::{Capabilities, Destination, MAX_NAME_LEN, NameError, Subscription};
 pub use telemetry::Clock;
 pub use topology::{
     Difference, Drift, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan,

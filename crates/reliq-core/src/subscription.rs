@@ -108,6 +108,28 @@ impl Subscription {
         }
     }
 
+    /// Refuse a consumer or source name a broker object cannot safely be named after —
+    /// before it reaches a broker. Allowed: 1 to [`MAX_NAME_LEN`] ASCII letters, digits,
+    /// `.`, `_` and `-`, not starting with `.` (the characters every backend can name a
+    /// topic, queue or stream with; so `../../etc`, spaces, wildcards and control
+    /// characters are refused). The consumer builder, the admin API and the `reliq`
+    /// command check every name they are given.
+    pub fn check_names(&self) -> Result<(), NameError> {
+        check_name("consumer", &self.consumer)?;
+        check_name("source", &self.source)
+    }
+
+    /// [`BrokerError::NotFound`] for this consumer's dead-letter queue: `object` is what
+    /// the broker lacks (`` stream `DLQ_orders_billing` ``). What a backend's
+    /// [`Broker::dead_letters`](crate::Broker::dead_letters) answers instead of creating it.
+    pub fn missing_dead_letters(&self, object: impl fmt::Display) -> BrokerError {
+        BrokerError::NotFound(format!(
+            "consumer `{}` of `{}` has no dead-letter queue ({object} does not exist; the \
+             consumer declares it when it first subscribes)",
+            self.consumer, self.source
+        ))
+    }
+
     /// Conventional name of this consumer's dead-letter queue: `<source>.<consumer>.dlq`.
     pub fn dead_letter_name(&self) -> String {
         format!("{}.{}.dlq", self.source, self.consumer)
@@ -123,6 +145,51 @@ impl Subscription {
             delay.as_millis()
         )
     }
+}
+
+/// The longest consumer or source name [`Subscription::check_names`] accepts: the longest
+/// name a backend derives from two (`<source>.<consumer>.retry.<ms>ms`) stays within
+/// Kafka's 249 characters.
+pub const MAX_NAME_LEN: usize = 100;
+
+/// A consumer or source name no broker object may be named after
+/// ([`Subscription::check_names`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid `{field}` name `{value}`: {reason}")]
+pub struct NameError {
+    /// Which name: `consumer` or `source`.
+    pub field: &'static str,
+    /// The name given, escaped and cut to 80 characters.
+    pub value: String,
+    /// What is wrong with it.
+    pub reason: &'static str,
+}
+
+fn check_name(field: &'static str, name: &str) -> Result<(), NameError> {
+    let reason = if name.is_empty() {
+        "must not be empty"
+    } else if name.chars().count() > MAX_NAME_LEN {
+        "longer than 100 characters"
+    } else if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+    {
+        "may hold only ASCII letters, digits, `.`, `_` and `-`"
+    } else if name.starts_with('.') {
+        "must not start with `.`"
+    } else {
+        return Ok(());
+    };
+    Err(NameError {
+        field,
+        value: name
+            .chars()
+            .take(80)
+            .collect::<String>()
+            .escape_debug()
+            .to_string(),
+        reason,
+    })
 }
 
 /// What a backend can and cannot do. A flag documents a broker limitation; it is never a
@@ -155,4 +222,55 @@ pub struct Capabilities {
     /// waits invisible in the source queue (SQS) or in the consumer process (Kafka's
     /// blocking mode).
     pub retries_counted_apart: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(consumer: &str, source: &str) -> Option<NameError> {
+        Subscription::new(consumer, source).check_names().err()
+    }
+
+    #[test]
+    fn names_every_backend_can_use_are_accepted() {
+        for name in [
+            "billing",
+            "orders.v2",
+            "Billing_EU-1",
+            "a",
+            &"x".repeat(MAX_NAME_LEN),
+        ] {
+            assert_eq!(refused(name, name), None, "{name}");
+        }
+    }
+
+    #[test]
+    fn traversal_wildcards_spaces_and_overlong_names_are_refused_naming_the_field() {
+        let cases = [
+            ("../../etc", "orders", "consumer", "may hold only"),
+            ("billing", "orders/../x", "source", "may hold only"),
+            ("billing", "orders.>", "source", "may hold only"),
+            ("bill ing", "orders", "consumer", "may hold only"),
+            ("bill\ning", "orders", "consumer", "may hold only"),
+            ("..", "orders", "consumer", "must not start with `.`"),
+            ("", "orders", "consumer", "must not be empty"),
+            ("billing", "", "source", "must not be empty"),
+            (
+                "billing",
+                &"o".repeat(MAX_NAME_LEN + 1),
+                "source",
+                "longer than 100",
+            ),
+        ];
+        for (consumer, source, field, reason) in cases {
+            let e = refused(consumer, source).unwrap_or_else(|| panic!("{consumer:?} {source:?}"));
+            assert_eq!(e.field, field, "{consumer:?} {source:?}");
+            assert!(e.reason.starts_with(reason), "{e}");
+            assert!(
+                e.value.chars().count() <= 80 + 2 && !e.value.contains('\n'),
+                "{e}"
+            );
+        }
+    }
 }

@@ -111,9 +111,46 @@ impl KafkaBroker {
         self.inner.delete_topics(topics).await
     }
 
+    /// Declare `sub`'s dead-letter topics — the DLQ and its removal ledger (idempotent;
+    /// subscribing does this too) — and wait until the cluster shows them (e.g. to
+    /// restore a deleted DLQ).
+    pub async fn declare_dead_letters(
+        &self,
+        sub: &reliq_core::Subscription,
+    ) -> Result<(), BrokerError> {
+        let dlq = sub.dead_letter_name();
+        self.inner.ensure_dead_letter_topics(&dlq).await?;
+        let ledger = crate::names::ledger_topic(&dlq);
+        self.inner.wait_visible(&[dlq, ledger]).await
+    }
+
     /// Whether `topic` exists right now (a fresh metadata request that never creates it).
     pub async fn topic_exists(&self, topic: &str) -> Result<bool, KafkaError> {
         self.inner.topic_exists(topic).await
+    }
+
+    /// The names of every topic the principal may describe, sorted (one metadata
+    /// request; creates nothing).
+    pub async fn topic_names(&self) -> Result<Vec<String>, BrokerError> {
+        let producer = self.inner.route_producer.clone();
+        let metadata = tokio::task::spawn_blocking(move || {
+            producer
+                .client()
+                .fetch_metadata(None, Duration::from_secs(10))
+        })
+        .await
+        .map_err(|e| BrokerError::Other(Box::new(e)))?
+        .map_err(|e| {
+            BrokerError::connection(format!("reading the cluster's topics: {e}")).caused_by(e)
+        })?;
+        let mut names: Vec<String> = metadata
+            .topics()
+            .iter()
+            .filter(|t| t.error().is_none())
+            .map(|t| t.name().to_owned())
+            .collect();
+        names.sort();
+        Ok(names)
     }
 }
 

@@ -175,12 +175,17 @@ fn read_error(e: RdError, what: &str) -> BrokerError {
 }
 
 impl KafkaDeadLetters {
-    /// The reader of `sub`'s DLQ: creates the DLQ (if missing) and its ledger.
+    /// The reader of `sub`'s DLQ and its ledger, which the consumer's subscribe created.
+    /// Opening creates nothing (the metadata lookups never auto-create a topic): a
+    /// missing topic is [`BrokerError::NotFound`].
     pub(crate) async fn open(inner: Arc<Inner>, sub: &Subscription) -> Result<Self, BrokerError> {
         let dlq = sub.dead_letter_name();
         let ledger = ledger_topic(&dlq);
-        inner.ensure_dead_letter_topics(&dlq).await?;
-        inner.wait_visible(&[dlq.clone(), ledger.clone()]).await?;
+        for topic in [&dlq, &ledger] {
+            if !inner.topic_exists(topic).await? {
+                return Err(sub.missing_dead_letters(format_args!("topic `{topic}`")));
+            }
+        }
         let consumer: ReaderConsumer = inner
             .config
             .reader(&browse_group(sub))

@@ -58,19 +58,37 @@ impl MemoryBroker {
         &self.inner.switches
     }
 
-    /// Messages in `sub`'s queue: (ready + delayed, unsettled) (feature `test-util`).
+    /// Messages in `sub`'s queue: (ready + delayed, unsettled); none for a group that
+    /// does not exist (feature `test-util`).
     #[cfg(feature = "test-util")]
     pub fn depth(&self, sub: &Subscription) -> (usize, usize) {
-        self.group(sub).depth()
+        self.existing_group(sub).map_or((0, 0), |g| g.depth())
     }
 
     /// Messages in `sub`'s dead-letter queue, ready or unsettled (feature `test-util`).
     #[cfg(feature = "test-util")]
     pub fn dead_letter_depth(&self, sub: &Subscription) -> usize {
-        self.group(sub).dlq.as_ref().map_or(0, |d| {
+        let group = self.existing_group(sub);
+        group.and_then(|g| g.dlq.clone()).map_or(0, |d| {
             let (waiting, unsettled) = d.depth();
             waiting + unsettled
         })
+    }
+
+    /// Every topic, group queue (`<topic>.<group>`) and dead-letter queue, sorted (for
+    /// tests that check an operation created nothing; feature `test-util`).
+    #[cfg(feature = "test-util")]
+    pub fn object_names(&self) -> Vec<String> {
+        let mut names = Vec::new();
+        for (topic, t) in self.topics().iter() {
+            names.push(topic.clone());
+            for queue in t.groups.values() {
+                names.push(queue.name.clone());
+                names.extend(queue.dlq.as_ref().map(|d| d.name.clone()));
+            }
+        }
+        names.sort();
+        names
     }
 
     fn topics(&self) -> MutexGuard<'_, HashMap<String, Topic, FastHash>> {
@@ -185,7 +203,11 @@ impl Broker for MemoryBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn DeadLetters>, BrokerError> {
-        let group = self.group(subscription);
+        // Looked up, never made: a look at an unknown consumer's DLQ creates nothing.
+        let group = self.existing_group(subscription).ok_or_else(|| {
+            subscription
+                .missing_dead_letters(format_args!("queue `{}`", subscription.dead_letter_name()))
+        })?;
         let dlq = group.dlq.clone().ok_or(BrokerError::Unsupported {
             backend: "memory",
             what: "dead letters of a dead-letter queue",

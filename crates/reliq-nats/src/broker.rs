@@ -17,7 +17,7 @@ use crate::advisories::AdvisoryWatcher;
 use crate::client::{NatsBroker, through_election};
 use crate::codec::to_nats_headers;
 use crate::dead_letters::NatsDeadLetters;
-use crate::error::api;
+use crate::error::{api, stream_not_found};
 use crate::names::{consumer_name, dead_letter_stream, dead_letter_subject, stream_name, subject};
 use crate::receiver::{NatsReceiver, Pulls};
 
@@ -90,16 +90,15 @@ impl Broker for NatsBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
+        // Opened, never declared: a look at an unknown consumer's DLQ creates nothing.
+        let name = dead_letter_stream(subscription);
         let stream = through_election("opening the DLQ", || async {
-            self.declare_dead_letters(subscription).await?;
-            self.inner
-                .js
-                .get_stream(dead_letter_stream(subscription))
-                .await
-                .map_err(api(format!(
-                    "opening DLQ stream `{}`",
-                    dead_letter_stream(subscription)
-                )))
+            match self.inner.js.get_stream(&name).await {
+                Err(e) if stream_not_found(&e) => {
+                    Err(subscription.missing_dead_letters(format_args!("stream `{name}`")))
+                }
+                found => found.map_err(api(format!("opening DLQ stream `{name}`"))),
+            }
         })
         .await?;
         Ok(Box::new(NatsDeadLetters::new(

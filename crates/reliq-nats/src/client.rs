@@ -304,6 +304,37 @@ impl NatsBroker {
             .map_err(api(format!("reading source stream `{name}`")))
     }
 
+    /// Every stream and its durable consumers, as `stream` and `stream/consumer`, sorted
+    /// (for tests that check an operation created nothing). Feature `test-util`.
+    #[cfg(feature = "test-util")]
+    pub async fn object_names(&self) -> Result<Vec<String>, BrokerError> {
+        use futures::TryStreamExt;
+        let streams: Vec<String> = self
+            .inner
+            .js
+            .stream_names()
+            .try_collect()
+            .await
+            .map_err(api("listing streams"))?;
+        let mut names = Vec::new();
+        for stream in streams {
+            let consumers: Vec<String> = match self.inner.js.get_stream(&stream).await {
+                Ok(s) => s
+                    .consumer_names()
+                    .try_collect()
+                    .await
+                    .map_err(api(format!("listing the consumers of `{stream}`")))?,
+                // Deleted since it was listed.
+                Err(e) if crate::error::stream_not_found(&e) => continue,
+                Err(e) => return Err(api(format!("reading stream `{stream}`"))(e)),
+            };
+            names.extend(consumers.into_iter().map(|c| format!("{stream}/{c}")));
+            names.push(stream);
+        }
+        names.sort();
+        Ok(names)
+    }
+
     /// Unacknowledged deliveries of the subscription's consumer, from the server.
     pub async fn ack_pending(&self, sub: &Subscription) -> Result<usize, BrokerError> {
         let stream = self.source_stream(sub).await?;

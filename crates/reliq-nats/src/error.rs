@@ -64,6 +64,16 @@ fn violation_for(action: &str) -> Option<String> {
 /// A failed JetStream API request, kept with `action` as a [`NatsError`] inside
 /// [`BrokerError::Other`] — or [`BrokerError::Unauthorized`] naming the subject when the
 /// server reported refusing this user a subject of the same stream or consumer.
+/// JetStream answered that the stream does not exist (not a lost connection, not a
+/// refusal).
+pub(crate) fn stream_not_found(e: &async_nats::jetstream::context::GetStreamError) -> bool {
+    matches!(
+        e.kind(),
+        async_nats::jetstream::context::GetStreamErrorKind::JetStream(j)
+            if j.error_code() == async_nats::jetstream::ErrorCode::STREAM_NOT_FOUND
+    )
+}
+
 pub(crate) fn api<E>(action: impl Into<String>) -> impl FnOnce(E) -> BrokerError
 where
     E: Into<BoxError>,

@@ -5,13 +5,13 @@
 //! compared as text (`30s`). Retries wait as scheduled messages in the source stream, so
 //! there are no tier objects that an earlier policy could leave behind.
 
-use async_nats::jetstream::{self, consumer::pull, context::GetStreamErrorKind, stream};
+use async_nats::jetstream::{self, consumer::pull, stream};
 use reliq_core::{
     BrokerError, Found, LiveObject, LiveTopology, ObjectKind, Plan, PlannedObject, Severity,
     Subscription, Wanted, seam::duration_text as text,
 };
 
-use crate::error::api;
+use crate::error::{api, stream_not_found};
 use crate::names::{
     consumer_name, dead_letter_stream, dead_letter_subject, filter_subjects, retry_subjects,
     stream_name,
@@ -144,14 +144,8 @@ async fn stream_config(
 ) -> Result<Option<stream::Config>, BrokerError> {
     match js.get_stream(name).await {
         Ok(s) => Ok(Some(s.cached_info().config.clone())),
-        Err(e) => match e.kind() {
-            GetStreamErrorKind::JetStream(j)
-                if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
-            {
-                Ok(None)
-            }
-            _ => Err(api(format!("reading stream `{name}`"))(e)),
-        },
+        Err(e) if stream_not_found(&e) => Ok(None),
+        Err(e) => Err(api(format!("reading stream `{name}`"))(e)),
     }
 }
 

@@ -7,7 +7,8 @@ use reliq_core::{
 };
 
 use crate::client::{RabbitBroker, Target};
-use crate::dead_letters::RabbitDeadLetters;
+use crate::dead_letters::{RabbitDeadLetters, declaring};
+use crate::names::Names;
 use crate::receiver::RabbitReceiver;
 use crate::{options::QueueType, topology};
 
@@ -119,5 +120,40 @@ impl Broker for RabbitBroker {
         self.inner
             .publish_to("", &queue, &message, Target::Queue("queue", &queue))
             .await
+    }
+}
+
+/// Declaring: in this module rather than `client`, since a declare that creates the
+/// removal ledger also writes its first record (`dead_letters::declaring`).
+impl RabbitBroker {
+    /// Declare `sub`'s whole topology (idempotent); [`Broker::subscribe`] does this too.
+    pub async fn declare(&self, sub: &Subscription) -> Result<Names, BrokerError> {
+        let inner = &self.inner;
+        let ch = inner.channel().await?;
+        let names = Names::of(sub);
+        declaring(
+            inner,
+            &names,
+            topology::declare_all(&ch, sub, &inner.opts, &inner.store),
+        )
+        .await?;
+        inner.known_exchange(&names.exchange);
+        let _ = ch.close(200, "ok".into()).await;
+        Ok(names)
+    }
+
+    /// Declare only `sub`'s dead-letter objects: the stream, its removal ledger and the
+    /// landing queue (e.g. to restore a deleted stream).
+    pub async fn declare_dead_letter_queue(&self, sub: &Subscription) -> Result<(), BrokerError> {
+        let inner = &self.inner;
+        let ch = inner.channel().await?;
+        declaring(
+            inner,
+            &Names::of(sub),
+            topology::declare_dead_letters(&ch, sub, &inner.opts, &inner.store),
+        )
+        .await?;
+        let _ = ch.close(200, "ok".into()).await;
+        Ok(())
     }
 }

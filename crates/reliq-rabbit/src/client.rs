@@ -18,7 +18,7 @@ use tokio::sync::Mutex;
 
 use crate::error::{refused_connection, reply_code};
 use crate::management::Management;
-use crate::names::{Names, short};
+use crate::names::short;
 use crate::options::Nodes;
 use crate::{codec, error::RabbitError, options::QueueSettings, options::RabbitOptions, topology};
 
@@ -432,15 +432,6 @@ impl RabbitBroker {
         self.inner.management.as_ref()
     }
 
-    /// Declare `sub`'s whole topology (idempotent); [`Broker::subscribe`] does this too.
-    pub async fn declare(&self, sub: &Subscription) -> Result<Names, BrokerError> {
-        let ch = self.inner.channel().await?;
-        let names = topology::declare_all(&ch, sub, &self.inner.opts, &self.inner.store).await?;
-        self.inner.known_exchange(&names.exchange);
-        let _ = ch.close(200, "ok".into()).await;
-        Ok(names)
-    }
-
     /// Declare the source exchange `exchange` (durable topic), so publishes to it are
     /// accepted before a consumer subscribed (they are still unroutable while no queue is
     /// bound).
@@ -448,15 +439,6 @@ impl RabbitBroker {
         let ch = self.inner.channel().await?;
         topology::declare_exchange(&ch, exchange).await?;
         self.inner.known_exchange(exchange);
-        let _ = ch.close(200, "ok".into()).await;
-        Ok(())
-    }
-
-    /// Declare only `sub`'s dead-letter objects: the stream, its removal ledger and the
-    /// landing queue (e.g. to restore a deleted stream).
-    pub async fn declare_dead_letter_queue(&self, sub: &Subscription) -> Result<(), BrokerError> {
-        let ch = self.inner.channel().await?;
-        topology::declare_dead_letters(&ch, sub, &self.inner.opts, &self.inner.store).await?;
         let _ = ch.close(200, "ok".into()).await;
         Ok(())
     }

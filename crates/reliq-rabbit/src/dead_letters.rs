@@ -18,10 +18,11 @@ use reliq_core::{
 };
 use tokio::sync::{Mutex, watch};
 
+use crate::backlog::message_count;
 use crate::client::{Inner, Target};
 use crate::error::reply_code;
 use crate::names::{Names, short};
-use crate::{codec, error::RabbitError, topology};
+use crate::{codec, error::RabbitError};
 
 /// How long a read waits for an offset it knows the stream holds.
 const STALL: Duration = Duration::from_secs(15);
@@ -136,42 +137,28 @@ struct LedgerRecord {
 }
 
 impl RabbitDeadLetters {
-    /// A reader of `sub`'s dead letters; declares the stream, the ledger and the landing
-    /// queue (idempotent).
+    /// A reader of `sub`'s dead letters: the stream, the ledger and the landing queue
+    /// the consumer's subscribe declared. Opening creates nothing (passive declares): a
+    /// missing one is [`BrokerError::NotFound`].
     pub(crate) async fn open(inner: Arc<Inner>, sub: &Subscription) -> Result<Self, BrokerError> {
-        let ch = inner.channel().await?;
-        topology::declare_dead_letters(&ch, sub, &inner.opts, &inner.store).await?;
-        let _ = ch.close(200, "ok".into()).await;
-        let reader = Self {
+        let names = Names::of(sub);
+        for queue in [&names.parking, &names.removed, &names.landing] {
+            if message_count(&inner, queue).await?.is_none() {
+                return Err(sub.missing_dead_letters(format_args!("queue `{queue}`")));
+            }
+        }
+        Ok(Self {
             inner,
             sub: sub.clone(),
-            names: Names::of(sub),
+            names,
             ledger: Mutex::new(Ledger::default()),
             removing: Mutex::new(()),
-        };
-        // An empty stream can only be told from a slow one by waiting (`EMPTY_PROBE`):
-        // give an empty ledger one empty record, so every later read of it ends at once.
-        if last_chunk_start(&reader.inner, &reader.names.removed)
-            .await?
-            .is_none()
-        {
-            reader.append_to_ledger(&LedgerRecord::default()).await?;
-        }
-        Ok(reader)
+        })
     }
 
     /// Append `record` to the ledger, confirmed.
     async fn append_to_ledger(&self, record: &LedgerRecord) -> Result<(), BrokerError> {
-        let payload = serde_json::to_vec(record).map_err(|e| BrokerError::Other(Box::new(e)))?;
-        let ledger = &self.names.removed;
-        self.inner
-            .publish_to(
-                "",
-                ledger,
-                &Message::new(payload),
-                Target::Queue("removal ledger", ledger),
-            )
-            .await
+        append_to_ledger(&self.inner, &self.names.removed, record).await
     }
 
     /// Move what landed in the landing queue into the stream, then bring the ledger up
@@ -546,6 +533,41 @@ impl StreamRead {
 /// AMQP's `INTERNAL_ERROR` reply code: what RabbitMQ answers a stream consumer on a node
 /// with no running member of the stream.
 const INTERNAL_ERROR: u16 = 541;
+
+/// Append `record` to the removal ledger `ledger`, confirmed.
+async fn append_to_ledger(
+    inner: &Inner,
+    ledger: &str,
+    record: &LedgerRecord,
+) -> Result<(), BrokerError> {
+    let payload = serde_json::to_vec(record).map_err(|e| BrokerError::Other(Box::new(e)))?;
+    inner
+        .publish_to(
+            "",
+            ledger,
+            &Message::new(payload),
+            Target::Queue("removal ledger", ledger),
+        )
+        .await
+}
+
+/// Run `declare` — which declares `names`' dead-letter objects, among others — and when it
+/// created the removal ledger, append one empty record to it: an empty stream can only be
+/// told from a slow one by waiting (`EMPTY_PROBE`), so a ledger holding a record lets every
+/// read of it end at once. Declaring is the one place that writes it: opening a reader
+/// changes nothing.
+pub(crate) async fn declaring<T>(
+    inner: &Inner,
+    names: &Names,
+    declare: impl Future<Output = Result<T, BrokerError>>,
+) -> Result<T, BrokerError> {
+    let new_ledger = message_count(inner, &names.removed).await?.is_none();
+    let declared = declare.await?;
+    if new_ledger {
+        append_to_ledger(inner, &names.removed, &LedgerRecord::default()).await?;
+    }
+    Ok(declared)
+}
 
 /// Why a stream consumer could not be started.
 enum Refused {

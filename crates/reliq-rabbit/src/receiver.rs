@@ -17,6 +17,7 @@ use lapin::types::FieldTable;
 use tokio::sync::Mutex;
 
 use crate::client::{Inner, Target};
+use crate::dead_letters::declaring;
 use crate::names::{Names, short};
 use crate::{codec, error::RabbitError, topology};
 
@@ -91,7 +92,12 @@ impl RabbitReceiver {
     /// Open a channel, declare the topology, set the prefetch, start consuming.
     async fn open(&self) -> Result<Live, BrokerError> {
         let ch = self.inner.channel().await?;
-        topology::declare_all(&ch, &self.sub, &self.inner.opts, &self.inner.store).await?;
+        declaring(
+            &self.inner,
+            &self.names,
+            topology::declare_all(&ch, &self.sub, &self.inner.opts, &self.inner.store),
+        )
+        .await?;
         self.inner.known_exchange(&self.names.exchange);
         let prefetch = u16::try_from(self.sub.prefetch.max(1)).unwrap_or(u16::MAX);
         ch.basic_qos(prefetch, BasicQosOptions::default())

@@ -64,7 +64,12 @@ impl Broker for SqsBroker {
         &self,
         subscription: &Subscription,
     ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
-        let url = self.declare_dead_letters(subscription).await?;
+        // Looked up, never declared: a look at an unknown consumer's DLQ creates nothing.
+        let name = names::dead_letter_queue_name(subscription, self.inner.options.fifo);
+        let url = self
+            .queue_url(&name)
+            .await?
+            .ok_or_else(|| subscription.missing_dead_letters(format_args!("queue `{name}`")))?;
         Ok(Box::new(crate::dead_letters::SqsDeadLetters::new(
             self.clone(),
             subscription.clone(),

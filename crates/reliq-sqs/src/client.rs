@@ -603,6 +603,20 @@ impl SqsBroker {
         .await
     }
 
+    /// The names of every queue whose name starts with `prefix`, sorted (for tests that
+    /// check an operation created nothing). Feature `test-util`.
+    #[cfg(feature = "test-util")]
+    pub async fn queue_names(&self, prefix: &str) -> Result<Vec<String>, BrokerError> {
+        let mut names: Vec<String> = self
+            .queue_urls(prefix)
+            .await?
+            .iter()
+            .filter_map(|url| url.rsplit('/').next().map(str::to_owned))
+            .collect();
+        names.sort();
+        Ok(names)
+    }
+
     /// Delete the subscription's dead-letter queue (for fault-injection tests: the DLQ
     /// becomes unavailable; [`SqsBroker::declare_dead_letters`] restores it). Feature
     /// `test-util`.
@@ -743,17 +757,8 @@ impl SqsBroker {
             .unwrap_or(0))
     }
 
-    pub(crate) fn forget_topic(&self, topic: &str) {
-        lock(&self.inner.topics).remove(topic);
-    }
-
-    /// The consumer queues of `topic` (cached for [`SqsOptions::topic_cache_ttl`]).
-    async fn targets(&self, topic: &str) -> Result<Arc<Vec<Target>>, BrokerError> {
-        if let Some((at, targets)) = lock(&self.inner.topics).get(topic)
-            && at.elapsed() < self.inner.options.topic_cache_ttl
-        {
-            return Ok(targets.clone());
-        }
+    /// The URL of every queue whose name starts with `prefix` (ListQueues, every page).
+    async fn queue_urls(&self, prefix: &str) -> Result<Vec<String>, BrokerError> {
         let mut urls = Vec::new();
         let mut next: Option<String> = None;
         loop {
@@ -761,7 +766,7 @@ impl SqsBroker {
                 .inner
                 .client
                 .list_queues()
-                .queue_name_prefix(names::topic_prefix(topic))
+                .queue_name_prefix(prefix)
                 .max_results(1000)
                 .set_next_token(next.take())
                 .send()
@@ -773,6 +778,21 @@ impl SqsBroker {
                 _ => break,
             }
         }
+        Ok(urls)
+    }
+
+    pub(crate) fn forget_topic(&self, topic: &str) {
+        lock(&self.inner.topics).remove(topic);
+    }
+
+    /// The consumer queues of `topic` (cached for [`SqsOptions::topic_cache_ttl`]).
+    async fn targets(&self, topic: &str) -> Result<Arc<Vec<Target>>, BrokerError> {
+        if let Some((at, targets)) = lock(&self.inner.topics).get(topic)
+            && at.elapsed() < self.inner.options.topic_cache_ttl
+        {
+            return Ok(targets.clone());
+        }
+        let urls = self.queue_urls(&names::topic_prefix(topic)).await?;
         let mut targets = Vec::new();
         for url in urls {
             let known = lock(&self.inner.tags).get(&url).cloned();

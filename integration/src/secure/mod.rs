@@ -166,6 +166,14 @@ impl<I: Issuer> Backend for Secured<I> {
     async fn unsettled(&self, broker: &Arc<dyn Broker>, sub: &Subscription) -> Option<usize> {
         self.ready().unsettled(broker, sub).await
     }
+
+    async fn objects(
+        &self,
+        broker: &Arc<dyn Broker>,
+        fragment: &str,
+    ) -> anyhow::Result<Vec<String>> {
+        self.ready().objects(broker, fragment).await
+    }
 }
 
 /// How long a refused connection may take to fail: a refusal is not retried.

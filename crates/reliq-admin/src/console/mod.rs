@@ -194,7 +194,7 @@ fn known_dlq(state: &AdminState, consumer: &str) -> Result<Dlq, AdminError> {
             value: consumer.chars().take(80).collect(),
             expected: "a consumer this server was started with (--consumer name=source)".into(),
         })?;
-    Ok(Dlq::new(state.broker.clone(), sub))
+    Dlq::new(state.broker.clone(), sub)
 }
 
 async fn stylesheet() -> Response {
@@ -283,12 +283,22 @@ async fn overview(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> P
     let everything = FilterSpec::default();
     let mut rows = Vec::new();
     for sub in &state.consumers {
-        let dlq = Dlq::new(state.broker.clone(), sub.clone());
-        let (all, recent, backlog) = tokio::join!(
-            dlq.stats(&everything),
-            dlq.stats(&last_hour),
-            state.broker.backlog(sub)
-        );
+        // Errors as text: the row shows them.
+        let (all, recent, backlog) = match Dlq::new(state.broker.clone(), sub.clone()) {
+            Ok(dlq) => {
+                let (all, recent, backlog) = tokio::join!(
+                    dlq.stats(&everything),
+                    dlq.stats(&last_hour),
+                    state.broker.backlog(sub)
+                );
+                (
+                    all.map_err(|e| e.to_string()),
+                    recent.map_err(|e| e.to_string()),
+                    backlog.map_err(|e| e.to_string()),
+                )
+            }
+            Err(e) => (Err(e.to_string()), Err(e.to_string()), Err(e.to_string())),
+        };
         let mut row = pages::OverviewRow {
             consumer: sub.consumer.clone(),
             source: sub.source.clone(),
@@ -296,7 +306,7 @@ async fn overview(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> P
             oldest_age_seconds: None,
             last_hour: None,
             error: None,
-            backlog: backlog.map_err(|e| e.to_string()),
+            backlog,
         };
         match (all, recent) {
             (Ok(all), Ok(recent)) => {
@@ -304,7 +314,7 @@ async fn overview(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> P
                 row.oldest_age_seconds = all.oldest_age_seconds;
                 row.last_hour = Some(recent.count);
             }
-            (Err(e), _) | (_, Err(e)) => row.error = Some(e.to_string()),
+            (Err(e), _) | (_, Err(e)) => row.error = Some(e),
         }
         rows.push(row);
     }

@@ -290,6 +290,15 @@ impl ConsumerBuilder {
         }
         self.policy.validate()?;
         let subscription = self.subscription()?;
+        if let Err(e) = subscription.check_names() {
+            // The builder's own names for the two: `.name(…)` and `.subscribe(…)`.
+            let field = if e.field == "consumer" {
+                "name"
+            } else {
+                "subscribe"
+            };
+            return Err(config(field, &e.to_string()));
+        }
         if subscription.delivery_limit <= self.policy.get_max_attempts() {
             return Err(config(
                 "delivery_limit",

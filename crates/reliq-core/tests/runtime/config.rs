@@ -30,6 +30,18 @@ async fn bad_config_fails_at_startup_naming_the_field() {
             "name",
         ),
         (
+            Consumer::builder(broker.clone(), "../../etc").subscribe("t"),
+            "name",
+        ),
+        (
+            Consumer::builder(broker.clone(), "c").subscribe("orders.>"),
+            "subscribe",
+        ),
+        (
+            Consumer::builder(broker.clone(), "c".repeat(101)).subscribe("t"),
+            "name",
+        ),
+        (
             Consumer::builder(broker.clone(), "c")
                 .subscribe("t")
                 .rate_limit(0, 5),
