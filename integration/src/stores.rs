@@ -734,6 +734,9 @@ impl Broker for Slow {
     ) -> Result<Box<dyn reliq_core::DeadLetters>, reliq_core::BrokerError> {
         self.inner.dead_letters(s).await
     }
+    async fn ping(&self) -> Result<(), reliq_core::BrokerError> {
+        self.inner.ping().await
+    }
     async fn backlog(
         &self,
         s: &Subscription,

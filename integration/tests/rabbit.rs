@@ -245,6 +245,10 @@ impl Broker for StallAfterRetryCopy {
     ) -> Result<Box<dyn reliq_core::DeadLetters>, BrokerError> {
         self.inner.dead_letters(s).await
     }
+    async fn ping(&self) -> Result<(), BrokerError> {
+        self.inner.ping().await
+    }
+
     async fn backlog(&self, s: &Subscription) -> Result<reliq_core::Backlog, BrokerError> {
         self.inner.backlog(s).await
     }

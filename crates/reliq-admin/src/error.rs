@@ -41,6 +41,11 @@ pub enum AdminError {
         #[source]
         source: std::io::Error,
     },
+    /// The server is stopping: it starts no new job.
+    #[error(
+        "the admin server is shutting down and starts no new job; run it again once it is back"
+    )]
+    ShuttingDown,
     /// The tokens file could not be read.
     #[error("tokens file `{path}`: {why}")]
     Tokens {
@@ -59,7 +64,8 @@ impl AdminError {
             Self::NotFound { .. } | Self::NoSuchJob(_) | Self::Broker(BrokerError::NotFound(_)) => {
                 404
             }
-            Self::Broker(BrokerError::Timeout(_) | BrokerError::Connection { .. }) => 503,
+            Self::Broker(BrokerError::Timeout(_) | BrokerError::Connection { .. })
+            | Self::ShuttingDown => 503,
             Self::Broker(BrokerError::Config { .. }) => 400,
             Self::Broker(_) => 502,
             Self::File { .. } | Self::Tokens { .. } => 500,

@@ -4,6 +4,8 @@
 //! | Method and path | Role | What |
 //! |---|---|---|
 //! | `GET /v1/openapi.json` | — | this API as an OpenAPI 3.1 document |
+//! | `GET /healthz` | — | 200 while the process serves (liveness; not audited) |
+//! | `GET /readyz` | — | 200 when the broker answered a ping within the ready timeout, 503 when not or while the server drains (readiness; not audited) |
 //! | `GET /metrics` | reader | Prometheus text: reliq's metrics and the broker-side gauges of the server's consumers (a scrape is audited only when refused) |
 //! | `GET /v1/consumers/{consumer}/dlq/stats?source=…&<filter>` | reader | [`crate::ops::DlqStats`] |
 //! | `GET /v1/consumers/{consumer}/dlq/entries?source=…&<filter>&cursor=…&max=…` | reader | [`crate::ops::EntryList`] |
@@ -52,6 +54,8 @@ pub const OPENAPI: &str = include_str!("openapi.json");
 /// Every route: method, path, the least role it needs (`None`: no token needed).
 pub const ROUTES: &[(&str, &str, Option<Role>)] = &[
     ("GET", "/v1/openapi.json", None),
+    ("GET", "/healthz", None),
+    ("GET", "/readyz", None),
     ("GET", "/metrics", Some(Role::Reader)),
     (
         "GET",
@@ -103,12 +107,14 @@ impl Default for Limits {
     }
 }
 
-/// The API's router. Serve it with
+/// The API's router. Serve it with [`crate::serve`], or with
 /// `axum::serve(listener, router.into_make_service_with_connect_info::<SocketAddr>())` so
 /// the audit log records peers.
 pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
     let routes = Router::new()
         .route("/v1/openapi.json", get(openapi))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .route("/v1/consumers/{consumer}/dlq/stats", get(stats))
         .route("/v1/consumers/{consumer}/dlq/entries", get(list))
@@ -484,6 +490,63 @@ async fn openapi() -> Response {
     response
 }
 
+/// `GET /healthz`: the process is up and serving (a liveness probe: it asks nobody).
+async fn healthz() -> Response {
+    probe_answer(StatusCode::OK, serde_json::json!({ "status": "alive" }))
+}
+
+/// `GET /readyz`: the broker answered a [`ping`](reliq_core::Broker::ping) within the
+/// ready timeout, and the server is not draining. The reason of a 503 names the error's
+/// kind only (the probe needs no token; the details go to the log).
+async fn readyz(State(state): State<Arc<AdminState>>) -> Response {
+    let broker = state.broker.kind();
+    if state.jobs.is_draining() {
+        return probe_answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({ "status": "draining", "broker": broker }),
+        );
+    }
+    let unready = |reason: String| {
+        probe_answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({ "status": "unready", "broker": broker, "reason": reason }),
+        )
+    };
+    match tokio::time::timeout(state.ready_timeout, state.broker.ping()).await {
+        Ok(Ok(())) => probe_answer(
+            StatusCode::OK,
+            serde_json::json!({ "status": "ready", "broker": broker }),
+        ),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %reliq_core::ErrorChain(&e), "readiness: the broker's ping failed");
+            unready(format!("the broker's ping failed ({})", e.kind()))
+        }
+        Err(_) => {
+            tracing::warn!(timeout = ?state.ready_timeout, "readiness: the broker did not answer its ping");
+            unready(format!(
+                "the broker did not answer within {}",
+                humantime::format_duration(state.ready_timeout)
+            ))
+        }
+    }
+}
+
+/// A probe's answer: JSON, never cached, never audited (probes come every few seconds).
+fn probe_answer(status: StatusCode, body: serde_json::Value) -> Response {
+    let mut response = (
+        status,
+        [(header::CACHE_CONTROL, "no-store")],
+        axum::Json(body),
+    )
+        .into_response();
+    response.extensions_mut().insert(AuditNote {
+        action: "probe",
+        unaudited: true,
+        ..AuditNote::default()
+    });
+    response
+}
+
 /// `GET /metrics`: the process's metrics (reliq's, the backlog poller's, the
 /// application's) in Prometheus' text format.
 async fn metrics_text(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
@@ -708,6 +771,10 @@ async fn start_run(
         state.audit.clone(),
         |ctx| async move { dlq.run(&run, ctx.progress(), ctx.cancel()).await },
     );
+    let job = match job {
+        Ok(job) => job,
+        Err(e) => return Reply::failed(note, e),
+    };
     note.job = Some(job.id.clone());
     Reply::with_status(StatusCode::ACCEPTED, note, job)
 }
@@ -829,22 +896,6 @@ fn on_job(
         },
         Err(reply) => reply,
     }
-}
-
-/// Serve the API on `listener` until `shutdown` resolves.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    state: Arc<AdminState>,
-    limits: Limits,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    let app = router(state, limits);
-    axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await
 }
 
 #[cfg(test)]

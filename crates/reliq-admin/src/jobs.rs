@@ -1,15 +1,22 @@
 //! Replays and purges run as jobs: started by one request, polled for progress by
 //! others, cancelled by one more. A job lives in this process (a restarted server forgets
 //! it — and loses nothing: a replay interrupted midway is simply run again).
+//!
+//! A server that stops [drains](Jobs::drain) them: no new job starts, running ones get
+//! a grace period to finish, and those still running then are cancelled — they stop once
+//! their copies in flight are confirmed, leaving the rest of their entries in the DLQ
+//! (handed back: a new run on a running server picks them up).
 
 use reliq_core::{Progress, seam::lock};
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::audit::{AuditLog, AuditRecord};
 use crate::error::AdminError;
@@ -66,6 +73,24 @@ struct Job {
 #[derive(Default)]
 pub struct Jobs {
     jobs: Mutex<HashMap<String, Arc<Job>>>,
+    /// Every job's task, for [`Jobs::drain`].
+    tasks: TaskTracker,
+    /// Set by [`Jobs::drain`]: no new job starts.
+    draining: AtomicBool,
+}
+
+/// What [`Jobs::drain`] did with the jobs running when the server stopped.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Drained {
+    /// Jobs that ended within the grace period.
+    pub finished: usize,
+    /// Jobs cancelled at the end of the grace period that stopped cleanly: their copies
+    /// in flight confirmed, what they had not reached still in the DLQ.
+    pub handed_back: usize,
+    /// Jobs that had not stopped when the server gave up waiting (the broker did not
+    /// confirm their last copies): their entries are still in the DLQ, and an entry
+    /// whose copy was in flight may be replayed once more by the next run.
+    pub abandoned: usize,
 }
 
 impl std::fmt::Debug for Jobs {
@@ -103,6 +128,7 @@ impl JobContext {
 impl Jobs {
     /// Start `run` as a job of `operation` on `consumer`'s DLQ for `actor`; its end is
     /// written to `audit`.
+    /// Refused with [`AdminError::ShuttingDown`] once the server drains.
     pub fn spawn<F>(
         &self,
         operation: &'static str,
@@ -111,10 +137,13 @@ impl Jobs {
         filter: &FilterSpec,
         audit: Arc<AuditLog>,
         run: impl FnOnce(JobContext) -> F,
-    ) -> JobView
+    ) -> Result<JobView, AdminError>
     where
         F: Future<Output = Result<RunOutcome, AdminError>> + Send + 'static,
     {
+        if self.is_draining() {
+            return Err(AdminError::ShuttingDown);
+        }
         let id = uuid::Uuid::now_v7().to_string();
         let job = Arc::new(Job {
             cancel: CancellationToken::new(),
@@ -135,7 +164,7 @@ impl Jobs {
         lock(&self.jobs).insert(id.clone(), job.clone());
         let task = run(JobContext { job: job.clone() });
         let filter = filter.clone();
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             let result = task.await;
             let mut view = lock(&job.view);
             view.finished_at = Some(reliq_core::seam::headers::format_time(SystemTime::now()));
@@ -180,7 +209,45 @@ impl Jobs {
                 ..AuditRecord::default()
             });
         });
-        view
+        Ok(view)
+    }
+
+    /// Whether the server is stopping (no new job starts; `/readyz` answers 503).
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Stop starting jobs, give the running ones `grace` to finish, then cancel the rest
+    /// and wait up to `hand_back` for them to stop (each end is audited as usual).
+    pub async fn drain(&self, grace: Duration, hand_back: Duration) -> Drained {
+        self.draining.store(true, Ordering::Release);
+        self.tasks.close();
+        let running = |jobs: &Self| {
+            lock(&jobs.jobs)
+                .values()
+                .filter(|j| lock(&j.view).state == JobState::Running)
+                .count()
+        };
+        let at_start = running(self);
+        if tokio::time::timeout(grace, self.tasks.wait()).await.is_ok() {
+            return Drained {
+                finished: at_start,
+                ..Drained::default()
+            };
+        }
+        let cancelled = running(self);
+        for job in lock(&self.jobs).values() {
+            job.cancel.cancel();
+        }
+        let stopped = tokio::time::timeout(hand_back, self.tasks.wait())
+            .await
+            .is_ok();
+        let abandoned = if stopped { 0 } else { running(self) };
+        Drained {
+            finished: at_start - cancelled,
+            handed_back: cancelled - abandoned,
+            abandoned,
+        }
     }
 
     /// The job `id`.
@@ -212,5 +279,63 @@ impl Jobs {
             .ok_or_else(|| AdminError::NoSuchJob(id.chars().take(80).collect()))?;
         job.cancel.cancel();
         Ok(lock(&job.view).clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_drain_lets_quick_jobs_finish_hands_back_slow_ones_and_refuses_new_ones() {
+        let jobs = Jobs::default();
+        let audit = Arc::new(AuditLog::tracing_only());
+        let filter = FilterSpec::default();
+        let spawn =
+            |run: std::pin::Pin<
+                Box<dyn Future<Output = Result<RunOutcome, AdminError>> + Send>,
+            >| jobs.spawn("replay", "billing", "ada", &filter, audit.clone(), |_| run);
+        spawn(Box::pin(async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            Ok(RunOutcome::default())
+        }))
+        .expect("quick");
+        // Stops when cancelled, like the replay engine once its copies are confirmed.
+        let handed = jobs
+            .spawn("replay", "billing", "ada", &filter, audit.clone(), |ctx| {
+                let cancel = ctx.cancel();
+                async move {
+                    cancel.cancelled().await;
+                    Ok(RunOutcome {
+                        cancelled: true,
+                        ..RunOutcome::default()
+                    })
+                }
+            })
+            .expect("slow");
+        // Never stops (a broker that never confirms).
+        spawn(Box::pin(std::future::pending())).expect("stuck");
+
+        let drained = jobs
+            .drain(Duration::from_millis(300), Duration::from_millis(300))
+            .await;
+        assert_eq!(
+            drained,
+            Drained {
+                finished: 1,
+                handed_back: 1,
+                abandoned: 1
+            }
+        );
+        assert_eq!(
+            jobs.get(&handed.id).expect("listed").state,
+            JobState::Cancelled
+        );
+        assert!(jobs.is_draining());
+        let refused = spawn(Box::pin(async { Ok(RunOutcome::default()) }));
+        assert!(
+            matches!(refused, Err(AdminError::ShuttingDown)),
+            "{refused:?}"
+        );
     }
 }

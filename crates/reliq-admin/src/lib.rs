@@ -18,7 +18,10 @@
 //!   (sign-in with a token, a session cookie, a CSRF token on every form that changes
 //!   something, the role checked on every post).
 //!
-//! The `reliq` command (crate `reliq-cli`) is clap over [`Dlq`] and [`http::serve`].
+//! - [`serve`]: the API as a service — its own TLS with certificate reload, `/healthz`
+//!   and `/readyz`, and a stop that drains running jobs ([`ServeOptions`]).
+//!
+//! The `reliq` command (crate `reliq-cli`) is clap over [`Dlq`] and [`serve`].
 
 mod audit;
 mod auth;
@@ -28,6 +31,7 @@ mod filter;
 pub mod http;
 mod jobs;
 mod ops;
+mod server;
 mod sessions;
 mod state;
 mod throttle;
@@ -36,10 +40,11 @@ pub use audit::{AuditLog, AuditRecord};
 pub use auth::{Principal, Refusal, Role, Tokens, hash_token, new_token};
 pub use error::AdminError;
 pub use filter::{FILTER_FIELDS, FilterSpec};
-pub use jobs::{JobContext, JobState, JobView, Jobs};
+pub use jobs::{Drained, JobContext, JobState, JobView, Jobs};
 pub use ops::{
     Dlq, DlqStats, EditOutcome, EditRequest, EntryDetail, EntryList, EntrySummary, FailedEntry,
     Group, MAX_LIST, PurgeRequest, ReplayRequest, Run, RunOutcome,
 };
+pub use server::{ServeOptions, TLS_RELOADS, TlsFiles, load_tls, serve};
 pub use sessions::SESSION_COOKIE;
 pub use throttle::{AuthBudget, REFUSED_REQUESTS};

@@ -27,6 +27,8 @@ pub struct AdminState {
     pub(crate) metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     /// Failed authentications per client address.
     pub(crate) throttle: AuthThrottle,
+    /// How long `/readyz` waits for the broker's answer.
+    pub(crate) ready_timeout: std::time::Duration,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -51,6 +53,7 @@ impl AdminState {
             secure_cookies: false,
             metrics: None,
             throttle: AuthThrottle::new(AuthBudget::default()),
+            ready_timeout: std::time::Duration::from_secs(3),
         }
     }
 
@@ -74,6 +77,18 @@ impl AdminState {
     pub fn with_metrics(mut self, handle: metrics_exporter_prometheus::PrometheusHandle) -> Self {
         self.metrics = Some(handle);
         self
+    }
+
+    /// How long `GET /readyz` waits for the broker to answer before it says 503
+    /// (default 3 s; keep it under the probe's own timeout).
+    pub fn with_ready_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.ready_timeout = timeout;
+        self
+    }
+
+    /// The server's jobs (for [`Jobs::drain`](crate::jobs::Jobs::drain) at shutdown).
+    pub fn jobs(&self) -> &Jobs {
+        &self.jobs
     }
 
     /// Mark the console's session cookie `Secure`: the server is reached over TLS (a

@@ -350,40 +350,11 @@ pub(crate) enum TopologyCommand {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum AdminCommand {
-    /// Serve the admin HTTP API (stops on Ctrl-C / SIGINT).
-    Serve {
-        #[command(flatten)]
-        broker: BrokerArgs,
-        /// Address to listen on (port 0: any free port, printed on start).
-        #[arg(long, default_value = "127.0.0.1:8080")]
-        listen: String,
-        /// The tokens file (see `reliq admin token`); read again when it changes.
-        #[arg(long, env = "RELIQ_ADMIN_TOKENS")]
-        tokens: PathBuf,
-        /// Append every request's audit record to this file (JSON lines).
-        #[arg(long, env = "RELIQ_ADMIN_AUDIT_LOG")]
-        audit_log: Option<PathBuf>,
-        /// Largest request body, bytes.
-        #[arg(long, default_value_t = 1024 * 1024)]
-        max_body_bytes: usize,
-        /// A consumer the web console lists, as name=source, and its policy's retry
-        /// tiers after an @ (billing=orders@1s,30s: the backlog of Kafka retry topics and
-        /// RabbitMQ TTL queues is read by them). Repeat for several.
-        #[arg(long = "consumer", value_name = "NAME=SOURCE[@TIERS]")]
-        consumers: Vec<String>,
-        /// Mark the console's session cookie Secure (the server is reached over TLS,
-        /// through a terminating proxy).
-        #[arg(long)]
-        secure_cookies: bool,
-        /// How often the broker-side gauges of the consumers (backlog, retries waiting,
-        /// DLQ depth and oldest age) are read for `GET /metrics`.
-        #[arg(long, default_value = "15s")]
-        metrics_interval: humantime::Duration,
-        /// How often the consumers' topology is checked against their plans for
-        /// `reliq_topology_drift` (first at start).
-        #[arg(long, default_value = "5m")]
-        topology_interval: humantime::Duration,
-    },
+    /// Serve the admin HTTP API and console. Settings come from the flags, then the
+    /// environment, then `--config`, then the defaults shown. Stops on SIGTERM or Ctrl-C:
+    /// readiness turns 503, running jobs finish or are handed back, then the listener
+    /// closes.
+    Serve(Box<ServeArgs>),
     /// Make a token: prints it once, and the entry for the tokens file (its hash).
     Token {
         /// Who it is for (written to the audit log).
@@ -482,4 +453,69 @@ mod guide_commands {
             "only {checked} reliq commands found in the guide"
         );
     }
+}
+
+/// `reliq admin serve`: every setting optional here, so that a config file can give it
+/// (see `serve.rs` for the file and the defaults).
+#[derive(Debug, Args)]
+pub(crate) struct ServeArgs {
+    /// A TOML file with any of these settings (keys as the flags, with `_` for `-`:
+    /// `listen`, `tokens`, `consumers = ["billing=orders@1s,30s"]`, `[tls] cert/key`…).
+    #[arg(long, env = "RELIQ_ADMIN_CONFIG")]
+    pub(crate) config: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) broker: BrokerArgs,
+    /// Address to listen on (port 0: any free port, printed on start) [default:
+    /// 127.0.0.1:8080].
+    #[arg(long, env = "RELIQ_ADMIN_LISTEN")]
+    pub(crate) listen: Option<String>,
+    /// The tokens file (see `reliq admin token`); read again when it changes.
+    #[arg(long, env = "RELIQ_ADMIN_TOKENS")]
+    pub(crate) tokens: Option<PathBuf>,
+    /// Append every request's audit record to this file (JSON lines).
+    #[arg(long, env = "RELIQ_ADMIN_AUDIT_LOG")]
+    pub(crate) audit_log: Option<PathBuf>,
+    /// Largest request body, bytes [default: 1048576].
+    #[arg(long)]
+    pub(crate) max_body_bytes: Option<usize>,
+    /// A consumer the web console lists, as name=source, and its policy's retry
+    /// tiers after an @ (billing=orders@1s,30s: the backlog of Kafka retry topics and
+    /// RabbitMQ TTL queues is read by them). Repeat for several; replaces the file's list.
+    #[arg(long = "consumer", value_name = "NAME=SOURCE[@TIERS]")]
+    pub(crate) consumers: Vec<String>,
+    /// Serve HTTPS with this certificate chain (PEM, leaf first); needs --tls-key.
+    #[arg(long, env = "RELIQ_ADMIN_TLS_CERT", requires = "tls_key")]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    #[arg(long, env = "RELIQ_ADMIN_TLS_KEY", requires = "tls_cert")]
+    pub(crate) tls_key: Option<PathBuf>,
+    /// How often the certificate and key files are read again; a changed pair is
+    /// loaded without a restart [default: 30s].
+    #[arg(long)]
+    pub(crate) tls_reload_every: Option<humantime::Duration>,
+    /// Mark the console's session cookie Secure (always so with --tls-cert; set it when
+    /// a proxy in front terminates TLS).
+    #[arg(long)]
+    pub(crate) secure_cookies: bool,
+    /// How long `/readyz` waits for the broker's answer [default: 3s].
+    #[arg(long)]
+    pub(crate) ready_timeout: Option<humantime::Duration>,
+    /// On stop: how long running replays and purges may take to finish [default: 30s].
+    #[arg(long)]
+    pub(crate) job_grace: Option<humantime::Duration>,
+    /// On stop: how long jobs cancelled after the grace get to confirm their copies in
+    /// flight [default: 30s].
+    #[arg(long)]
+    pub(crate) hand_back: Option<humantime::Duration>,
+    /// On stop: how long open requests get once the listener closes [default: 10s].
+    #[arg(long)]
+    pub(crate) request_grace: Option<humantime::Duration>,
+    /// How often the broker-side gauges of the consumers (backlog, retries waiting,
+    /// DLQ depth and oldest age) are read for `GET /metrics` [default: 15s].
+    #[arg(long)]
+    pub(crate) metrics_interval: Option<humantime::Duration>,
+    /// How often the consumers' topology is checked against their plans for
+    /// `reliq_topology_drift` (first at start) [default: 5m].
+    #[arg(long)]
+    pub(crate) topology_interval: Option<humantime::Duration>,
 }

@@ -22,6 +22,7 @@
 mod args;
 mod progress;
 mod render;
+mod serve;
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -417,65 +418,7 @@ async fn confirm_purge(dlq: &Dlq, spec: &reliq_admin::FilterSpec) -> Result<(), 
 
 async fn admin(command: AdminCommand) -> Result<u8, Failure> {
     match command {
-        AdminCommand::Serve {
-            broker,
-            listen,
-            tokens,
-            audit_log,
-            max_body_bytes,
-            consumers,
-            secure_cookies,
-            metrics_interval,
-            topology_interval,
-        } => {
-            let consumers = consumers
-                .iter()
-                .map(|spec| reliq_admin::http::parse_consumer(spec))
-                .collect::<Result<Vec<_>, _>>()?;
-            let url = broker.url()?;
-            let connected = reliq::connect(&url).await.map_err(|e| {
-                failed(format!(
-                    "connecting to {}: {}",
-                    redact(&url),
-                    reliq::ErrorChain(&e)
-                ))
-            })?;
-            let tokens = reliq_admin::Tokens::open(&tokens)?;
-            let audit = match audit_log {
-                Some(path) => reliq_admin::AuditLog::to_file(path)?,
-                None => reliq_admin::AuditLog::tracing_only(),
-            };
-            let listener = tokio::net::TcpListener::bind(&listen)
-                .await
-                .map_err(|e| bad_input(format!("--listen `{listen}`: {e}")))?;
-            let bound = listener.local_addr().map_err(|e| failed(e.to_string()))?;
-            // The one line a supervisor (or a test) waits for.
-            println!("reliq admin API listening on http://{bound}");
-            eprintln!("web console: http://{bound}/console/");
-            let _ = std::io::stdout().flush();
-            let metrics = metrics_recorder()?;
-            let stop = CancellationToken::new();
-            let _stop_on_exit = stop.clone().drop_guard();
-            tokio::spawn(
-                reliq::BacklogGauges::new(connected.clone(), consumers.clone())
-                    .every(*metrics_interval)
-                    .check_topology_every(*topology_interval)
-                    .run(stop.clone()),
-            );
-            let state = Arc::new(
-                reliq_admin::http::AdminState::new(connected, tokens, audit)
-                    .with_consumers(consumers)
-                    .with_metrics(metrics)
-                    .secure_cookies(secure_cookies),
-            );
-            let limits = reliq_admin::http::Limits { max_body_bytes };
-            reliq_admin::http::serve(listener, state, limits, async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await
-            .map_err(|e| failed(format!("serving: {e}")))?;
-            Ok(0)
-        }
+        AdminCommand::Serve(args) => serve::serve(*args).await,
         AdminCommand::Token {
             name,
             role,

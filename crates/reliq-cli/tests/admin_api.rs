@@ -623,3 +623,181 @@ async fn metrics_need_a_token_show_the_dlq_depth_and_only_refusals_are_audited()
     );
     Ok(())
 }
+
+/// A self-signed certificate for 127.0.0.1: (certificate PEM, key PEM).
+fn test_certificate() -> anyhow::Result<(String, String)> {
+    let made = rcgen::generate_simple_self_signed(vec!["127.0.0.1".into(), "localhost".into()])?;
+    Ok((made.cert.pem(), made.signing_key.serialize_pem()))
+}
+
+/// An HTTPS client that trusts only `cert_pem`.
+fn trusting(cert_pem: &str) -> anyhow::Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .tls_certs_only([reqwest::Certificate::from_pem(cert_pem.as_bytes())?])
+        .timeout(Duration::from_secs(10))
+        .build()?)
+}
+
+/// `GET url`: (status, JSON body).
+async fn probe(http: &reqwest::Client, url: &str) -> anyhow::Result<(u16, Value)> {
+    let r = http.get(url).send().await?;
+    Ok((r.status().as_u16(), r.json().await?))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn served_over_tls_from_a_config_file_ready_follows_the_broker_and_a_new_certificate_loads()
+-> anyhow::Result<()> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let nats: std::net::SocketAddr = url("nats")
+        .trim_start_matches("nats://")
+        .parse()
+        .context("RELIQ_NATS_URL is nats://host:port")?;
+    let proxy = reliq_integration::proxy::FaultProxy::start(nats).await?;
+    let dir = tempfile::tempdir()?;
+    let (cert, key) = test_certificate()?;
+    let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    std::fs::write(&cert_path, &cert)?;
+    std::fs::write(&key_path, &key)?;
+    let tokens = dir.path().join("tokens.toml");
+    std::fs::write(&tokens, token("rita-reader", "reader", None)?.entry)?;
+    let config = dir.path().join("admin.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "url = \"nats://{}\"\nlisten = \"127.0.0.1:0\"\ntokens = {:?}\nready_timeout = \"1s\"\n\
+             job_grace = \"1s\"\n[tls]\ncert = {:?}\nkey = {:?}\nreload_every = \"200ms\"\n",
+            proxy.addr(),
+            tokens.display().to_string(),
+            cert_path.display().to_string(),
+            key_path.display().to_string(),
+        ),
+    )?;
+    let mut child = support::reliq()
+        .args(["admin", "serve", "--config"])
+        .arg(&config)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().context("stdout")?),
+        &mut line,
+    )?;
+    let base = line
+        .trim()
+        .strip_prefix("reliq admin API listening on ")
+        .with_context(|| format!("first line: {line:?}"))?
+        .to_owned();
+    ensure!(base.starts_with("https://127.0.0.1:"), "{base}");
+
+    let http = trusting(&cert)?;
+    let (status, body) = probe(&http, &format!("{base}/healthz")).await?;
+    ensure!(
+        status == 200 && body["status"] == "alive",
+        "{status} {body}"
+    );
+    let (status, body) = probe(&http, &format!("{base}/readyz")).await?;
+    ensure!(
+        status == 200 && body["status"] == "ready" && body["broker"] == "nats",
+        "{status} {body}"
+    );
+    // Plain HTTP to the TLS port gets no answer.
+    let plain = base.replacen("https://", "http://", 1);
+    ensure!(
+        reqwest::Client::new()
+            .get(format!("{plain}/healthz"))
+            .send()
+            .await
+            .is_err(),
+        "plain HTTP answered on the TLS port"
+    );
+
+    // The broker goes silent: not ready (within the 1 s ready timeout), then ready again.
+    proxy.stall();
+    let started = std::time::Instant::now();
+    let (status, body) = probe(&http, &format!("{base}/readyz")).await?;
+    ensure!(
+        status == 503 && body["status"] == "unready",
+        "{status} {body}"
+    );
+    ensure!(
+        started.elapsed() < Duration::from_secs(3),
+        "503 after {:?}",
+        started.elapsed()
+    );
+    let (status, _) = probe(&http, &format!("{base}/healthz")).await?;
+    ensure!(status == 200, "alive while the broker is silent: {status}");
+    proxy.resume();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let (status, body) = probe(&http, &format!("{base}/readyz")).await?;
+        if status == 200 {
+            break;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "not ready 20 s after the broker is back: {status} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    // A renewed certificate on disk is served without a restart.
+    let (cert2, key2) = test_certificate()?;
+    std::fs::write(&key_path, &key2)?;
+    std::fs::write(&cert_path, &cert2)?;
+    let renewed = trusting(&cert2)?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while renewed.get(format!("{base}/healthz")).send().await.is_err() {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the renewed certificate is not served 10 s after it was written"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A new connection (the open ones keep the certificate they began with).
+    ensure!(
+        trusting(&cert)?
+            .get(format!("{base}/healthz"))
+            .send()
+            .await
+            .is_err(),
+        "the old certificate is still served to new connections"
+    );
+
+    // SIGTERM: a clean stop.
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()?;
+    ensure!(killed.success(), "kill -TERM failed");
+    let status = child.wait()?;
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().context("stderr")?, &mut err)?;
+    ensure!(status.code() == Some(0), "exit {status:?}: {err}");
+    ensure!(err.contains("stopped: 0 job(s) finished"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn a_config_file_with_an_unknown_key_or_a_bad_value_fails_at_start_naming_it() -> anyhow::Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    for (text, names) in [
+        ("lisen = \"127.0.0.1:0\"\n", "lisen"),
+        ("tokens = \"t.toml\"\njob_grace = \"soon\"\n", "job_grace"),
+        ("tokens = \"t.toml\"\n[tls]\ncert = \"c.pem\"\n", "key"),
+    ] {
+        let config = dir.path().join("admin.toml");
+        std::fs::write(&config, text)?;
+        let (code, out, err) = support::run(
+            support::reliq()
+                .args(["admin", "serve", "--url", "memory://", "--config"])
+                .arg(&config),
+        )?;
+        ensure!(code == 2, "{text}: exit {code}\n{out}{err}");
+        ensure!(
+            err.contains(names) && err.contains("--config"),
+            "{text}: {err}"
+        );
+    }
+    Ok(())
+}

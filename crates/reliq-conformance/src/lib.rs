@@ -99,6 +99,7 @@ macro_rules! conformance_suite {
             operator_replay_dry_run_then_at_a_rate,
             operator_edit_and_purge,
             reads_of_an_unknown_consumer_create_nothing,
+            ping_answers_and_creates_nothing,
             backlog_follows_waiting_in_flight_and_retries,
             rate_limit_holds_over_a_backlog,
             topology_check_names_each_difference_from_the_plan,

@@ -791,6 +791,25 @@ pub async fn topology_check_names_each_difference_from_the_plan(
     Ok(())
 }
 
+/// `ping` (the admin server's `/readyz`) answers on a reachable broker and creates
+/// nothing, however often it is called.
+pub async fn ping_answers_and_creates_nothing(b: &dyn Backend) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "op-ping").await?;
+    let before = b.objects(&ctx.broker, &ctx.topic).await?;
+    for n in 0..3 {
+        tokio::time::timeout(Duration::from_secs(10), ctx.broker.ping())
+            .await
+            .map_err(|_| anyhow::anyhow!("ping {n}: no answer within 10 s"))?
+            .map_err(|e| anyhow::anyhow!("ping {n}: {e}"))?;
+    }
+    let after = b.objects(&ctx.broker, &ctx.topic).await?;
+    ensure!(
+        before == after,
+        "ping changed the broker's objects: {before:?} -> {after:?}"
+    );
+    Ok(())
+}
+
 /// A look never changes the broker. Every read of the operator plane — stats, `ls`,
 /// `show`, count, the DLQ reader itself, the backlog, the plan and the live topology — of
 /// a consumer that never subscribed (of this test's source, and of a source that does not

@@ -35,6 +35,11 @@ pub trait Broker: Send + Sync + 'static {
     /// What this backend can and cannot do.
     fn capabilities(&self) -> Capabilities;
 
+    /// One round trip to the broker that changes nothing — a readiness probe (`/readyz`
+    /// of the admin server). `Ok` means the broker answered just now, not that a cached
+    /// connection state says it is up. Callers bound it with their own deadline.
+    async fn ping(&self) -> Result<(), BrokerError>;
+
     /// Publish and wait for the broker's confirmation.
     async fn publish(&self, destination: &Destination, message: Message)
     -> Result<(), BrokerError>;

@@ -159,6 +159,10 @@ impl Broker for MeteredBroker {
         self.inner.dead_letters(subscription).await
     }
 
+    async fn ping(&self) -> Result<(), BrokerError> {
+        self.inner.ping().await
+    }
+
     async fn backlog(&self, subscription: &Subscription) -> Result<Backlog, BrokerError> {
         self.inner.backlog(subscription).await
     }
@@ -225,6 +229,9 @@ mod tests {
             &self,
             _: &Subscription,
         ) -> Result<Box<dyn DeadLetters>, BrokerError> {
+            Err(BrokerError::Closed)
+        }
+        async fn ping(&self) -> Result<(), BrokerError> {
             Err(BrokerError::Closed)
         }
         async fn backlog(&self, _: &Subscription) -> Result<Backlog, BrokerError> {

@@ -87,6 +87,12 @@ impl Broker for KafkaBroker {
         self.inner.inspect(subscription, plan).await
     }
 
+    /// A metadata request answered by a broker of the cluster (librdkafka's cached
+    /// metadata is not enough: it outlives the cluster).
+    async fn ping(&self) -> Result<(), BrokerError> {
+        self.topic_names().await.map(drop)
+    }
+
     /// The group's lag on the source and each relay group's on its retry topic.
     async fn backlog(
         &self,

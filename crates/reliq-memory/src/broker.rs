@@ -262,6 +262,11 @@ impl Broker for MemoryBroker {
         Ok(live)
     }
 
+    /// In process: always reachable.
+    async fn ping(&self) -> Result<(), BrokerError> {
+        Ok(())
+    }
+
     /// Ready messages, unsettled deliveries, and the delayed ones (retries, and the
     /// runtime's delayed releases after a failed settle) as retries in place.
     async fn backlog(&self, subscription: &Subscription) -> Result<Backlog, BrokerError> {

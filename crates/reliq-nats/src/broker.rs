@@ -60,6 +60,11 @@ impl Broker for NatsBroker {
         Ok(Box::new(self.pull_receiver(consumer, subscription).await?))
     }
 
+    /// A JetStream account-info request: the server and its JetStream both answered.
+    async fn ping(&self) -> Result<(), BrokerError> {
+        self.ping_jetstream().await
+    }
+
     async fn backlog(
         &self,
         subscription: &Subscription,

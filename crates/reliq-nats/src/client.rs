@@ -291,6 +291,16 @@ impl NatsBroker {
         Ok(())
     }
 
+    /// A JetStream account-info request (the `ping` of the seam).
+    pub(crate) async fn ping_jetstream(&self) -> Result<(), BrokerError> {
+        self.inner
+            .js
+            .query_account()
+            .await
+            .map(drop)
+            .map_err(api("reading the JetStream account info"))
+    }
+
     /// The subscription's source stream, as the server describes it.
     async fn source_stream(
         &self,

@@ -61,9 +61,6 @@ fn violation_for(action: &str) -> Option<String> {
         .cloned()
 }
 
-/// A failed JetStream API request, kept with `action` as a [`NatsError`] inside
-/// [`BrokerError::Other`] — or [`BrokerError::Unauthorized`] naming the subject when the
-/// server reported refusing this user a subject of the same stream or consumer.
 /// JetStream answered that the stream does not exist (not a lost connection, not a
 /// refusal).
 pub(crate) fn stream_not_found(e: &async_nats::jetstream::context::GetStreamError) -> bool {
@@ -74,6 +71,9 @@ pub(crate) fn stream_not_found(e: &async_nats::jetstream::context::GetStreamErro
     )
 }
 
+/// A failed JetStream API request, kept with `action` as a [`NatsError`] inside
+/// [`BrokerError::Other`] — or [`BrokerError::Unauthorized`] naming the subject when the
+/// server reported refusing this user a subject of the same stream or consumer.
 pub(crate) fn api<E>(action: impl Into<String>) -> impl FnOnce(E) -> BrokerError
 where
     E: Into<BoxError>,

@@ -102,6 +102,12 @@ impl Broker for RabbitBroker {
         crate::inspect::inspect(&self.inner, subscription, plan).await
     }
 
+    /// Opens a channel and closes it (two round trips on the connection, reconnecting
+    /// first when it was lost).
+    async fn ping(&self) -> Result<(), BrokerError> {
+        self.inner.ping().await
+    }
+
     /// Ready messages of the consumer queue and each TTL queue; unacknowledged ones from
     /// the management API when [`RabbitOptions::management_url`](crate::options::RabbitOptions::management_url) is set.
     async fn backlog(

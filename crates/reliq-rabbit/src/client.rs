@@ -155,6 +155,14 @@ impl Inner {
         }
     }
 
+    /// A channel opened and closed: the broker answered both (the `ping` of the seam).
+    pub(crate) async fn ping(&self) -> Result<(), BrokerError> {
+        let ch = self.channel().await?;
+        ch.close(200, "reliq ping".into())
+            .await
+            .map_err(|e| RabbitError::client("closing a channel", e))
+    }
+
     /// A new channel on a live connection.
     pub(crate) async fn channel(&self) -> Result<Channel, BrokerError> {
         let conn = self.connection().await?;

@@ -111,6 +111,11 @@ impl Broker for SqsBroker {
         self.inspect_topology(plan).await
     }
 
+    /// One `ListQueues` call (at most one name back).
+    async fn ping(&self) -> Result<(), BrokerError> {
+        self.list_one_queue().await
+    }
+
     /// The consumer queue's approximate counts: visible and delayed are waiting, not
     /// visible is in flight (a retry waits there too: its visibility timeout is its delay).
     async fn backlog(

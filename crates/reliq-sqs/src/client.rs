@@ -757,6 +757,18 @@ impl SqsBroker {
             .unwrap_or(0))
     }
 
+    /// One `ListQueues` call returning at most one URL (the `ping` of the seam).
+    pub(crate) async fn list_one_queue(&self) -> Result<(), BrokerError> {
+        self.inner
+            .client
+            .list_queues()
+            .max_results(1)
+            .send()
+            .await
+            .map(drop)
+            .map_err(|e| sdk_error("ListQueues", e))
+    }
+
     /// The URL of every queue whose name starts with `prefix` (ListQueues, every page).
     async fn queue_urls(&self, prefix: &str) -> Result<Vec<String>, BrokerError> {
         let mut urls = Vec::new();

@@ -534,6 +534,10 @@ async fn run(
         state.audit.clone(),
         |ctx| async move { dlq.run(&run, ctx.progress(), ctx.cancel()).await },
     );
+    let job = match job {
+        Ok(job) => job,
+        Err(e) => return failed(note, e),
+    };
     note.job = Some(job.id.clone());
     redirect(note, &format!("/console/jobs/{}", job.id))
 }

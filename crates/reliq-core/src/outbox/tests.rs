@@ -134,6 +134,9 @@ impl Broker for TestBroker {
             what: "dead_letters",
         })
     }
+    async fn ping(&self) -> Result<(), BrokerError> {
+        Ok(())
+    }
     async fn backlog(&self, _: &Subscription) -> Result<crate::backlog::Backlog, BrokerError> {
         Err(BrokerError::Unsupported {
             backend: "test",

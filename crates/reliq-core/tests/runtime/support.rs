@@ -110,6 +110,9 @@ impl reliq_core::Broker for Misbehaving {
     fn capabilities(&self) -> reliq_core::Capabilities {
         self.inner.capabilities()
     }
+    async fn ping(&self) -> Result<(), reliq_core::BrokerError> {
+        self.inner.ping().await
+    }
     async fn publish(&self, d: &Destination, m: Message) -> Result<(), reliq_core::BrokerError> {
         self.inner.publish(d, m).await
     }
