@@ -551,8 +551,8 @@ async fn append_to_ledger(
         .await
 }
 
-/// Run `declare` — which declares `names`' dead-letter objects, among others — and when it
-/// created the removal ledger, append one empty record to it: an empty stream can only be
+/// Run `declare` — which declares `names`' dead-letter objects, among others — and when
+/// the removal ledger is empty (just created), append one empty record to it: an empty stream can only be
 /// told from a slow one by waiting (`EMPTY_PROBE`), so a ledger holding a record lets every
 /// read of it end at once. Declaring is the one place that writes it: opening a reader
 /// changes nothing.
@@ -561,9 +561,11 @@ pub(crate) async fn declaring<T>(
     names: &Names,
     declare: impl Future<Output = Result<T, BrokerError>>,
 ) -> Result<T, BrokerError> {
-    let new_ledger = message_count(inner, &names.removed).await?.is_none();
+    // Checked after the declare, not before with a passive one: a passive declare of a
+    // missing queue closes its channel with a 404, which the client logs as an error on
+    // every first subscribe.
     let declared = declare.await?;
-    if new_ledger {
+    if last_chunk_start(inner, &names.removed).await?.is_none() {
         append_to_ledger(inner, &names.removed, &LedgerRecord::default()).await?;
     }
     Ok(declared)
