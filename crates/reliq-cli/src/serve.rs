@@ -84,9 +84,9 @@ fn read_file(path: &Path) -> Result<ServeFile, Failure> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| bad_input(format!("--config {}: {e}", path.display())))?;
     toml::from_str(&text).map_err(|e| {
-        // toml's message names the key and the line; keep it on one line.
-        let why = e.to_string().replace('\n', " ");
-        bad_input(format!("--config {}: {why}", path.display()))
+        // The message only (it names the key): toml's full report quotes the line, and
+        // that line may be `url = "…"` with a password in it.
+        bad_input(format!("--config {}: {}", path.display(), e.message()))
     })
 }
 
