@@ -4,7 +4,8 @@
 //! count; a message's payload and reason; a dry-run group replay that changes nothing; the
 //! replay at a rate, its job finished and the consumer's count up by exactly that many;
 //! edit-and-replay; a purge; a reader who finds no action and whose forged post is refused;
-//! a post without the CSRF token refused; sign-out. Each step saves a screenshot to
+//! a post without the CSRF token refused; sign-out; a payload with a script in it shown as
+//! text and run by nothing (the content security policy). Each step saves a screenshot to
 //! `<target>/console-screenshots/`.
 
 mod support;
@@ -674,6 +675,100 @@ async fn console_by_keyboard_and_at_a_narrow_width() -> anyhow::Result<()> {
     .await;
     if result.is_err() {
         let _ = shots.take(&c, "keyboard-failure").await;
+    }
+    let _ = c.close().await;
+    handle.shutdown().await;
+    result
+}
+
+/// A payload that carries markup — a script element, an event handler, a closing tag for
+/// the page's own textarea — is shown as text on the message page and nothing in it runs.
+/// And should an escape ever slip, the page's policy still runs no inline script: one
+/// added to the page is refused by the browser (a `securitypolicyviolation`) and never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_script_in_a_payload_does_not_run_on_the_message_page() -> anyhow::Result<()> {
+    let broker: Arc<dyn Broker> = Arc::new(reliq_memory::MemoryBroker::new());
+    let (name, source) = (unique("csp"), unique("csp-src"));
+    let (handle, _effects) = consumer_failing(broker.clone(), &name, &source, true).await?;
+    let hostile = r#"</textarea></pre><script>document.title='ran';window.ran=1</script><img src=x onerror="window.ran=2">"#;
+    let parked = Message::new(hostile);
+    let id = parked.id().clone();
+    broker
+        .publish(&Destination::new(source.clone()), parked)
+        .await?;
+    wait_for(
+        "the hostile payload parked",
+        Duration::from_secs(30),
+        || handle.stats().dead_lettered == 1,
+    )
+    .await?;
+    let served = serve(
+        broker.clone(),
+        vec![Subscription::new(name.clone(), source.clone())],
+    )
+    .await?;
+    let shots = Shots::new("memory")?;
+    let driver = driver().await?;
+    let c = browser(&driver, &served.dir.path().join("profile")).await?;
+    let base = served.base.clone();
+    let result = async {
+        sign_in(&c, &base, &served.operator).await?;
+        c.goto(&format!("{base}/console/consumers/{name}/entries/{id}"))
+            .await?;
+        // The payload, as text, in the payload box and in the edit form.
+        let shown = el(&c, Locator::Css("[data-testid=payload]"))
+            .await?
+            .text()
+            .await?;
+        ensure!(shown.contains("<script>"), "the payload shown: {shown}");
+        let edit = el(&c, Locator::Css("#payload"))
+            .await?
+            .prop("value")
+            .await?;
+        ensure!(
+            edit.as_deref() == Some(hostile),
+            "the edit form holds {edit:?}"
+        );
+        // Give an image's error handler its chance, then: nothing ran.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let ran = c
+            .execute("return [document.title, window.ran === undefined];", vec![])
+            .await?;
+        ensure!(
+            ran[1] == serde_json::json!(true) && ran[0] != serde_json::json!("ran"),
+            "the payload's script ran: {ran}"
+        );
+        // The policy itself: an inline script added to the page is refused and never runs.
+        let refused = c
+            .execute_async(
+                r#"const done = arguments[arguments.length - 1];
+                   const seen = [];
+                   document.addEventListener('securitypolicyviolation',
+                       e => seen.push(e.violatedDirective));
+                   const s = document.createElement('script');
+                   s.textContent = 'window.inline = 1';
+                   document.body.appendChild(s);
+                   setTimeout(() => done([window.inline === undefined, seen]), 300);"#,
+                vec![],
+            )
+            .await?;
+        ensure!(
+            refused[0] == serde_json::json!(true),
+            "an inline script ran under the policy: {refused}"
+        );
+        let directives = refused[1].as_array().context("the violations")?;
+        ensure!(
+            directives
+                .iter()
+                .any(|d| d.as_str().is_some_and(|d| d.starts_with("script-src"))),
+            "no script-src violation reported: {refused}"
+        );
+        shots.take(&c, "hostile-payload").await?;
+        Ok(())
+    }
+    .await;
+    if result.is_err() {
+        let _ = shots.take(&c, "hostile-payload-failure").await;
     }
     let _ = c.close().await;
     handle.shutdown().await;
