@@ -18,6 +18,11 @@ use crate::Failure;
 pub(crate) struct Cli {
     #[command(subcommand)]
     pub(crate) command: Command,
+    /// More detail on stderr: `-v` every log line as it comes (a client library's
+    /// repeated connection errors are otherwise folded into one line per cause) at the
+    /// info level, `-vv` at the debug level. `RUST_LOG` overrides the level.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub(crate) verbose: u8,
 }
 
 #[derive(Debug, Subcommand)]
@@ -53,6 +58,9 @@ pub(crate) struct BrokerArgs {
     /// `RELIQ_<NAME>_URL` from the environment or ./brokers.env.
     #[arg(long, env = "RELIQ_BACKEND", conflicts_with_all = ["url", "url_file"])]
     pub(crate) backend: Option<String>,
+    /// How long to try to reach the broker before giving up (exit 1 naming the URL).
+    #[arg(long, env = "RELIQ_CONNECT_TIMEOUT", default_value = "10s")]
+    pub(crate) connect_timeout: humantime::Duration,
 }
 
 impl BrokerArgs {
@@ -120,12 +128,6 @@ pub(crate) struct Target {
     /// One JSON document on stdout instead of text.
     #[arg(long)]
     pub(crate) json: bool,
-}
-
-impl Target {
-    pub(crate) fn url(&self) -> Result<String, Failure> {
-        self.broker.url()
-    }
 }
 
 /// Which dead letters (every flag given must hold).

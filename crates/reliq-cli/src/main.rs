@@ -20,6 +20,7 @@
 //! plan (`topology check`: a breaking difference, or any with `--fail-on any`).
 
 mod args;
+mod fold;
 mod progress;
 mod render;
 mod serve;
@@ -32,7 +33,9 @@ use clap::Parser;
 use reliq_admin::{AdminError, Dlq, EditRequest, PurgeRequest, ReplayRequest, Run};
 use tokio_util::sync::CancellationToken;
 
-use crate::args::{AdminCommand, Cli, Command, DlqCommand, FailOn, Target, TopologyCommand};
+use crate::args::{
+    AdminCommand, BrokerArgs, Cli, Command, DlqCommand, FailOn, Target, TopologyCommand,
+};
 
 /// Exit codes (documented in the module docs and `--help`).
 const FAILED: u8 = 1;
@@ -43,15 +46,14 @@ const DRIFT: u8 = 5;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // Logs to stderr, warnings and up unless RUST_LOG says otherwise: stdout is the
-    // command's answer.
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .init();
+    // A service's log is every line (journald, a collector); a command's is folded.
+    let serving = matches!(
+        &cli.command,
+        Command::Admin {
+            command: AdminCommand::Serve(_)
+        }
+    );
+    let folded = logs(cli.verbose, !serving);
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -59,13 +61,49 @@ fn main() -> ExitCode {
             return ExitCode::from(FAILED);
         }
     };
-    match runtime.block_on(run(cli)) {
+    let result = runtime.block_on(run(cli));
+    // A request given up on (a broker not reached in time) may still wait in a blocking
+    // client call: the command's answer does not wait for it.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
+    if let Some(fold) = folded {
+        let (lines, causes) = fold.held_back();
+        if lines > 0 {
+            eprintln!(
+                "reliq: {lines} repeats of {causes} log line(s) above not shown (-v shows every line)"
+            );
+        }
+    }
+    match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("reliq: {}", e.message);
             ExitCode::from(e.code)
         }
     }
+}
+
+/// Logs to stderr (stdout is the command's answer): warnings and up, folded to one line
+/// per cause (see [`fold`]) when `fold`; `-v` every line from info up, `-vv` from debug.
+/// `RUST_LOG` sets the level instead. Colours only on a terminal.
+fn logs(verbose: u8, fold: bool) -> Option<fold::Fold> {
+    use tracing_subscriber::prelude::*;
+    let level = match verbose {
+        0 => "warn",
+        1 => "info",
+        _ => "debug",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
+    let folding = (fold && verbose == 0).then(fold::Fold::default);
+    let lines = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_filter(folding.clone());
+    tracing_subscriber::registry()
+        .with(filter)
+        .with(lines)
+        .init();
+    folding
 }
 
 /// A command's failure: what to print and the exit code.
@@ -110,23 +148,64 @@ async fn connect(target: &Target) -> Result<Dlq, Failure> {
     subscription
         .check_names()
         .map_err(|e| bad_input(e.to_string()))?;
-    Ok(Dlq::new(connect_broker(target).await?, subscription)?)
+    Ok(Dlq::new(
+        connect_broker(&target.broker, Reach::Answered).await?,
+        subscription,
+    )?)
 }
 
-async fn connect_broker(target: &Target) -> Result<Arc<dyn reliq::Broker>, Failure> {
-    let url = target.url()?;
-    reliq::connect(&url).await.map_err(|e| {
-        let code = match e {
-            reliq::ConnectError::NoScheme { .. }
-            | reliq::ConnectError::UnknownScheme { .. }
-            | reliq::ConnectError::FeatureDisabled { .. } => BAD_INPUT,
-            _ => FAILED,
-        };
-        Failure {
-            message: format!("connecting to {}: {}", redact(&url), reliq::ErrorChain(&e)),
-            code,
+/// How far [`connect_broker`] goes before it hands the broker over.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// The client made (a command that only computes, like `topology plan`; a server
+    /// that starts before its broker and says so on `/readyz`).
+    Client,
+    /// The broker answered a ping.
+    Answered,
+}
+
+/// The broker `args` names, within `--connect-timeout`: a broker that is down, or a
+/// listener that never answers, ends the command then with one line naming the URL
+/// (the client library's own reconnect loop would otherwise set the pace).
+pub(crate) async fn connect_broker(
+    args: &BrokerArgs,
+    reach: Reach,
+) -> Result<Arc<dyn reliq::Broker>, Failure> {
+    let url = args.url()?;
+    let bound = *args.connect_timeout;
+    let connecting = async {
+        let broker = reliq::connect(&url).await.map_err(|e| {
+            let code = match e {
+                reliq::ConnectError::NoScheme { .. }
+                | reliq::ConnectError::UnknownScheme { .. }
+                | reliq::ConnectError::FeatureDisabled { .. } => BAD_INPUT,
+                _ => FAILED,
+            };
+            Failure {
+                message: format!("connecting to {}: {}", redact(&url), reliq::ErrorChain(&e)),
+                code,
+            }
+        })?;
+        if reach == Reach::Answered {
+            broker.ping().await.map_err(|e| {
+                failed(format!(
+                    "cannot reach {}: {}",
+                    redact(&url),
+                    reliq::ErrorChain(&e)
+                ))
+            })?;
         }
-    })
+        Ok(broker)
+    };
+    tokio::time::timeout(bound, connecting)
+        .await
+        .unwrap_or_else(|_| {
+            Err(failed(format!(
+                "cannot reach {} within {} (--connect-timeout)",
+                redact(&url),
+                humantime::format_duration(bound)
+            )))
+        })
 }
 
 /// The process-wide Prometheus recorder, with reliq's histogram buckets; its upkeep
@@ -190,7 +269,7 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
 async fn topology(command: TopologyCommand) -> Result<u8, Failure> {
     match command {
         TopologyCommand::Plan { subscription } => {
-            let broker = connect_broker(&subscription.target).await?;
+            let broker = connect_broker(&subscription.target.broker, Reach::Client).await?;
             let plan = broker
                 .plan(&subscription.subscription())
                 .await
@@ -202,7 +281,7 @@ async fn topology(command: TopologyCommand) -> Result<u8, Failure> {
             subscription,
             fail_on,
         } => {
-            let broker = connect_broker(&subscription.target).await?;
+            let broker = connect_broker(&subscription.target.broker, Reach::Answered).await?;
             let report = broker
                 .check_topology(&subscription.subscription())
                 .await
@@ -229,7 +308,7 @@ async fn topology(command: TopologyCommand) -> Result<u8, Failure> {
             publish,
             operator,
         } => {
-            let broker = connect_broker(&subscription.target).await?;
+            let broker = connect_broker(&subscription.target.broker, Reach::Client).await?;
             let mut access = reliq::Access::consumer(subscription.subscription());
             access.publishes = publish;
             access.principal = principal;

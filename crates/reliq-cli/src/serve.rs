@@ -31,7 +31,7 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::args::{BrokerArgs, ServeArgs};
-use crate::{Failure, bad_input, failed, metrics_recorder, redact};
+use crate::{Failure, bad_input, failed, metrics_recorder};
 
 /// The config file, as written.
 #[derive(Debug, Default, Deserialize)]
@@ -122,6 +122,7 @@ fn resolve(args: ServeArgs) -> Result<Settings, Failure> {
             url: file.url.clone(),
             url_file: file.url_file.clone(),
             backend: file.backend.clone(),
+            connect_timeout: args.broker.connect_timeout,
         }
     };
     let tokens = args.tokens.or(file.tokens).ok_or_else(|| {
@@ -245,14 +246,8 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<u8, Failure> {
         // A bad certificate fails before anything connects, naming the file.
         reliq_admin::load_tls(tls).map_err(|e| bad_input(e.to_string()))?;
     }
-    let url = settings.broker.url()?;
-    let connected = reliq::connect(&url).await.map_err(|e| {
-        failed(format!(
-            "connecting to {}: {}",
-            redact(&url),
-            reliq::ErrorChain(&e)
-        ))
-    })?;
+    // The server starts before its broker answers (`/readyz` says whether it does).
+    let connected = crate::connect_broker(&settings.broker, crate::Reach::Client).await?;
     let tokens = reliq_admin::Tokens::open(&settings.tokens)?;
     let audit = match &settings.audit_log {
         Some(path) => reliq_admin::AuditLog::to_file(path)?,

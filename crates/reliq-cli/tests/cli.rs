@@ -392,3 +392,69 @@ fn exit_codes_without_a_broker() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// A broker that cannot be reached is said once and ends the command at its bound: a
+/// closed Kafka port (librdkafka logs the same refusal every 50 ms) gives a handful of
+/// lines, one per cause, a count of what was folded and one line naming the URL — and
+/// with `-v` every repeat; a listener that accepts and never answers ends every backend's
+/// command at `--connect-timeout`.
+#[test]
+fn an_unreachable_broker_is_said_once_and_the_command_ends_at_its_bound() -> anyhow::Result<()> {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let kafka = format!("kafka://127.0.0.1:{closed}");
+    let stats = |url: &str, bound: &str, extra: &[&str]| {
+        let mut cmd = dlq(url, "c", "orders", &["stats"]);
+        cmd.args(["--connect-timeout", bound]).args(extra);
+        cmd
+    };
+    let started = std::time::Instant::now();
+    let (code, _, quiet) = run(&mut stats(&kafka, "3s", &[]))?;
+    let took = started.elapsed();
+    ensure!(
+        code == 1 && quiet.contains(&format!("cannot reach {kafka} within 3s")),
+        "exit {code}: {quiet}"
+    );
+    // The bound, the runtime's half-second shutdown, and a loaded machine's slack.
+    ensure!(took < Duration::from_secs(8), "ended after {took:?}");
+    ensure!(
+        quiet.lines().count() <= 6
+            && quiet.contains("Connection refused")
+            && quiet.contains("-v shows every line")
+            && !quiet.contains('\x1b'),
+        "not one line per cause, or coloured off a terminal:\n{quiet}"
+    );
+    let (code, _, verbose) = run(&mut stats(&kafka, "3s", &["-v"]))?;
+    let repeats = verbose
+        .lines()
+        .filter(|l| l.contains("AllBrokersDown"))
+        .count();
+    ensure!(
+        code == 1 && repeats >= 10,
+        "-v: exit {code}, {repeats} AllBrokersDown lines"
+    );
+
+    // Accepts (the kernel's backlog) and never says a word.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = silent.local_addr()?.port();
+    for url in [
+        format!("kafka://127.0.0.1:{port}"),
+        format!("amqp://127.0.0.1:{port}"),
+        format!("nats://127.0.0.1:{port}"),
+        format!("sqs://127.0.0.1:{port}?region=us-east-1"),
+    ] {
+        let started = std::time::Instant::now();
+        let (code, _, err) = run(&mut stats(&url, "2s", &[]))?;
+        let took = started.elapsed();
+        ensure!(
+            code == 1
+                && err.contains(&format!("cannot reach {url} within 2s"))
+                && took >= Duration::from_secs(2)
+                && took < Duration::from_secs(7),
+            "{url}: exit {code} after {took:?}: {err}"
+        );
+    }
+    drop(silent);
+    Ok(())
+}

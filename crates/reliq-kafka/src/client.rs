@@ -133,16 +133,21 @@ impl KafkaBroker {
     /// request; creates nothing).
     pub async fn topic_names(&self) -> Result<Vec<String>, BrokerError> {
         let producer = self.inner.route_producer.clone();
-        let metadata = tokio::task::spawn_blocking(move || {
+        let lookup = tokio::task::spawn_blocking(move || {
             producer
                 .client()
                 .fetch_metadata(None, Duration::from_secs(10))
-        })
-        .await
-        .map_err(|e| BrokerError::Other(Box::new(e)))?
-        .map_err(|e| {
-            BrokerError::connection(format!("reading the cluster's topics: {e}")).caused_by(e)
-        })?;
+        });
+        // A TLS or SASL refusal ends the wait at once, naming the cause.
+        let metadata = self
+            .inner
+            .refusals
+            .or_refused(&self.inner.config.bootstrap, lookup)
+            .await?
+            .map_err(|e| BrokerError::Other(Box::new(e)))?
+            .map_err(|e| {
+                BrokerError::connection(format!("reading the cluster's topics: {e}")).caused_by(e)
+            })?;
         let mut names: Vec<String> = metadata
             .topics()
             .iter()

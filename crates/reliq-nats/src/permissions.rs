@@ -13,6 +13,7 @@
 //! | `retry.<stream>.<consumer>.at.>` | the retries' scheduled copies |
 //! | `dlq.<stream>.<consumer>` | dead-letter copies |
 //! | `$JS.API.STREAM.MSG.GET.<stream>` | the advisory watcher reads the message an advisory names |
+//! | `$JS.API.INFO` | the reachability check (`Broker::ping`: `reliq` before a command, the admin server's `/readyz`) |
 //!
 //! | subscribe | why |
 //! |---|---|
@@ -42,6 +43,12 @@ pub(crate) fn permissions(access: &Access) -> Permissions {
         grants.push(subscribe(
             "_INBOX.>".into(),
             "replies: pulled messages, publish acks, JetStream API answers",
+        ));
+        // The account's JetStream info: read-only, and the one call that answers
+        // whether JetStream is there without naming a stream.
+        grants.push(publish(
+            "$JS.API.INFO".into(),
+            "reachability check (the command line, the admin server's /readyz)",
         ));
     }
     for sub in &access.consumers {
@@ -197,10 +204,14 @@ mod tests {
                 .iter()
                 .any(|s| s.contains("DIRECT.GET") || s == "orders.eu")
         );
+        // Every call names its own stream, but the account's read-only info (the ping).
         assert!(
-            publishes.iter().all(|s| s.contains("orders_eu")),
+            publishes
+                .iter()
+                .all(|s| s.contains("orders_eu") || s == "$JS.API.INFO"),
             "{publishes:?}"
         );
+        assert!(publishes.contains(&"$JS.API.INFO".to_owned()));
         assert_eq!(
             subjects(&p, "subscribe"),
             [
@@ -216,8 +227,9 @@ mod tests {
             p.document
         );
         assert!(
-            p.document
-                .contains("# nsc edit user <user> --allow-pub '$JS.API.STREAM.INFO.orders_eu,"),
+            p.document.contains(
+                "# nsc edit user <user> --allow-pub '$JS.API.INFO,$JS.API.STREAM.INFO.orders_eu,"
+            ),
             "{}",
             p.document
         );
