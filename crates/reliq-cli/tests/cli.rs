@@ -122,15 +122,36 @@ async fn every_command(backend: &str) -> anyhow::Result<()> {
         "a dry run changed the DLQ"
     );
     ensure!(effects.count() == 0, "a dry run sent something");
+    // `-v`: the audit line of each replayed copy (confirmed, original removed), stamped.
     let started = std::time::Instant::now();
-    let done = json(
-        &mut cmd(&["replay", "--json", "--id", &id(0), "--rate", "50"]),
-        0,
+    let (code, out, err) = run(
+        cmd(&["replay", "--json", "--id", &id(0), "--rate", "50", "-v"])
+            .env("RUST_LOG", "warn,reliq::audit=info"),
     )?;
+    let exited = std::time::SystemTime::now();
     let took = started.elapsed();
+    ensure!(code == 0, "exit {code}: {err}");
+    let done: serde_json::Value = serde_json::from_str(&out).context("replay's answer")?;
     ensure!(
         done["done"] == 1 && done["failed"].as_array().is_some_and(Vec::is_empty),
         "{done}"
+    );
+    // From its last confirmed copy to its exit: the command does not linger on a
+    // client's close (a NATS pull's 5 s expiry once held it; here NATS, RabbitMQ and SQS
+    // take ~5 ms, Kafka's client ~0.2 s). 1 s, with 0.5 s for the suite's load.
+    let confirmed = err
+        .lines()
+        .rev()
+        .find(|l| l.contains("dead letter replayed"))
+        .and_then(|l| l.split_whitespace().next())
+        .with_context(|| format!("no audit line of the replayed copy in:\n{err}"))?;
+    let confirmed = humantime::parse_rfc3339_weak(confirmed)
+        .with_context(|| format!("the audit line's time `{confirmed}`"))?;
+    let lingered = exited.duration_since(confirmed).unwrap_or_default();
+    eprintln!("{backend}: `reliq dlq replay` exited {lingered:?} after its last confirmed copy");
+    ensure!(
+        lingered < Duration::from_millis(1_500),
+        "exited {lingered:?} after its last confirmed copy (bound 1 s + 0.5 s)"
     );
     // The command returns when its work is done: one copy, then nothing to wait out (a
     // NATS pull's 5 s expiry held the exit once). Timed is the whole process — start,
