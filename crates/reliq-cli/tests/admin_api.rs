@@ -568,6 +568,93 @@ async fn jobs_are_listed_and_an_operator_not_a_reader_cancels_one() -> anyhow::R
     Ok(())
 }
 
+/// SIGTERM while a replay runs: the server lets it run for its 1 s grace, cancels it,
+/// says so, and exits 0; every dead letter is either handled once by the consumer or
+/// still in the DLQ — none lost, none twice — and a second replay finishes the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigterm_during_a_replay_hands_it_back_and_loses_nothing() -> anyhow::Result<()> {
+    const PARKED: usize = 40;
+    let mut f = fixture(PARKED).await?;
+    // 40 at 8/s: 5 s of work, more than the grace.
+    let job = f
+        .expect(
+            "POST",
+            &f.replay,
+            Some(&f.operator.secret),
+            Some(json!({"rate": 8})),
+            202,
+        )
+        .await?;
+    ensure!(job["id"].is_string(), "{job}");
+    wait_for("the first copies handled", Duration::from_secs(30), || {
+        f.effects.count() >= 3
+    })
+    .await?;
+    let server = f.server.0.take().context("the server")?;
+    let stopping = std::time::Instant::now();
+    let (code, err) = server.terminate()?;
+    let took = stopping.elapsed();
+    eprintln!(
+        "stopped after {took:?}; handled: {}; log:\n{err}",
+        f.effects.count()
+    );
+    ensure!(
+        code == Some(0) && err.contains("stopped: 0 job(s) finished, 1 handed back"),
+        "exit {code:?}: {err}"
+    );
+    // The grace, then the copies in flight: a few seconds at most.
+    ensure!(took < Duration::from_secs(6), "the stop took {took:?}");
+    let handed_back = std::fs::read_to_string(&f.audit)?
+        .lines()
+        .map(serde_json::from_str::<Value>)
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .find(|r| r["action"] == "replay-finished")
+        .context("no audit record of the replay's end")?;
+    ensure!(
+        handed_back["outcome"]
+            .as_str()
+            .is_some_and(|o| o.contains("cancel")),
+        "{handed_back}"
+    );
+
+    // Every id handled at most once, and the rest still parked.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let url = url("nats");
+    let stats = |f: &Fixture| {
+        support::json(
+            &mut support::dlq(&url, &f.name, &f.source, &["stats", "--json"]),
+            0,
+        )
+    };
+    let handled = f.effects.snapshot();
+    let left = stats(&f)?["count"].as_u64().context("count")? as usize;
+    ensure!(
+        handled.values().all(|n| *n == 1)
+            && handled.len() < PARKED
+            && handled.len() + left == PARKED,
+        "handled {} (max {:?} times), left {left}, of {PARKED}",
+        handled.len(),
+        handled.values().max()
+    );
+    let rest = support::json(
+        &mut support::dlq(&url, &f.name, &f.source, &["replay", "--json"]),
+        0,
+    )?;
+    ensure!(rest["done"] == left as u64, "{rest}");
+    wait_for("every copy handled", Duration::from_secs(30), || {
+        f.effects.count() == PARKED
+    })
+    .await?;
+    ensure!(
+        f.effects.snapshot().values().all(|n| *n == 1) && stats(&f)?["count"] == 0,
+        "after the second replay: {:?}",
+        f.effects.snapshot()
+    );
+    f.handle.shutdown().await;
+    Ok(())
+}
+
 /// GET /metrics: a reader's token; the server's consumer's DLQ depth as the broker counts
 /// it (the poller reads it every 500 ms). An allowed scrape is not audited, a refused one
 /// is.

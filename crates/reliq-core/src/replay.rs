@@ -501,7 +501,12 @@ impl Replay {
                 continue;
             }
             if let Some(l) = &run.limiter {
-                l.until_ready().await;
+                // Every lane may be waiting here at a cancel: none sends after it.
+                tokio::select! {
+                    biased;
+                    () = self.cancel.cancelled() => continue, // not sent: stays in the DLQ
+                    () = l.until_ready() => {}
+                }
             }
             let sent = Instant::now();
             let result = self

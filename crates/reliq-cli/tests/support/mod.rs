@@ -261,6 +261,9 @@ impl Server {
                 "2048",
                 "--metrics-interval",
                 "500ms",
+                // A stop lets running jobs finish for 1 s, then hands them back.
+                "--job-grace",
+                "1s",
                 "--consumer",
                 consumer,
             ])
@@ -281,6 +284,21 @@ impl Server {
             .with_context(|| format!("unexpected first line: {line:?}"))?
             .to_owned();
         Ok(Self { child, base })
+    }
+
+    /// Stop it as a service manager does (SIGTERM) and wait: its exit code and
+    /// everything it wrote to stderr.
+    pub fn terminate(mut self) -> anyhow::Result<(Option<i32>, String)> {
+        let sent = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()?;
+        ensure!(sent.success(), "kill -TERM failed");
+        let status = self.child.wait()?;
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            e.read_to_string(&mut err)?;
+        }
+        Ok((status.code(), err))
     }
 
     /// Stop it; everything it wrote to stderr.
