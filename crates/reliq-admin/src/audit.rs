@@ -47,6 +47,9 @@ pub struct AuditRecord {
     /// The job, for replay and purge.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub job: Option<String>,
+    /// What a change changed: a triage change's group, status, assignee and note.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<serde_json::Value>,
 }
 
 /// Where audit records go.

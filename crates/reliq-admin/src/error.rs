@@ -46,6 +46,20 @@ pub enum AdminError {
         "the admin server is shutting down and starts no new job; run it again once it is back"
     )]
     ShuttingDown,
+    /// The triage store failed.
+    #[error("{what}: {source}")]
+    Store {
+        /// What was being done.
+        what: &'static str,
+        /// SQLite's error.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// Triage needs a store, and this server or command has none.
+    #[error(
+        "triage is not enabled: start the server with --triage-db FILE (or pass it to the command)"
+    )]
+    TriageOff,
     /// The tokens file could not be read.
     #[error("tokens file `{path}`: {why}")]
     Tokens {
@@ -68,7 +82,8 @@ impl AdminError {
             | Self::ShuttingDown => 503,
             Self::Broker(BrokerError::Config { .. }) => 400,
             Self::Broker(_) => 502,
-            Self::File { .. } | Self::Tokens { .. } => 500,
+            Self::TriageOff => 404,
+            Self::File { .. } | Self::Tokens { .. } | Self::Store { .. } => 500,
         }
     }
 }

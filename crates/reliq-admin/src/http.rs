@@ -78,6 +78,16 @@ pub const ROUTES: &[(&str, &str, Option<Role>)] = &[
         Some(Role::Operator),
     ),
     (
+        "GET",
+        "/v1/consumers/{consumer}/dlq/groups/{fingerprint}/triage",
+        Some(Role::Reader),
+    ),
+    (
+        "PUT",
+        "/v1/consumers/{consumer}/dlq/groups/{fingerprint}/triage",
+        Some(Role::Operator),
+    ),
+    (
         "POST",
         "/v1/consumers/{consumer}/dlq/entries/{id}/edit",
         Some(Role::Operator),
@@ -122,6 +132,10 @@ pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
         .route("/v1/consumers/{consumer}/dlq/replay", post(replay))
         .route("/v1/consumers/{consumer}/dlq/entries/{id}/edit", post(edit))
         .route("/v1/consumers/{consumer}/dlq/purge", post(purge))
+        .route(
+            "/v1/consumers/{consumer}/dlq/groups/{fingerprint}/triage",
+            get(triage).put(change_triage),
+        )
         .route("/v1/jobs", get(jobs))
         .route("/v1/jobs/{id}", get(job))
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
@@ -289,6 +303,7 @@ async fn audit_every_request(
         reason: note.reason,
         counts: note.counts,
         job: note.job,
+        detail: note.detail,
         ..AuditRecord::default()
     });
     response
@@ -585,16 +600,86 @@ async fn stats(
     RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Reply {
-    let (Begun { mut note, dlq, .. }, spec) =
-        match begin_filtered(&state, &headers, "stats", &consumer, raw) {
-            Ok(b) => b,
-            Err(reply) => return reply,
-        };
-    match dlq.stats(&spec).await {
+    let (
+        Begun {
+            mut note,
+            dlq,
+            pairs,
+        },
+        spec,
+    ) = match begin_filtered(&state, &headers, "stats", &consumer, raw) {
+        Ok(b) => b,
+        Err(reply) => return reply,
+    };
+    let include_archived = pairs.iter().any(|(k, v)| k == "archived" && v == "true");
+    match state
+        .triaged_stats(dlq.stats(&spec).await, include_archived)
+        .await
+    {
         Ok(stats) => {
             note.counts = Some(serde_json::json!({ "matched": stats.count }));
             Reply::ok(note, stats)
         }
+        Err(e) => Reply::failed(note, e),
+    }
+}
+
+/// `GET …/groups/{fingerprint}/triage`: a group's status, assignee and notes (a reader).
+async fn triage(
+    State(state): State<Arc<AdminState>>,
+    Path((consumer, fingerprint)): Path<(String, String)>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+) -> Reply {
+    let Begun { note, .. } = match begin(
+        &state,
+        &headers,
+        Role::Reader,
+        "triage-show",
+        &consumer,
+        raw,
+    ) {
+        Ok(b) => b,
+        Err(reply) => return reply,
+    };
+    let Some(store) = &state.triage else {
+        return Reply::failed(note, AdminError::TriageOff);
+    };
+    match store.get(&consumer, &fingerprint).await {
+        Ok(t) => Reply::ok(note, t),
+        Err(e) => Reply::failed(note, e),
+    }
+}
+
+/// `PUT …/groups/{fingerprint}/triage`: set the status or assignee, add a note (an
+/// operator); the change is in the audit record's `detail`.
+async fn change_triage(
+    State(state): State<Arc<AdminState>>,
+    Path((consumer, fingerprint)): Path<(String, String)>,
+    RawQuery(raw): RawQuery,
+    headers: HeaderMap,
+    bytes: axum::body::Bytes,
+) -> Reply {
+    let Begun { mut note, .. } =
+        match begin(&state, &headers, Role::Operator, "triage", &consumer, raw) {
+            Ok(b) => b,
+            Err(reply) => return reply,
+        };
+    let change: crate::triage::TriageChange = match body(&note, &bytes) {
+        Ok(c) => c,
+        Err(reply) => return reply,
+    };
+    let Some(store) = &state.triage else {
+        return Reply::failed(note, AdminError::TriageOff);
+    };
+    let actor = note
+        .actor
+        .as_ref()
+        .map_or("-", |p| p.name.as_str())
+        .to_owned();
+    note.detail = Some(change.audit_detail(&fingerprint));
+    match store.change(&consumer, &fingerprint, &actor, &change).await {
+        Ok(t) => Reply::ok(note, t),
         Err(e) => Reply::failed(note, e),
     }
 }

@@ -18,6 +18,8 @@
 //!   (sign-in with a token, a session cookie, a CSRF token on every form that changes
 //!   something, the role checked on every post).
 //!
+//! - [`TriageStore`]: operators' decisions per failure group (status, assignee, notes) in
+//!   a SQLite file beside the audit log; `stats` leaves archived groups out unless asked.
 //! - [`serve`]: the API as a service — its own TLS with certificate reload, `/healthz`
 //!   and `/readyz`, and a stop that drains running jobs ([`ServeOptions`]).
 //!
@@ -35,6 +37,7 @@ mod server;
 mod sessions;
 mod state;
 mod throttle;
+mod triage;
 
 pub use audit::{AuditLog, AuditRecord};
 pub use auth::{Principal, Refusal, Role, Tokens, hash_token, new_token};
@@ -48,3 +51,7 @@ pub use ops::{
 pub use server::{ServeOptions, TLS_RELOADS, TlsFiles, load_tls, serve};
 pub use sessions::SESSION_COOKIE;
 pub use throttle::{AuthBudget, REFUSED_REQUESTS};
+pub use triage::{
+    MAX_ASSIGNEE, MAX_NOTE, Triage, TriageChange, TriageNote, TriageStatus, TriageStore,
+    check_fingerprint,
+};

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::AdminError;
 use crate::filter::FilterSpec;
+use crate::triage::TriageStatus;
 
 /// One consumer's dead-letter queue on one broker.
 #[derive(Clone)]
@@ -49,8 +50,34 @@ pub struct DlqStats {
     pub by_reason: BTreeMap<String, u64>,
     /// Counts by error class (`none` for entries without one).
     pub by_class: BTreeMap<String, u64>,
-    /// One row per error fingerprint, most entries first.
+    /// One row per error fingerprint, most entries first (archived ones left out unless
+    /// asked: see [`DlqStats::annotate`]).
     pub groups: Vec<Group>,
+    /// Groups left out because operators archived them.
+    pub archived_groups: u64,
+}
+
+impl DlqStats {
+    /// Mark the groups with their triage (fingerprint → status, assignee, as
+    /// [`TriageStore::statuses`](crate::TriageStore::statuses) reads it) and, unless
+    /// `include_archived`, leave the archived ones out (counted in `archived_groups`).
+    pub fn annotate(
+        &mut self,
+        triage: &std::collections::HashMap<String, (TriageStatus, Option<String>)>,
+        include_archived: bool,
+    ) {
+        for group in &mut self.groups {
+            if let Some((status, assignee)) = triage.get(&group.fingerprint.id) {
+                group.status = *status;
+                group.assignee = assignee.clone();
+            }
+        }
+        if !include_archived {
+            let before = self.groups.len();
+            self.groups.retain(|g| g.status != TriageStatus::Archived);
+            self.archived_groups = (before - self.groups.len()) as u64;
+        }
+    }
 }
 
 /// One error fingerprint's entries.
@@ -67,6 +94,10 @@ pub struct Group {
     pub last_seen: String,
     /// One entry's id, to `show`.
     pub example_id: String,
+    /// Its triage status (`new` until an operator sets one).
+    pub status: TriageStatus,
+    /// Who has it.
+    pub assignee: Option<String>,
 }
 
 /// One entry as `ls` lists it.
@@ -340,6 +371,8 @@ impl Dlq {
                 first_seen: format_time(first),
                 last_seen: format_time(last),
                 example_id: example,
+                status: TriageStatus::New,
+                assignee: None,
             })
             .collect();
         rows.sort_by(|a, b| {

@@ -29,6 +29,8 @@ pub struct AdminState {
     pub(crate) throttle: AuthThrottle,
     /// How long `/readyz` waits for the broker's answer.
     pub(crate) ready_timeout: std::time::Duration,
+    /// Operators' triage of failure groups, when the server keeps it.
+    pub(crate) triage: Option<crate::triage::TriageStore>,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -54,6 +56,7 @@ impl AdminState {
             metrics: None,
             throttle: AuthThrottle::new(AuthBudget::default()),
             ready_timeout: std::time::Duration::from_secs(3),
+            triage: None,
         }
     }
 
@@ -86,6 +89,29 @@ impl AdminState {
         self
     }
 
+    /// Keep operators' triage of failure groups in `store` (status, assignee, notes):
+    /// the triage endpoints and the console's triage form; `stats` then leaves archived
+    /// groups out unless asked (`?archived=true`).
+    pub fn with_triage(mut self, store: crate::triage::TriageStore) -> Self {
+        self.triage = Some(store);
+        self
+    }
+
+    /// `stats` with each group's triage, archived groups left out unless
+    /// `include_archived` (unchanged when the server keeps no triage).
+    pub(crate) async fn triaged_stats(
+        &self,
+        stats: Result<crate::ops::DlqStats, crate::error::AdminError>,
+        include_archived: bool,
+    ) -> Result<crate::ops::DlqStats, crate::error::AdminError> {
+        let mut stats = stats?;
+        if let Some(store) = &self.triage {
+            let triage = store.statuses(&stats.consumer).await?;
+            stats.annotate(&triage, include_archived);
+        }
+        Ok(stats)
+    }
+
     /// The server's jobs (for [`Jobs::drain`](crate::jobs::Jobs::drain) at shutdown).
     pub fn jobs(&self) -> &Jobs {
         &self.jobs
@@ -109,6 +135,8 @@ pub(crate) struct AuditNote {
     pub(crate) reason: Option<String>,
     pub(crate) counts: Option<serde_json::Value>,
     pub(crate) job: Option<String>,
+    /// What a change changed (a triage change: the group and the fields set).
+    pub(crate) detail: Option<serde_json::Value>,
     /// Not audited when allowed: a scrape every few seconds would drown the log (a
     /// refused one is still written).
     pub(crate) quiet: bool,

@@ -304,7 +304,10 @@ fn csrf_of(page: &str) -> anyhow::Result<String> {
 
 /// The first failure group's fingerprint on a group page (its entries link).
 fn fingerprint_of(page: &str) -> anyhow::Result<String> {
-    let at = page.find("fingerprint=").context("a fingerprint link")? + "fingerprint=".len();
+    let at = page
+        .find("entries?fingerprint=")
+        .context("a fingerprint link")?
+        + "entries?fingerprint=".len();
     Ok(page
         .get(at..at + 16)
         .context("a 16-character fingerprint")?

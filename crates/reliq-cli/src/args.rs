@@ -204,6 +204,39 @@ pub(crate) enum DlqCommand {
         target: Target,
         #[command(flatten)]
         filter: FilterArgs,
+        /// The triage store (the admin server's `--triage-db`): each group's status and
+        /// assignee, and archived groups left out.
+        #[arg(long, env = "RELIQ_TRIAGE_DB")]
+        triage_db: Option<PathBuf>,
+        /// With --triage-db: show archived groups too.
+        #[arg(long, requires = "triage_db")]
+        archived: bool,
+    },
+    /// A failure group's triage: show it, or set its status or assignee and add a note.
+    Triage {
+        #[command(flatten)]
+        target: Target,
+        /// The group's fingerprint id, as `stats` prints it.
+        fingerprint: String,
+        /// new, investigating, resolved or archived.
+        #[arg(long)]
+        status: Option<String>,
+        /// Who has it (an empty value: nobody).
+        #[arg(long)]
+        assignee: Option<String>,
+        /// A note to add.
+        #[arg(long)]
+        note: Option<String>,
+        /// The triage store (the admin server's `--triage-db`; the file may be shared
+        /// with a running server).
+        #[arg(long, env = "RELIQ_TRIAGE_DB")]
+        triage_db: PathBuf,
+        /// Append the change's audit record to this file (the admin server's audit log).
+        #[arg(long, env = "RELIQ_ADMIN_AUDIT_LOG")]
+        audit_log: Option<PathBuf>,
+        /// Whose change it is.
+        #[arg(long, env = "USER", default_value = "reliq")]
+        by: String,
     },
     /// List entries (changes nothing); --cursor goes on where the last page ended.
     Ls {
@@ -477,6 +510,10 @@ pub(crate) struct ServeArgs {
     /// Append every request's audit record to this file (JSON lines).
     #[arg(long, env = "RELIQ_ADMIN_AUDIT_LOG")]
     pub(crate) audit_log: Option<PathBuf>,
+    /// Keep operators' triage of failure groups (status, assignee, notes) in this
+    /// SQLite file (created if missing); without it the triage endpoints answer 404.
+    #[arg(long, env = "RELIQ_TRIAGE_DB")]
+    pub(crate) triage_db: Option<PathBuf>,
     /// Largest request body, bytes [default: 1048576].
     #[arg(long)]
     pub(crate) max_body_bytes: Option<usize>,

@@ -325,10 +325,63 @@ async fn topology(command: TopologyCommand) -> Result<u8, Failure> {
 
 async fn dlq(command: DlqCommand) -> Result<u8, Failure> {
     match command {
-        DlqCommand::Stats { target, filter } => {
+        DlqCommand::Stats {
+            target,
+            filter,
+            triage_db,
+            archived,
+        } => {
             let dlq = connect(&target).await?;
-            let stats = dlq.stats(&filter.spec()).await?;
+            let mut stats = dlq.stats(&filter.spec()).await?;
+            if let Some(path) = &triage_db {
+                let store = reliq_admin::TriageStore::open(path).await?;
+                let triage = store.statuses(&target.consumer).await?;
+                stats.annotate(&triage, archived);
+            }
             answer(target.json, &stats, render::stats)?;
+            Ok(0)
+        }
+        DlqCommand::Triage {
+            target,
+            fingerprint,
+            status,
+            assignee,
+            note,
+            triage_db,
+            audit_log,
+            by,
+        } => {
+            // Names checked as every command does; the broker is not asked.
+            reliq::Subscription::new(target.consumer.clone(), target.source.clone())
+                .check_names()
+                .map_err(|e| bad_input(e.to_string()))?;
+            let store = reliq_admin::TriageStore::open(&triage_db).await?;
+            let triage = if status.is_none() && assignee.is_none() && note.is_none() {
+                store.get(&target.consumer, &fingerprint).await?
+            } else {
+                let change = reliq_admin::TriageChange {
+                    status: status.as_deref().map(str::parse).transpose()?,
+                    assignee,
+                    note,
+                };
+                let triage = store
+                    .change(&target.consumer, &fingerprint, &by, &change)
+                    .await?;
+                if let Some(path) = &audit_log {
+                    reliq_admin::AuditLog::to_file(path)?.write(reliq_admin::AuditRecord {
+                        actor: Some(by.clone()),
+                        request: "reliq dlq triage".into(),
+                        action: "triage".into(),
+                        consumer: Some(target.consumer.clone()),
+                        outcome: "allowed",
+                        status: 200,
+                        detail: Some(change.audit_detail(&fingerprint)),
+                        ..reliq_admin::AuditRecord::default()
+                    });
+                }
+                triage
+            };
+            answer(target.json, &triage, render::triage)?;
             Ok(0)
         }
         DlqCommand::Ls {

@@ -29,17 +29,54 @@ pub(crate) fn stats(s: &DlqStats) {
     }
     println!();
     println!(
-        "{:<16}  {:>7}  {:<24}  {:<24}  {:<28}  error",
-        "FINGERPRINT", "COUNT", "FIRST SEEN", "LAST SEEN", "REASON/CLASS"
+        "{:<16}  {:>7}  {:<24}  {:<24}  {:<28}  {:<24}  error",
+        "FINGERPRINT", "COUNT", "FIRST SEEN", "LAST SEEN", "REASON/CLASS", "TRIAGE"
     );
     for g in &s.groups {
         let kind = match &g.fingerprint.class {
             Some(c) => format!("{}/{c}", g.fingerprint.reason),
             None => g.fingerprint.reason.clone(),
         };
+        let triage = match &g.assignee {
+            Some(a) => format!("{} ({a})", g.status.as_str()),
+            None => g.status.as_str().to_owned(),
+        };
         println!(
-            "{:<16}  {:>7}  {:<24}  {:<24}  {:<28}  {}",
-            g.fingerprint.id, g.count, g.first_seen, g.last_seen, kind, g.fingerprint.masked_error
+            "{:<16}  {:>7}  {:<24}  {:<24}  {:<28}  {:<24}  {}",
+            g.fingerprint.id,
+            g.count,
+            g.first_seen,
+            g.last_seen,
+            kind,
+            triage,
+            g.fingerprint.masked_error
+        );
+    }
+    if s.archived_groups > 0 {
+        println!(
+            "\n{} archived group(s) not shown (--archived shows them)",
+            s.archived_groups
+        );
+    }
+}
+
+pub(crate) fn triage(t: &reliq_admin::Triage) {
+    println!(
+        "group {} of consumer {}: {}",
+        t.fingerprint,
+        t.consumer,
+        t.status.as_str()
+    );
+    println!("assignee: {}", t.assignee.as_deref().unwrap_or("—"));
+    if let (Some(at), Some(by)) = (&t.updated_at, &t.updated_by) {
+        println!("last change: {at} by {by}");
+    }
+    for n in &t.notes {
+        println!(
+            "\n{} · {}\n  {}",
+            n.at,
+            n.author,
+            n.text.replace('\n', "\n  ")
         );
     }
 }

@@ -9,6 +9,7 @@
 //! listen = "0.0.0.0:8443"
 //! tokens = "/etc/reliq/tokens.toml"
 //! audit_log = "/var/log/reliq/audit.jsonl"
+//! triage_db = "/var/lib/reliq/triage.sqlite"
 //! consumers = ["billing=orders@1s,30s", "shipping=orders"]
 //! ready_timeout = "3s"
 //! job_grace = "30s"
@@ -43,6 +44,7 @@ struct ServeFile {
     listen: Option<String>,
     tokens: Option<PathBuf>,
     audit_log: Option<PathBuf>,
+    triage_db: Option<PathBuf>,
     max_body_bytes: Option<usize>,
     #[serde(default)]
     consumers: Vec<String>,
@@ -72,6 +74,7 @@ struct Settings {
     listen: String,
     tokens: PathBuf,
     audit_log: Option<PathBuf>,
+    triage_db: Option<PathBuf>,
     consumers: Vec<String>,
     secure_cookies: bool,
     ready_timeout: Duration,
@@ -185,6 +188,7 @@ fn resolve(args: ServeArgs) -> Result<Settings, Failure> {
             .unwrap_or_else(|| "127.0.0.1:8080".into()),
         tokens,
         audit_log: args.audit_log.or(file.audit_log),
+        triage_db: args.triage_db.or(file.triage_db),
         consumers: if args.consumers.is_empty() {
             file.consumers
         } else {
@@ -270,13 +274,15 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<u8, Failure> {
             .check_topology_every(settings.topology_interval)
             .run(stop.clone()),
     );
-    let state = Arc::new(
-        reliq_admin::http::AdminState::new(connected, tokens, audit)
-            .with_consumers(consumers)
-            .with_metrics(metrics)
-            .with_ready_timeout(settings.ready_timeout)
-            .secure_cookies(settings.secure_cookies),
-    );
+    let mut state = reliq_admin::http::AdminState::new(connected, tokens, audit)
+        .with_consumers(consumers)
+        .with_metrics(metrics)
+        .with_ready_timeout(settings.ready_timeout)
+        .secure_cookies(settings.secure_cookies);
+    if let Some(path) = &settings.triage_db {
+        state = state.with_triage(reliq_admin::TriageStore::open(path).await?);
+    }
+    let state = Arc::new(state);
     // The one line a supervisor (or a test) waits for.
     println!("reliq admin API listening on {scheme}://{bound}");
     eprintln!("web console: {scheme}://{bound}/console/");

@@ -28,6 +28,7 @@ async fn call(
     let mut request = match method {
         "GET" => http.get(url),
         "POST" => http.post(url),
+        "PUT" => http.put(url),
         other => bail!("method {other}"),
     };
     if let Some(t) = token {
@@ -565,6 +566,189 @@ async fn jobs_are_listed_and_an_operator_not_a_reader_cancels_one() -> anyhow::R
     );
     let refused = refused(&records, 403);
     ensure!(refused.len() == 1, "{refused:?}");
+    Ok(())
+}
+
+/// Triage of a failure group: set by an operator through the API (a reader may look, not
+/// change; a bad status or an unknown field is 400 naming it), shown in `stats`, set again
+/// by `reliq dlq triage` on the same store, archived groups left out of `stats` (API and
+/// command) unless asked, everything kept across a server restart, and each change in
+/// the audit log with what it changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn triage_set_by_api_and_command_is_kept_across_a_restart_and_audited() -> anyhow::Result<()>
+{
+    let mut f = fixture(4).await?;
+    let stats = f
+        .expect("GET", &f.stats, Some(&f.reader.secret), None, 200)
+        .await?;
+    let fp = stats["groups"][0]["id"]
+        .as_str()
+        .context("the group's fingerprint")?
+        .to_owned();
+    ensure!(stats["groups"][0]["status"] == "new", "{stats}");
+    let triage = |base: &str| {
+        format!(
+            "{base}/v1/consumers/{}/dlq/groups/{fp}/triage?{}",
+            f.name, f.q
+        )
+    };
+    let group = triage(&f.base);
+    let fresh = f
+        .expect("GET", &group, Some(&f.reader.secret), None, 200)
+        .await?;
+    ensure!(
+        fresh["status"] == "new" && fresh["updated_at"].is_null(),
+        "{fresh}"
+    );
+    let change = json!({"status": "investigating", "assignee": "alice", "note": "sku dropped by the 12:03 schema change"});
+    f.expect(
+        "PUT",
+        &group,
+        Some(&f.reader.secret),
+        Some(change.clone()),
+        403,
+    )
+    .await?;
+    let bad = f
+        .expect(
+            "PUT",
+            &group,
+            Some(&f.operator.secret),
+            Some(json!({"status": "done"})),
+            400,
+        )
+        .await?;
+    ensure!(
+        bad["error"].as_str().is_some_and(|e| e.contains("status")),
+        "{bad}"
+    );
+    f.expect(
+        "PUT",
+        &group,
+        Some(&f.operator.secret),
+        Some(json!({"owner": "x"})),
+        400,
+    )
+    .await?;
+    let set = f
+        .expect("PUT", &group, Some(&f.operator.secret), Some(change), 200)
+        .await?;
+    ensure!(
+        set["status"] == "investigating"
+            && set["assignee"] == "alice"
+            && set["updated_by"] == "oscar-operator"
+            && set["notes"][0]["text"] == "sku dropped by the 12:03 schema change",
+        "{set}"
+    );
+    let stats = f
+        .expect("GET", &f.stats, Some(&f.reader.secret), None, 200)
+        .await?;
+    ensure!(
+        stats["groups"][0]["status"] == "investigating"
+            && stats["groups"][0]["assignee"] == "alice",
+        "{stats}"
+    );
+
+    // The command, on the same store, while the server runs.
+    let db = f.audit.with_file_name("triage.sqlite");
+    let nats = url("nats");
+    let archived = support::json(
+        support::dlq(&nats, &f.name, &f.source, &["triage", &fp, "--json"])
+            .args([
+                "--status",
+                "archived",
+                "--note",
+                "kept: replayed by hand",
+                "--by",
+                "ola-cli",
+            ])
+            .arg("--triage-db")
+            .arg(&db)
+            .arg("--audit-log")
+            .arg(&f.audit),
+        0,
+    )?;
+    ensure!(
+        archived["status"] == "archived"
+            && archived["assignee"] == "alice"
+            && archived["notes"].as_array().map(Vec::len) == Some(2),
+        "{archived}"
+    );
+    let stats = f
+        .expect("GET", &f.stats, Some(&f.reader.secret), None, 200)
+        .await?;
+    ensure!(
+        stats["count"] == 4
+            && stats["groups"].as_array().is_some_and(Vec::is_empty)
+            && stats["archived_groups"] == 1,
+        "archived, still shown: {stats}"
+    );
+    let with_archived = format!("{}&archived=true", f.stats);
+    let all = f
+        .expect("GET", &with_archived, Some(&f.reader.secret), None, 200)
+        .await?;
+    ensure!(all["groups"][0]["status"] == "archived", "{all}");
+
+    // A restart: the same store, the same answers.
+    drop(f.server.0.take().context("the server")?.stop()?);
+    let server = Server::start(
+        &nats,
+        &format!("{}={}", f.name, f.source),
+        &f.tokens,
+        &f.audit,
+    )?;
+    let again = f
+        .expect(
+            "GET",
+            &triage(&server.base),
+            Some(&f.reader.secret),
+            None,
+            200,
+        )
+        .await?;
+    f.server = Running(Some(server));
+    ensure!(
+        again["status"] == "archived"
+            && again["assignee"] == "alice"
+            && again["notes"][1]["author"] == "ola-cli",
+        "after a restart: {again}"
+    );
+    let cli_stats = |extra: &[&str]| {
+        let mut cmd = support::dlq(&nats, &f.name, &f.source, &["stats", "--json"]);
+        cmd.arg("--triage-db").arg(&db).args(extra);
+        support::json(&mut cmd, 0)
+    };
+    let hidden = cli_stats(&[])?;
+    ensure!(
+        hidden["groups"].as_array().is_some_and(Vec::is_empty) && hidden["archived_groups"] == 1,
+        "{hidden}"
+    );
+    let shown = cli_stats(&["--archived"])?;
+    ensure!(shown["groups"][0]["status"] == "archived", "{shown}");
+
+    // The history: the API's change and the command's, each with what it changed.
+    let changes: Vec<Value> = std::fs::read_to_string(&f.audit)?
+        .lines()
+        .map(serde_json::from_str::<Value>)
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .filter(|r| r["action"] == "triage" && r["outcome"] == "allowed")
+        .collect();
+    ensure!(changes.len() == 2, "triage records: {changes:?}");
+    ensure!(
+        changes[0]["actor"] == "oscar-operator"
+            && changes[0]["detail"]["status"] == "investigating"
+            && changes[0]["detail"]["assignee"] == "alice"
+            && changes[0]["detail"]["fingerprint"] == fp.as_str(),
+        "{}",
+        changes[0]
+    );
+    ensure!(
+        changes[1]["actor"] == "ola-cli" && changes[1]["detail"]["status"] == "archived",
+        "{}",
+        changes[1]
+    );
+    f.handle.shutdown().await;
     Ok(())
 }
 

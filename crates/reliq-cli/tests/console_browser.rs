@@ -108,8 +108,10 @@ async fn serve(broker: Arc<dyn Broker>, consumers: Vec<Subscription>) -> anyhow:
         &tokens,
         format!("{reader_entry}\n{operator_entry}\n{admin_entry}"),
     )?;
+    let triage = reliq_admin::TriageStore::open(&dir.path().join("triage.sqlite")).await?;
     let state = AdminState::new(broker, Tokens::open(&tokens)?, AuditLog::tracing_only())
-        .with_consumers(consumers);
+        .with_consumers(consumers)
+        .with_triage(triage);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);
     let app = router(Arc::new(state), Limits::default());
@@ -569,7 +571,7 @@ async fn sideways_overflow(c: &Client) -> anyhow::Result<i64> {
 /// The console used by keyboard alone, and at a phone's width: sign in with the token
 /// typed and Enter; the skip link is the first Tab stop and lands on the content; Tab
 /// reaches the consumer's link and Enter opens it; every form control of the overview,
-/// a group, a message and its edit form has a label; at 360 px no page scrolls sideways.
+/// a group, its triage form, a message and its edit form has a label; at 360 px no page scrolls sideways.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_by_keyboard_and_at_a_narrow_width() -> anyhow::Result<()> {
     use fantoccini::key::Key;
@@ -635,11 +637,17 @@ async fn console_by_keyboard_and_at_a_narrow_width() -> anyhow::Result<()> {
         )
         .await?;
         let group_page = c.current_url().await?;
+        let triage_page = el(&c, Locator::LinkText("Triage"))
+            .await?
+            .prop("href")
+            .await?
+            .context("the triage link")?;
 
         // Labelled controls, and no sideways scrolling at 360 px, on every kind of page.
         let pages = [
             format!("{base}/console/"),
             group_page.to_string(),
+            triage_page,
             format!("{base}/console/consumers/{name}/entries"),
             format!("{base}/console/consumers/{name}/entries/{}", ids[0]),
             format!("{base}/console/jobs"),
@@ -769,6 +777,145 @@ async fn an_inline_script_in_a_payload_does_not_run_on_the_message_page() -> any
     .await;
     if result.is_err() {
         let _ = shots.take(&c, "hostile-payload-failure").await;
+    }
+    let _ = c.close().await;
+    handle.shutdown().await;
+    result
+}
+
+/// The triage page's status once the page a Save posted has loaded (the old page's
+/// element goes stale under the poll): `expected`, or what it showed for 10 s.
+async fn status_after_save(c: &Client, expected: &str) -> anyhow::Result<String> {
+    let mut shown = String::new();
+    for _ in 0..40 {
+        if let Ok(e) = c.find(Locator::Css("dd[data-testid=status]")).await
+            && let Ok(text) = e.text().await
+        {
+            shown = text;
+            if shown == expected {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    Ok(shown)
+}
+
+/// Triage in the console: an operator opens a group's triage from its row, sets it
+/// "investigating" for alice with a note, and sees it on the page and in the row; archived,
+/// the group leaves the list (a line says one is hidden, and a link shows it); a reader
+/// sees the triage and no form.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operator_triages_a_group_in_the_console() -> anyhow::Result<()> {
+    let broker: Arc<dyn Broker> = Arc::new(reliq_memory::MemoryBroker::new());
+    let (name, source) = (unique("triage"), unique("triage-src"));
+    let (handle, _effects) = consumer_failing(broker.clone(), &name, &source, true).await?;
+    park(&broker, &handle, &source, 3, Duration::from_secs(60)).await?;
+    let served = serve(
+        broker.clone(),
+        vec![Subscription::new(name.clone(), source.clone())],
+    )
+    .await?;
+    let shots = Shots::new("memory")?;
+    let driver = driver().await?;
+    let c = browser(&driver, &served.dir.path().join("profile")).await?;
+    let base = served.base.clone();
+    let status_in_row = async || -> anyhow::Result<String> {
+        Ok(el(
+            &c,
+            Locator::Css("tr[data-fingerprint] [data-testid=status]"),
+        )
+        .await?
+        .text()
+        .await?)
+    };
+    let result = async {
+        sign_in(&c, &base, &served.operator).await?;
+        c.goto(&format!("{base}/console/consumers/{name}")).await?;
+        ensure!(status_in_row().await? == "new", "a fresh group's status");
+        el(&c, Locator::LinkText("Triage")).await?.click().await?;
+        let status = el(&c, Locator::Css("select#status")).await?;
+        status.select_by_value("investigating").await?;
+        el(&c, Locator::Css("#assignee"))
+            .await?
+            .send_keys("alice")
+            .await?;
+        el(&c, Locator::Css("#note"))
+            .await?
+            .send_keys("<b>not bold</b>: the 12:03 deploy")
+            .await?;
+        el(&c, Locator::XPath("//button[normalize-space()='Save']"))
+            .await?
+            .click()
+            .await?;
+        // The redirect back: the change shown, the note as text.
+        let shown = status_after_save(&c, "investigating").await?;
+        ensure!(shown == "investigating", "status after Save: {shown}");
+        let assignee = el(&c, Locator::Css("dd[data-testid=assignee]"))
+            .await?
+            .text()
+            .await?;
+        let notes = el(&c, Locator::Css("[data-testid=notes]"))
+            .await?
+            .text()
+            .await?;
+        ensure!(
+            assignee == "alice"
+                && notes.contains("<b>not bold</b>: the 12:03 deploy")
+                && notes.contains("oscar"),
+            "assignee {assignee}, notes {notes}"
+        );
+        shots.take(&c, "triage").await?;
+        c.goto(&format!("{base}/console/consumers/{name}")).await?;
+        let row = el(&c, Locator::Css("tr[data-fingerprint] td.triage"))
+            .await?
+            .text()
+            .await?;
+        ensure!(
+            row.contains("investigating") && row.contains("alice"),
+            "the row: {row}"
+        );
+
+        // Archived: out of the list, one line says so, its link shows it.
+        el(&c, Locator::LinkText("Triage")).await?.click().await?;
+        el(&c, Locator::Css("select#status"))
+            .await?
+            .select_by_value("archived")
+            .await?;
+        el(&c, Locator::XPath("//button[normalize-space()='Save']"))
+            .await?
+            .click()
+            .await?;
+        let shown = status_after_save(&c, "archived").await?;
+        ensure!(shown == "archived", "status after Save: {shown}");
+        c.goto(&format!("{base}/console/consumers/{name}")).await?;
+        let page = c.source().await?;
+        ensure!(
+            !page.contains("data-fingerprint") && page.contains("1 archived group(s) not shown"),
+            "the archived group is still listed"
+        );
+        el(&c, Locator::LinkText("Show them"))
+            .await?
+            .click()
+            .await?;
+        ensure!(status_in_row().await? == "archived", "shown on asking");
+        sign_out(&c).await?;
+
+        // A reader sees the triage, not the form.
+        sign_in(&c, &base, &served.reader).await?;
+        c.goto(&format!("{base}/console/consumers/{name}?archived=true"))
+            .await?;
+        el(&c, Locator::LinkText("Triage")).await?.click().await?;
+        el(&c, Locator::Css("dd[data-testid=status]")).await?;
+        ensure!(
+            c.find_all(Locator::Css("select#status")).await?.is_empty(),
+            "a reader sees the triage form"
+        );
+        Ok(())
+    }
+    .await;
+    if result.is_err() {
+        let _ = shots.take(&c, "triage-failure").await;
     }
     let _ = c.close().await;
     handle.shutdown().await;

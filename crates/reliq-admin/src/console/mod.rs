@@ -40,6 +40,10 @@ pub(crate) fn routes() -> Router<Arc<AdminState>> {
         .route("/console/sign-in", get(sign_in_page).post(sign_in))
         .route("/console/sign-out", post(sign_out))
         .route("/console/consumers/{consumer}", get(groups))
+        .route(
+            "/console/consumers/{consumer}/groups/{fingerprint}",
+            get(group_triage).post(change_triage),
+        )
         .route("/console/consumers/{consumer}/entries", get(entries))
         .route("/console/consumers/{consumer}/entries/{id}", get(detail))
         .route(
@@ -172,6 +176,15 @@ fn posted(
         return Err(refusal(note.clone(), StatusCode::FORBIDDEN, why));
     }
     Ok((v, fields))
+}
+
+/// A posted form's field `name`, its line breaks as `\n` (a browser posts a textarea's
+/// as CR LF).
+fn form_field(fields: &[(String, String)], name: &str) -> Option<String> {
+    fields
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.replace("\r\n", "\n"))
 }
 
 fn note(action: &'static str, consumer: Option<&str>) -> AuditNote {
@@ -327,6 +340,7 @@ async fn overview(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> P
 async fn groups(
     State(state): State<Arc<AdminState>>,
     Path(consumer): Path<String>,
+    RawQuery(raw): RawQuery,
     headers: HeaderMap,
 ) -> Page {
     let mut note = note("console-groups", Some(&consumer));
@@ -334,8 +348,12 @@ async fn groups(
         Ok(v) => v,
         Err(p) => return p,
     };
+    let include_archived = raw.as_deref() == Some("archived=true");
     let stats = match known_dlq(&state, &consumer) {
-        Ok(dlq) => dlq.stats(&FilterSpec::default()).await,
+        Ok(dlq) => {
+            let stats = dlq.stats(&FilterSpec::default()).await;
+            state.triaged_stats(stats, include_archived).await
+        }
         Err(e) => Err(e),
     };
     match stats {
@@ -347,10 +365,76 @@ async fn groups(
                     &title,
                     &v.who,
                     &v.csrf,
-                    pages::groups(&consumer, &stats, &v.who, &v.csrf),
+                    pages::groups(&consumer, &stats, &v.who, &v.csrf, state.triage.is_some()),
                 ),
             )
         }
+        Err(e) => failed(note, e),
+    }
+}
+
+/// A failure group's triage: status, assignee, notes; the form for an operator.
+async fn group_triage(
+    State(state): State<Arc<AdminState>>,
+    Path((consumer, fingerprint)): Path<(String, String)>,
+    headers: HeaderMap,
+) -> Page {
+    let mut note = note("console-triage", Some(&consumer));
+    let v = match visitor(&state, &headers, &mut note) {
+        Ok(v) => v,
+        Err(p) => return p,
+    };
+    let read = async {
+        known_dlq(&state, &consumer)?;
+        let store = state.triage.as_ref().ok_or(AdminError::TriageOff)?;
+        store.get(&consumer, &fingerprint).await
+    };
+    match read.await {
+        Ok(t) => {
+            let title = format!("{consumer}: group {fingerprint}");
+            page(
+                note,
+                pages::layout(&title, &v.who, &v.csrf, pages::triage(&t, &v.who, &v.csrf)),
+            )
+        }
+        Err(e) => failed(note, e),
+    }
+}
+
+/// The triage form posted: the status, the assignee (empty: nobody), a note if written.
+async fn change_triage(
+    State(state): State<Arc<AdminState>>,
+    Path((consumer, fingerprint)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Page {
+    let mut note = note("triage", Some(&consumer));
+    let (v, fields) = match posted(&state, &headers, &body, Role::Operator, &mut note) {
+        Ok(ok) => ok,
+        Err(p) => return p,
+    };
+    let field = |name: &str| form_field(&fields, name);
+    let changed = async {
+        known_dlq(&state, &consumer)?;
+        let store = state.triage.as_ref().ok_or(AdminError::TriageOff)?;
+        let change = crate::triage::TriageChange {
+            status: field("status")
+                .filter(|s| !s.is_empty())
+                .map(|s| s.parse())
+                .transpose()?,
+            assignee: field("assignee"),
+            note: field("note").filter(|n| !n.trim().is_empty()),
+        };
+        note.detail = Some(change.audit_detail(&fingerprint));
+        store
+            .change(&consumer, &fingerprint, &v.who.name, &change)
+            .await
+    };
+    match changed.await {
+        Ok(_) => redirect(
+            note,
+            &format!("/console/consumers/{consumer}/groups/{fingerprint}"),
+        ),
         Err(e) => failed(note, e),
     }
 }
@@ -553,15 +637,8 @@ async fn edit(
         Ok(ok) => ok,
         Err(p) => return p,
     };
-    let field = |name: &str| {
-        fields
-            .iter()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.clone())
-            .unwrap_or_default()
-    };
-    // A browser posts a textarea's line breaks as CR LF.
-    let payload = field("payload").replace("\r\n", "\n");
+    let field = |name: &str| form_field(&fields, name).unwrap_or_default();
+    let payload = field("payload");
     let header_lines: Vec<String> = field("headers")
         .lines()
         .map(str::trim)

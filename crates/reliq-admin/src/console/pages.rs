@@ -235,7 +235,13 @@ fn actions(
 }
 
 /// A consumer's failure groups, most recent first, with their actions.
-pub fn groups(consumer: &str, stats: &DlqStats, who: &Principal, csrf: &str) -> Markup {
+pub fn groups(
+    consumer: &str,
+    stats: &DlqStats,
+    who: &Principal,
+    csrf: &str,
+    triage: bool,
+) -> Markup {
     let mut groups: Vec<_> = stats.groups.iter().collect();
     groups.sort_by(|a, b| b.last_seen.cmp(&a.last_seen));
     html! {
@@ -245,18 +251,36 @@ pub fn groups(consumer: &str, stats: &DlqStats, who: &Principal, csrf: &str) -> 
             @if stats.unreadable > 0 { "; " (stats.unreadable) " without a readable record" }
             ". " a href={ "/console/consumers/" (consumer) "/entries" } { "List and search" }
         }
+        @if stats.archived_groups > 0 {
+            p.muted {
+                (stats.archived_groups) " archived group(s) not shown. "
+                a href={ "/console/consumers/" (consumer) "?archived=true" } { "Show them" }
+            }
+        }
         @if groups.is_empty() {
             p.notice { "The DLQ is empty." }
         } @else {
             div.scroll { table {
                 caption.muted { "Failure groups (reason, class and error fingerprint), most recent first" }
-                thead { tr { th.num { "Count" } th { "Reason / class" } th { "Error" } th { "First seen" } th { "Last seen" } th { "Actions" } } }
+                thead { tr {
+                    th.num { "Count" } th { "Reason / class" } th { "Error" }
+                    @if triage { th { "Triage" } }
+                    th { "First seen" } th { "Last seen" } th { "Actions" }
+                } }
                 tbody {
                     @for g in groups {
-                        tr {
+                        tr data-fingerprint=(g.fingerprint.id) {
                             td.num { (g.count) }
                             td { (g.fingerprint.reason) @if let Some(c) = &g.fingerprint.class { " / " (c) } }
                             td { code { (g.fingerprint.masked_error) } br; span.muted { "fingerprint " code { (g.fingerprint.id) } } }
+                            @if triage {
+                                td.triage {
+                                    span data-testid="status" { (g.status.as_str()) }
+                                    @if let Some(a) = &g.assignee { br; span.muted { (a) } }
+                                    br;
+                                    a href={ "/console/consumers/" (consumer) "/groups/" (g.fingerprint.id) } { "Triage" }
+                                }
+                            }
                             td { (g.first_seen) }
                             td { (g.last_seen) }
                             td {
@@ -267,6 +291,64 @@ pub fn groups(consumer: &str, stats: &DlqStats, who: &Principal, csrf: &str) -> 
                     }
                 }
             } }
+        }
+    }
+}
+
+/// A group's triage: where it stands, who has it, the notes; the form for an operator.
+pub fn triage(t: &crate::triage::Triage, who: &Principal, csrf: &str) -> Markup {
+    use crate::triage::{MAX_ASSIGNEE, MAX_NOTE, TriageStatus};
+    html! {
+        dl {
+            dt { "Status" } dd data-testid="status" { (t.status.as_str()) }
+            dt { "Assignee" } dd data-testid="assignee" { (t.assignee.as_deref().unwrap_or("—")) }
+            dt { "Last change" } dd {
+                @match (&t.updated_at, &t.updated_by) {
+                    (Some(at), Some(by)) => { (at) " by " (by) }
+                    _ => { "never triaged" }
+                }
+            }
+        }
+        p {
+            a href={ "/console/consumers/" (t.consumer) "/entries?fingerprint=" (t.fingerprint) } { "Its entries" }
+            " · "
+            a href={ "/console/consumers/" (t.consumer) } { "All groups" }
+        }
+        h2 { "Notes" }
+        @if t.notes.is_empty() {
+            p.muted { "No notes yet." }
+        } @else {
+            ol data-testid="notes" {
+                @for n in &t.notes {
+                    li { span.muted { (n.at) " · " (n.author) } br; (n.text) }
+                }
+            }
+        }
+        @if who.role >= Role::Operator {
+            form method="post" action={ "/console/consumers/" (t.consumer) "/groups/" (t.fingerprint) } {
+                fieldset {
+                    legend { "Triage this group" }
+                    (hidden(csrf, &[]))
+                    p {
+                        label for="status" { "Status" }
+                        select #status name="status" {
+                            @for s in TriageStatus::ALL {
+                                option value=(s.as_str()) selected[s == t.status] { (s.as_str()) }
+                            }
+                        }
+                    }
+                    p {
+                        label for="assignee" { "Assignee (empty: nobody)" }
+                        input #assignee type="text" name="assignee" maxlength=(MAX_ASSIGNEE)
+                            value=(t.assignee.as_deref().unwrap_or(""));
+                    }
+                    p {
+                        label for="note" { "Add a note" }
+                        textarea #note name="note" rows="3" maxlength=(MAX_NOTE) {}
+                    }
+                    button type="submit" { "Save" }
+                }
+            }
         }
     }
 }

@@ -271,6 +271,9 @@ impl Server {
             .arg(tokens)
             .arg("--audit-log")
             .arg(audit)
+            // Triage kept beside the audit log.
+            .arg("--triage-db")
+            .arg(audit.with_file_name("triage.sqlite"))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
