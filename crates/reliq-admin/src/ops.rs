@@ -22,6 +22,8 @@ use crate::triage::TriageStatus;
 pub struct Dlq {
     broker: Arc<dyn Broker>,
     subscription: Subscription,
+    /// Asked during a replay whether to go on (see [`Dlq::with_guard`]).
+    guard: Option<(Duration, Arc<dyn reliq_core::ReplayGuard>)>,
 }
 
 impl std::fmt::Debug for Dlq {
@@ -162,6 +164,10 @@ pub struct ReplayRequest {
     pub dry_run: bool,
     /// At most this many per second (absent or 0: as fast as the broker confirms).
     pub rate: Option<u32>,
+    /// Start at this many per second and raise the rate evenly to `rate` over `ramp`.
+    pub rate_start: Option<u32>,
+    /// How long the rise from `rate_start` to `rate` takes (`5m`, `30s`).
+    pub ramp: Option<String>,
     /// `consumer` (default: only the consumer that dead-lettered them) or `original`
     /// (the original destination: every consumer of it).
     pub target: Option<String>,
@@ -232,6 +238,9 @@ pub struct RunOutcome {
     pub unreadable: u64,
     /// Stopped before the end (cancelled); what it did is above.
     pub cancelled: bool,
+    /// Why a replay's guard stopped it (then `cancelled` too): the rest is in the DLQ.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
     /// Wall time of the run, seconds (reads, publishing, removals).
     pub elapsed_seconds: f64,
     /// A replay's publishing time: first copy sent to last confirmed, seconds (what
@@ -246,9 +255,14 @@ pub struct RunOutcome {
 }
 
 impl RunOutcome {
-    /// Every matching entry went (none failed, the run was not cancelled).
+    /// Every matching entry went (none failed, the run was not cancelled or stopped).
     pub fn complete(&self) -> bool {
-        self.failed.is_empty() && !self.cancelled
+        self.failed.is_empty() && !self.cancelled && self.stopped.is_none()
+    }
+
+    fn stopped_by(mut self, why: Option<String>) -> Self {
+        self.stopped = why;
+        self
     }
 }
 
@@ -291,7 +305,16 @@ impl Dlq {
         Ok(Self {
             broker,
             subscription,
+            guard: None,
         })
+    }
+
+    /// Replays ask `guard` every `every` whether to go on, and stop (the outcome's
+    /// `stopped`, incomplete) when it says no — e.g. when the consumer they feed starts
+    /// failing again.
+    pub fn with_guard(mut self, every: Duration, guard: Arc<dyn reliq_core::ReplayGuard>) -> Self {
+        self.guard = Some((every, guard));
+        self
     }
 
     /// The consumer.
@@ -491,13 +514,42 @@ impl Dlq {
                 });
             }
         };
+        let ramp = match (request.rate_start, request.ramp.as_deref(), request.rate) {
+            (None, None, _) => None,
+            (Some(start), Some(over), Some(rate)) if start > 0 && start <= rate => {
+                let over =
+                    humantime::parse_duration(over).map_err(|e| AdminError::InvalidInput {
+                        field: "ramp",
+                        value: over.chars().take(80).collect(),
+                        expected: format!("a duration like 5m or 30s: {e}"),
+                    })?;
+                Some((start, over))
+            }
+            _ => {
+                return Err(AdminError::InvalidInput {
+                    field: "rate_start",
+                    value: request
+                        .rate_start
+                        .map(|r| r.to_string())
+                        .unwrap_or_default(),
+                    expected: "a ramp takes `rate_start` (1 to `rate`), `rate` and `ramp` together"
+                        .into(),
+                });
+            }
+        };
         let started = Instant::now();
-        let replay = self
+        let mut replay = self
             .engine(filter)
             .rate_limit(request.rate.unwrap_or(0))
             .target(target)
             .on_progress(progress)
             .cancel_on(cancel);
+        if let Some((start, over)) = ramp {
+            replay = replay.ramp(start, over);
+        }
+        if let Some((every, guard)) = &self.guard {
+            replay = replay.guard(*every, guard.clone());
+        }
         let report = if request.dry_run {
             replay.dry_run().await?
         } else {
@@ -532,7 +584,8 @@ impl Dlq {
             ids,
             started.elapsed(),
             report.publishing,
-        ))
+        )
+        .stopped_by(report.stopped))
     }
 
     /// Remove the entries matching the request for good (or, dry, list them).
@@ -658,6 +711,7 @@ fn outcome(
         failed,
         unreadable: unreadable as u64,
         cancelled,
+        stopped: None,
         elapsed_seconds: elapsed.as_secs_f64(),
         publishing_seconds,
         rate_per_second: if publishing_seconds > 0.0 {

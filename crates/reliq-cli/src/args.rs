@@ -271,6 +271,29 @@ pub(crate) enum DlqCommand {
         /// At most this many messages per second.
         #[arg(long)]
         rate: Option<u32>,
+        /// Start at this many per second and raise the rate evenly to --rate over
+        /// --ramp (after a fix: the downstream takes the backlog slowly first).
+        #[arg(long, requires_all = ["rate", "ramp"])]
+        rate_start: Option<u32>,
+        /// How long the rise from --rate-start to --rate takes (5m, 30s).
+        #[arg(long, requires = "rate_start")]
+        ramp: Option<humantime::Duration>,
+        /// The consumer's Prometheus metrics (http://host:port/metrics): the replay
+        /// stops (exit 3, the rest left in the DLQ) when the consumer's failure share
+        /// rises over --max-failure-share.
+        #[arg(long)]
+        guard_metrics: Option<String>,
+        /// The share of received messages the consumer may fail (retried or
+        /// dead-lettered) between two checks before the replay stops.
+        #[arg(long, default_value_t = 0.05, requires = "guard_metrics")]
+        max_failure_share: f64,
+        /// How often the consumer's metrics are read.
+        #[arg(long, default_value = "5s", requires = "guard_metrics")]
+        guard_every: humantime::Duration,
+        /// The fewest received messages a share is judged on (fewer: carried into the
+        /// next window).
+        #[arg(long, default_value_t = 20, requires = "guard_metrics")]
+        guard_min_sample: u64,
         /// Where copies go.
         #[arg(long = "target", value_enum, default_value = "consumer")]
         to: ReplayTo,

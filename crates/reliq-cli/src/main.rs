@@ -21,6 +21,7 @@
 
 mod args;
 mod fold;
+mod guard;
 mod progress;
 mod render;
 mod serve;
@@ -412,14 +413,37 @@ async fn dlq(command: DlqCommand) -> Result<u8, Failure> {
             filter,
             dry_run,
             rate,
+            rate_start,
+            ramp,
+            guard_metrics,
+            max_failure_share,
+            guard_every,
+            guard_min_sample,
             to,
         } => {
-            let dlq = connect(&target).await?;
+            if !(0.0..=1.0).contains(&max_failure_share) {
+                return Err(bad_input(format!(
+                    "--max-failure-share {max_failure_share}: a share between 0 and 1"
+                )));
+            }
+            let mut dlq = connect(&target).await?;
+            if let Some(url) = guard_metrics {
+                let guard = guard::FailureShareGuard::new(
+                    url,
+                    target.consumer.clone(),
+                    max_failure_share,
+                    guard_min_sample,
+                )
+                .map_err(failed)?;
+                dlq = dlq.with_guard(*guard_every, Arc::new(guard));
+            }
             let run = Run::Replay(ReplayRequest {
                 filter: filter.spec(),
                 dry_run,
                 rate,
                 target: Some(to.as_str().to_owned()),
+                rate_start,
+                ramp: ramp.map(|r| r.to_string()),
             });
             execute(&dlq, run, target.json).await
         }

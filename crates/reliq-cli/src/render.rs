@@ -188,7 +188,10 @@ pub(crate) fn outcome(o: &RunOutcome) {
     if o.failed.len() > 20 {
         println!("  … and {} more left in the DLQ", o.failed.len() - 20);
     }
-    if o.cancelled {
+    if let Some(why) = &o.stopped {
+        println!("stopped by the guard: {why}");
+        println!("the rest is in the DLQ: fix the consumer, then run the same command again");
+    } else if o.cancelled {
         println!("interrupted: run the same command again to go on");
     }
 }

@@ -479,3 +479,161 @@ fn an_unreachable_broker_is_said_once_and_the_command_ends_at_its_bound() -> any
     drop(silent);
     Ok(())
 }
+
+/// A consumer on NATS whose first deliveries fail permanently (dead-lettered) and whose
+/// replayed copies succeed until `failing` is set, then fail permanently too (back to the
+/// DLQ); its metrics served at the returned URL. The ids it handled, with counts.
+async fn guarded_consumer(
+    broker: Arc<dyn Broker>,
+    name: &str,
+    source: &str,
+    failing: Arc<std::sync::atomic::AtomicBool>,
+) -> anyhow::Result<(reliq_core::ConsumerHandle, support::Effects, String)> {
+    use reliq_core::{BoxError, Consumer, Delivery, MemoryInbox, Permanent, RetryPolicy};
+    use std::sync::atomic::Ordering;
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("the metrics recorder")?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}/metrics", listener.local_addr()?);
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let handle = handle.clone();
+            async move { handle.render() }
+        }),
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let effects = support::Effects::default();
+    let sink = effects.clone();
+    let consumer = Consumer::builder(broker, name)
+        .subscribe(source)
+        .retry(RetryPolicy::tiers([Duration::from_secs(1)]).max_attempts(2))
+        .max_in_flight(64)
+        .inbox(Arc::new(MemoryInbox::new()))
+        .start(move |d: Delivery| {
+            let (sink, failing) = (sink.clone(), failing.clone());
+            async move {
+                let replayed = d
+                    .headers()
+                    .get(reliq_core::seam::headers::REPLAY_COUNT)
+                    .is_some();
+                if !replayed || failing.load(Ordering::SeqCst) {
+                    return Err::<(), BoxError>(Permanent::msg("order not found").into());
+                }
+                sink.record(d.id());
+                Ok(())
+            }
+        })
+        .await?;
+    Ok((consumer, effects, url))
+}
+
+/// A ramped replay guarded by the consumer's metrics: on a healthy consumer the rate
+/// rises from --rate-start (150 copies in well under the 15 s the starting rate needs)
+/// and every copy is handled; when the consumer starts failing, the replay stops (exit 3,
+/// the guard's reason) and nothing is lost — every dead letter is handled once or back in
+/// the DLQ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ramped_replay_speeds_up_on_a_healthy_consumer_and_stops_when_it_fails()
+-> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let nats = url("nats");
+    let (name, source) = (unique("ramp"), unique("ramp-src"));
+    let broker: Arc<dyn Broker> = reliq::connect(&nats).await?;
+    let failing = Arc::new(AtomicBool::new(false));
+    let (handle, effects, metrics) =
+        guarded_consumer(broker.clone(), &name, &source, failing.clone()).await?;
+    let replay = |extra: &[&str]| {
+        let mut cmd = dlq(&nats, &name, &source, &["replay", "--json"]);
+        cmd.args(["--guard-metrics", &metrics, "--guard-every", "500ms"])
+            .args(["--max-failure-share", "0.2", "--guard-min-sample", "10"])
+            .args(extra);
+        cmd
+    };
+    let depth = || -> anyhow::Result<u64> {
+        json(&mut dlq(&nats, &name, &source, &["stats", "--json"]), 0)?["count"]
+            .as_u64()
+            .context("count")
+    };
+
+    // Healthy: 10/s rising to 300/s over 2 s.
+    park(&broker, &handle, &source, 150, Duration::from_secs(60)).await?;
+    let healthy = json(
+        &mut replay(&["--rate-start", "10", "--rate", "300", "--ramp", "2s"]),
+        0,
+    )?;
+    let publishing = healthy["publishing_seconds"]
+        .as_f64()
+        .context("publishing")?;
+    ensure!(
+        healthy["done"] == 150 && healthy.get("stopped").is_none(),
+        "{healthy}"
+    );
+    ensure!(
+        publishing < 6.0,
+        "150 copies took {publishing:.1} s: the rate did not rise from 10/s"
+    );
+    wait_for("the 150 copies handled", Duration::from_secs(30), || {
+        effects.count() == 150
+    })
+    .await?;
+
+    // The consumer breaks again after 30 more copies: the guard stops the replay.
+    let ids = park(&broker, &handle, &source, 300, Duration::from_secs(60)).await?;
+    let breaker = {
+        let (effects, failing) = (effects.clone(), failing.clone());
+        tokio::spawn(async move {
+            while effects.count() < 180 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            failing.store(true, Ordering::SeqCst);
+        })
+    };
+    let (code, out, err) = run(&mut replay(&[
+        "--rate-start",
+        "20",
+        "--rate",
+        "100",
+        "--ramp",
+        "2s",
+    ]))?;
+    breaker.abort();
+    ensure!(code == 3, "exit {code}: {out} {err}");
+    let stopped: serde_json::Value = serde_json::from_str(&out)?;
+    ensure!(
+        stopped["stopped"]
+            .as_str()
+            .is_some_and(|s| s.contains("--max-failure-share")),
+        "{stopped}"
+    );
+    let done = stopped["done"].as_u64().context("done")?;
+    eprintln!("stopped after {done} of 300: {}", stopped["stopped"]);
+    ensure!(done < 300, "the replay went on to the end: {stopped}");
+    // Nothing lost: each of the 300 handled once, or back in the DLQ (a failed copy
+    // is dead-lettered again at once: permanent).
+    let handled = || {
+        let seen = effects.snapshot();
+        ids.iter().filter(|id| seen.contains_key(*id)).count() as u64
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (h, d) = (handled(), depth()?);
+        if h + d == 300 {
+            break;
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "handled {h} + in the DLQ {d} != 300"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    ensure!(
+        effects.snapshot().values().all(|n| *n == 1),
+        "a copy was handled twice"
+    );
+    handle.shutdown().await;
+    Ok(())
+}

@@ -119,7 +119,8 @@ pub use outbox::{
 };
 pub use permissions::{Access, Grant, NamePattern, Permissions};
 pub use replay::{
-    Corrected, Correction, Progress, PurgeReport, Replay, ReplayEntry, ReplayReport, ReplayTarget,
+    Corrected, Correction, Progress, PurgeReport, Replay, ReplayEntry, ReplayGuard, ReplayReport,
+    ReplayTarget,
 };
 pub use retry::{Decision, Failure, FinalRoute, PanicAction, PolicyError, RetryPolicy, Schedule};
 pub use subscription::{Capabilities, Destination, MAX_NAME_LEN, NameError, Subscription};

@@ -55,9 +55,20 @@ pub struct ReplayReport {
     pub unreadable: usize,
     /// The run was cancelled before it reached the end; what it did is above.
     pub cancelled: bool,
+    /// Why the run's [`ReplayGuard`] stopped it (then `cancelled` too).
+    pub stopped: Option<String>,
     /// From the first copy sent to the last one confirmed: the time the rate limit
     /// paces (the reads before and the last removal after are not in it).
     pub publishing: Duration,
+}
+
+/// Asked at intervals during a replay whether to go on: a ramped replay after a fix
+/// watches the consumer it feeds and stops when the consumer starts failing again.
+#[async_trait::async_trait]
+pub trait ReplayGuard: Send + Sync {
+    /// `Err(why)` stops the run after its copies in flight (what it had not sent stays
+    /// in the DLQ); an error reading what it watches should say so, not stop the run.
+    async fn check(&self) -> Result<(), String>;
 }
 
 /// What a purge run did.
@@ -149,6 +160,9 @@ pub struct Replay {
     in_flight: usize,
     progress: Option<ProgressFn>,
     cancel: CancellationToken,
+    /// From this rate per second up to `per_second`, over this long.
+    ramp: Option<(NonZeroU32, Duration)>,
+    guard: Option<(Duration, Arc<dyn ReplayGuard>)>,
 }
 
 impl std::fmt::Debug for Replay {
@@ -161,6 +175,7 @@ impl std::fmt::Debug for Replay {
             .field("target", &self.target)
             .field("scan_max", &self.scan_max)
             .field("in_flight", &self.in_flight)
+            .field("ramp", &self.ramp)
             .finish_non_exhaustive()
     }
 }
@@ -178,6 +193,8 @@ impl Replay {
             in_flight: 256,
             progress: None,
             cancel: CancellationToken::new(),
+            ramp: None,
+            guard: None,
         }
     }
 
@@ -190,6 +207,21 @@ impl Replay {
     /// At most `per_second` messages per second (0 = unlimited).
     pub fn rate_limit(mut self, per_second: u32) -> Self {
         self.per_second = NonZeroU32::new(per_second);
+        self
+    }
+
+    /// Start at `start_per_second` and raise the rate evenly to the [rate
+    /// limit](Self::rate_limit) over `over` (no effect without a rate limit): after a
+    /// fix, a downstream takes the backlog slowly first. Paced copy by copy, no burst.
+    pub fn ramp(mut self, start_per_second: u32, over: Duration) -> Self {
+        self.ramp = NonZeroU32::new(start_per_second).map(|s| (s, over));
+        self
+    }
+
+    /// Ask `guard` every `every` whether to go on (see [`ReplayGuard`]); a refusal
+    /// stops the run like a cancel and is the report's `stopped`.
+    pub fn guard(mut self, every: Duration, guard: Arc<dyn ReplayGuard>) -> Self {
+        self.guard = Some((every, guard));
         self
     }
 
@@ -324,7 +356,9 @@ impl Replay {
         }
     }
 
-    async fn run(self, dry_run: bool) -> Result<ReplayReport, BrokerError> {
+    async fn run(mut self, dry_run: bool) -> Result<ReplayReport, BrokerError> {
+        // The guard cancels this run, not the caller's token.
+        self.cancel = self.cancel.child_token();
         let sub = &self.subscription;
         let dlq = self.broker.dead_letters(sub).await?;
         let report = if dry_run {
@@ -391,16 +425,25 @@ impl Replay {
         let publisher = async {
             tokio::join!(self.dispatch_pages(&run, pages_rx, lane_txs), lanes);
         };
-        let ((scanned, unreadable, read), (), ()) = tokio::join!(
-            self.read_pages(dlq, &run.tally, pages_tx),
-            publisher,
-            self.remove_confirmed(dlq, &run, confirmed_rx)
-        );
+        let pipeline = async {
+            tokio::join!(
+                self.read_pages(dlq, &run.tally, pages_tx),
+                publisher,
+                self.remove_confirmed(dlq, &run, confirmed_rx)
+            )
+        };
+        // The guard's refusal cancels the run; the pipeline then ends as on a cancel.
+        let ((scanned, unreadable, read), (), ()) = tokio::select! {
+            done = pipeline => done,
+            never = self.watch_guard(&run) => match never {},
+        };
         let publishing = lock(&run.publishing).map_or(Duration::ZERO, |(f, l)| l - f);
+        let stopped = lock(&run.stopped).take();
         let mut report = run.report.into_inner().unwrap_or_else(|p| p.into_inner());
         report.scanned = scanned;
         report.unreadable = unreadable;
         report.publishing = publishing;
+        report.stopped = stopped;
         if self.cancel.is_cancelled()
             && report.matched.len() > report.replayed.len() + report.failed.len()
         {
@@ -408,6 +451,29 @@ impl Replay {
         }
         self.report_tally(&run.tally);
         read.map(|()| report)
+    }
+
+    /// Ask the guard at its interval until it refuses: then cancel the run, note why,
+    /// and wait for the pipeline to end. Without a guard, only waits.
+    async fn watch_guard(&self, run: &RunState) -> std::convert::Infallible {
+        if let Some((every, guard)) = &self.guard {
+            let mut tick = tokio::time::interval(*every);
+            tick.tick().await; // the first tick is now: let the run start first
+            loop {
+                tokio::select! {
+                    () = self.cancel.cancelled() => break,
+                    _ = tick.tick() => {}
+                }
+                if let Err(why) = guard.check().await {
+                    tracing::warn!(target: "reliq::audit", consumer = %self.subscription.consumer,
+                        reason = %why, "replay stopped by its guard; the rest stays in the DLQ");
+                    *lock(&run.stopped) = Some(why);
+                    self.cancel.cancel();
+                    break;
+                }
+            }
+        }
+        std::future::pending().await
     }
 
     /// Stage 1: browse the matching pages, at most two ahead of the publisher. Returns
@@ -500,11 +566,17 @@ impl Replay {
                 ));
                 continue;
             }
-            if let Some(l) = &run.limiter {
-                // Every lane may be waiting here at a cancel: none sends after it.
+            // Every lane may be waiting here at a cancel: none sends after it.
+            if let Some(pacer) = &run.ramp {
                 tokio::select! {
                     biased;
                     () = self.cancel.cancelled() => continue, // not sent: stays in the DLQ
+                    () = pacer.wait() => {}
+                }
+            } else if let Some(l) = &run.limiter {
+                tokio::select! {
+                    biased;
+                    () = self.cancel.cancelled() => continue,
                     () = l.until_ready() => {}
                 }
             }
@@ -775,8 +847,47 @@ struct RunState {
     /// The first copy's send and the last copy's confirm.
     publishing: std::sync::Mutex<Option<(Instant, Instant)>>,
     limiter: Option<DefaultDirectRateLimiter>,
+    /// A ramped rate paces instead of `limiter`.
+    ramp: Option<Pacer>,
+    /// Why the guard stopped the run.
+    stopped: std::sync::Mutex<Option<String>>,
     clock: Clock,
     replayed_total: metrics::Counter,
+}
+
+/// Paces copies one at a time at a rate that rises evenly from `start` to `target`
+/// over `over` from the first copy: each takes the next slot, 1/rate after the last
+/// one (a lane that finds the slot past starts now: no burst).
+struct Pacer {
+    start: f64,
+    target: f64,
+    over: Duration,
+    /// The first slot handed out (the ramp's zero), and the next one.
+    slots: tokio::sync::Mutex<Option<(Instant, Instant)>>,
+}
+
+impl Pacer {
+    fn rate(&self, began: Instant, at: Instant) -> f64 {
+        let done = if self.over.is_zero() {
+            1.0
+        } else {
+            (at.saturating_duration_since(began).as_secs_f64() / self.over.as_secs_f64()).min(1.0)
+        };
+        self.start + (self.target - self.start) * done
+    }
+
+    async fn wait(&self) {
+        let slot = {
+            let mut slots = self.slots.lock().await;
+            let now = Instant::now();
+            let (began, next) = slots.unwrap_or((now, now));
+            let slot = next.max(now);
+            let gap = Duration::from_secs_f64(1.0 / self.rate(began, slot));
+            *slots = Some((began, slot + gap));
+            slot
+        };
+        tokio::time::sleep_until(slot.into()).await;
+    }
 }
 
 impl RunState {
@@ -794,6 +905,16 @@ impl RunState {
             report: std::sync::Mutex::new(ReplayReport::default()),
             tally: Tally::default(),
             publishing: std::sync::Mutex::new(None),
+            ramp: replay
+                .ramp
+                .zip(replay.per_second)
+                .map(|((start, over), target)| Pacer {
+                    start: f64::from(start.get().min(target.get())),
+                    target: f64::from(target.get()),
+                    over,
+                    slots: tokio::sync::Mutex::new(None),
+                }),
+            stopped: std::sync::Mutex::new(None),
             limiter,
             clock: Clock::new(),
             replayed_total: metrics::counter!(telemetry::REPLAYED, "consumer" => consumer),

@@ -61,9 +61,9 @@ pub use reliq_core::{
     ErrorChain, ErrorClass, FinalRoute, Fingerprint, Grant, HeaderError, Headers, Inbox,
     InboxError, MemoryInbox, Message, MessageId, MeteredBroker, NamePattern, Origin, OutboxError,
     OutboxRecord, OutboxStore, PanicAction, Permanent, Permissions, Poison, PolicyError, Progress,
-    PurgeReport, Relay, RelayHandle, RelayStats, Replay, ReplayEntry, ReplayReport, ReplayTarget,
-    RetryPolicy, Schedule, ShutdownReport, StartupCheck, Stats, StatsSnapshot, Subscription,
-    TierBacklog, Transient,
+    PurgeReport, Relay, RelayHandle, RelayStats, Replay, ReplayEntry, ReplayGuard, ReplayReport,
+    ReplayTarget, RetryPolicy, Schedule, ShutdownReport, StartupCheck, Stats, StatsSnapshot,
+    Subscription, TierBacklog, Transient,
 };
 
 /// A consumer's topology as data: the plan ([`Broker::plan`]), the broker's objects

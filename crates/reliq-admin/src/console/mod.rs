@@ -576,7 +576,7 @@ async fn run(
                 filter,
                 dry_run,
                 rate,
-                target: None,
+                ..ReplayRequest::default()
             })
         };
         Ok::<_, AdminError>(run)

@@ -32,6 +32,13 @@ pub fn unique(base: &str) -> String {
 pub struct Effects(Arc<Mutex<HashMap<MessageId, u32>>>);
 
 impl Effects {
+    /// `id` handled once more.
+    pub fn record(&self, id: &MessageId) {
+        if let Ok(mut m) = self.0.lock() {
+            *m.entry(id.clone()).or_insert(0) += 1;
+        }
+    }
+
     pub fn count(&self) -> usize {
         self.0.lock().map(|m| m.len()).unwrap_or(0)
     }

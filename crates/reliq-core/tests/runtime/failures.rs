@@ -302,25 +302,8 @@ async fn handler_duplicate_marker_acks_skips_and_counts() {
 /// cancelled, and leaves every other dead letter in the DLQ: replayed + left = all.
 #[tokio::test]
 async fn a_cancelled_replay_removes_what_went_and_leaves_the_rest() {
-    use reliq_core::{Broker, Replay};
-    let broker = MemoryBroker::new();
-    let shared: Arc<dyn Broker> = Arc::new(broker.clone());
-    let h = Consumer::builder(shared.clone(), "c")
-        .subscribe("t")
-        .start(|_d: Delivery| async move {
-            Err::<(), BoxError>(reliq_core::Permanent::msg("rejected").into())
-        })
-        .await
-        .unwrap();
-    for i in 0..300 {
-        shared
-            .publish(&Destination::new("t"), Message::new(format!("m{i}")))
-            .await
-            .unwrap();
-    }
-    wait_for("300 dead letters", || h.stats().dead_lettered == 300).await;
-    h.shutdown().await;
-    let sub = Subscription::new("c", "t");
+    use reliq_core::Replay;
+    let (broker, shared, sub) = parked(300).await;
     let cancel = tokio_util::sync::CancellationToken::new();
     let stop = cancel.clone();
     let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -360,6 +343,85 @@ async fn a_cancelled_replay_removes_what_went_and_leaves_the_rest() {
         replayed,
         "the last progress"
     );
+}
+
+/// `n` dead letters of consumer `c` on `t` in a fresh embedded broker (the consumer shut
+/// down): the broker, as the engine takes it, and the subscription.
+async fn parked(n: usize) -> (MemoryBroker, Arc<dyn reliq_core::Broker>, Subscription) {
+    use reliq_core::Broker;
+    let broker = MemoryBroker::new();
+    let shared: Arc<dyn Broker> = Arc::new(broker.clone());
+    let h = Consumer::builder(shared.clone(), "c")
+        .subscribe("t")
+        .start(|_d: Delivery| async move {
+            Err::<(), BoxError>(reliq_core::Permanent::msg("rejected").into())
+        })
+        .await
+        .unwrap();
+    for i in 0..n {
+        shared
+            .publish(&Destination::new("t"), Message::new(format!("m{i}")))
+            .await
+            .unwrap();
+    }
+    wait_for("the dead letters", || h.stats().dead_lettered == n as u64).await;
+    h.shutdown().await;
+    (broker, shared, Subscription::new("c", "t"))
+}
+
+/// A ramp from 10/s to 200/s over 2 s: 100 copies take about 1.35 s (10t + 47.5t² =
+/// 100) — far less than 10 s at the starting rate, more than 0.5 s at the top one.
+#[tokio::test]
+async fn a_ramped_replay_starts_slow_and_speeds_up() {
+    use reliq_core::Replay;
+    let (broker, shared, sub) = parked(100).await;
+    let report = Replay::new(shared, sub.clone())
+        .rate_limit(200)
+        .ramp(10, std::time::Duration::from_secs(2))
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(report.replayed.len(), 100, "{report:?}");
+    assert_eq!(broker.dead_letter_depth(&sub), 0);
+    let took = report.publishing.as_secs_f64();
+    assert!(
+        (1.0..3.0).contains(&took),
+        "100 copies ramped 10→200/s over 2 s took {took:.2} s (about 1.35 s expected)"
+    );
+}
+
+/// A guard that says no on its third check stops the run: the report says why, the run
+/// is cancelled, and what it did not send is still in the DLQ.
+#[tokio::test]
+async fn a_replay_stops_when_its_guard_says_no() {
+    use reliq_core::{Replay, ReplayGuard};
+    struct ThirdTime(AtomicU32);
+    #[async_trait::async_trait]
+    impl ReplayGuard for ThirdTime {
+        async fn check(&self) -> Result<(), String> {
+            if self.0.fetch_add(1, Ordering::SeqCst) >= 2 {
+                Err("the consumer fails again".into())
+            } else {
+                Ok(())
+            }
+        }
+    }
+    let (broker, shared, sub) = parked(300).await;
+    let report = Replay::new(shared, sub.clone())
+        .rate_limit(100)
+        .guard(
+            std::time::Duration::from_millis(200),
+            Arc::new(ThirdTime(AtomicU32::new(0))),
+        )
+        .execute()
+        .await
+        .unwrap();
+    assert_eq!(report.stopped.as_deref(), Some("the consumer fails again"));
+    assert!(report.cancelled, "{report:?}");
+    let replayed = report.replayed.len();
+    // Stopped at the third check, 0.6 s in: some 60 copies at 100/s.
+    assert!((20..150).contains(&replayed), "{replayed} replayed");
+    assert_eq!(broker.dead_letter_depth(&sub) + replayed, 300);
 }
 
 /// One breaker shared by two consumers that call the same downstream: the failures of
