@@ -226,9 +226,26 @@ impl TriageStore {
     /// The store in the SQLite file at `path`, created (with its tables) if missing.
     /// WAL journal: the server and a `reliq dlq triage` command may share the file.
     pub async fn open(path: &Path) -> Result<Self, AdminError> {
+        Self::connect(path, true).await
+    }
+
+    /// The store at `path`, which must exist: for a read (`stats`), which creates nothing
+    /// — a mistyped path is an error naming it, not a new empty store.
+    pub async fn open_existing(path: &Path) -> Result<Self, AdminError> {
+        if !path.is_file() {
+            return Err(AdminError::InvalidInput {
+                field: "triage-db",
+                value: path.display().to_string().chars().take(80).collect(),
+                expected: "an existing triage store (the admin server's --triage-db file)".into(),
+            });
+        }
+        Self::connect(path, false).await
+    }
+
+    async fn connect(path: &Path, create: bool) -> Result<Self, AdminError> {
         let options = SqliteConnectOptions::new()
             .filename(path)
-            .create_if_missing(true)
+            .create_if_missing(create)
             .journal_mode(SqliteJournalMode::Wal)
             .busy_timeout(std::time::Duration::from_secs(5));
         let pool = SqlitePoolOptions::new()

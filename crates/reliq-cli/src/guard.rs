@@ -1,7 +1,8 @@
 //! The consumer's failure share, read from its Prometheus metrics: what stops a ramped
 //! replay when the consumer it feeds starts failing again.
 //!
-//! Each check scrapes the consumer's `/metrics` and takes, since the check before, how
+//! The first check, as the replay starts, is the baseline. Each later one scrapes the
+//! consumer's `/metrics` again and takes, since the check before, how
 //! many messages it received (`reliq_messages_received_total`) and how many of those
 //! failed (`reliq_messages_retried_total` + `reliq_messages_dead_lettered_total`), summed
 //! over the series of `consumer="<name>"` (every replica behind the URL counts when it is

@@ -332,10 +332,15 @@ async fn dlq(command: DlqCommand) -> Result<u8, Failure> {
             triage_db,
             archived,
         } => {
+            // A read opens the store it is given, never a new one (before the broker is
+            // asked: a mistyped path is bad input).
+            let store = match &triage_db {
+                Some(path) => Some(reliq_admin::TriageStore::open_existing(path).await?),
+                None => None,
+            };
             let dlq = connect(&target).await?;
             let mut stats = dlq.stats(&filter.spec()).await?;
-            if let Some(path) = &triage_db {
-                let store = reliq_admin::TriageStore::open(path).await?;
+            if let Some(store) = &store {
                 let triage = store.statuses(&target.consumer).await?;
                 stats.annotate(&triage, archived);
             }

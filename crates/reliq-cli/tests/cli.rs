@@ -378,6 +378,16 @@ fn exit_codes_without_a_broker() -> anyhow::Result<()> {
             && report["drift"][0]["difference"] == "missing",
         "{report}"
     );
+    // A read never creates a triage store: a path that is not one is bad input.
+    let dir = tempfile::tempdir()?;
+    let missing = dir.path().join("typo.sqlite");
+    let mut stats = dlq("memory://cli", "c", "orders", &["stats"]);
+    stats.arg("--triage-db").arg(&missing);
+    let (code, _, err) = run(&mut stats)?;
+    ensure!(
+        code == 2 && err.contains("triage-db") && !missing.exists(),
+        "stats with a missing triage store: exit {code}, {err}"
+    );
     let (code, _, err) = run(&mut dlq("foo://x", "c", "orders", &["stats"]))?;
     ensure!(
         code == 2 && err.contains("foo"),

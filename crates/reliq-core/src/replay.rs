@@ -218,8 +218,9 @@ impl Replay {
         self
     }
 
-    /// Ask `guard` every `every` whether to go on (see [`ReplayGuard`]); a refusal
-    /// stops the run like a cancel and is the report's `stopped`.
+    /// Ask `guard` as the run starts and then every `every` whether to go on (see
+    /// [`ReplayGuard`]); a refusal stops the run like a cancel and is the report's
+    /// `stopped`.
     pub fn guard(mut self, every: Duration, guard: Arc<dyn ReplayGuard>) -> Self {
         self.guard = Some((every, guard));
         self
@@ -457,8 +458,9 @@ impl Replay {
     /// and wait for the pipeline to end. Without a guard, only waits.
     async fn watch_guard(&self, run: &RunState) -> std::convert::Infallible {
         if let Some((every, guard)) = &self.guard {
+            // The first tick is now: a guard sets its baseline before the first copy
+            // (and one that already says no stops the run before it sends anything).
             let mut tick = tokio::time::interval(*every);
-            tick.tick().await; // the first tick is now: let the run start first
             loop {
                 tokio::select! {
                     () = self.cancel.cancelled() => break,
