@@ -642,10 +642,8 @@ async fn triage(
         Ok(b) => b,
         Err(reply) => return reply,
     };
-    let Some(store) = &state.triage else {
-        return Reply::failed(note, AdminError::TriageOff);
-    };
-    match store.get(&consumer, &fingerprint).await {
+    let read = async { state.triage_store()?.get(&consumer, &fingerprint).await };
+    match read.await {
         Ok(t) => Reply::ok(note, t),
         Err(e) => Reply::failed(note, e),
     }
@@ -669,8 +667,9 @@ async fn change_triage(
         Ok(c) => c,
         Err(reply) => return reply,
     };
-    let Some(store) = &state.triage else {
-        return Reply::failed(note, AdminError::TriageOff);
+    let store = match state.triage_store() {
+        Ok(store) => store,
+        Err(e) => return Reply::failed(note, e),
     };
     let actor = note
         .actor

@@ -97,6 +97,16 @@ impl AdminState {
         self
     }
 
+    /// The triage store, or [`AdminError::TriageOff`](crate::error::AdminError) when the
+    /// server keeps none.
+    pub(crate) fn triage_store(
+        &self,
+    ) -> Result<&crate::triage::TriageStore, crate::error::AdminError> {
+        self.triage
+            .as_ref()
+            .ok_or(crate::error::AdminError::TriageOff)
+    }
+
     /// `stats` with each group's triage, archived groups left out unless
     /// `include_archived` (unchanged when the server keeps no triage).
     pub(crate) async fn triaged_stats(

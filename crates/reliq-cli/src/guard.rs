@@ -54,6 +54,13 @@ impl FailureShareGuard {
         })
     }
 
+    /// A scrape's failure, naming the URL without its password (reqwest's own text
+    /// carries the URL too: it is left out).
+    fn failed(&self, e: reqwest::Error) -> String {
+        let why = e.without_url().to_string();
+        format!("scraping {}: {why}", reliq::secrets::redact_url(&self.url))
+    }
+
     async fn scrape(&self) -> Result<(f64, f64), String> {
         let text = self
             .http
@@ -62,10 +69,10 @@ impl FailureShareGuard {
             .send()
             .await
             .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| format!("scraping {}: {e}", self.url))?
+            .map_err(|e| self.failed(e))?
             .text()
             .await
-            .map_err(|e| format!("scraping {}: {e}", self.url))?;
+            .map_err(|e| self.failed(e))?;
         Ok(counts(&text, &self.consumer))
     }
 }

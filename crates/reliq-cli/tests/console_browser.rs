@@ -783,6 +783,31 @@ async fn an_inline_script_in_a_payload_does_not_run_on_the_message_page() -> any
     result
 }
 
+/// From a group list, open the first group's triage and save `status` (and an assignee
+/// and a note, when given) through its form.
+async fn triage_by_form(
+    c: &Client,
+    status: &str,
+    assignee: Option<&str>,
+    note: Option<&str>,
+) -> anyhow::Result<()> {
+    el(c, Locator::LinkText("Triage")).await?.click().await?;
+    el(c, Locator::Css("select#status"))
+        .await?
+        .select_by_value(status)
+        .await?;
+    for (field, text) in [("#assignee", assignee), ("#note", note)] {
+        if let Some(text) = text {
+            el(c, Locator::Css(field)).await?.send_keys(text).await?;
+        }
+    }
+    el(c, Locator::XPath("//button[normalize-space()='Save']"))
+        .await?
+        .click()
+        .await?;
+    Ok(())
+}
+
 /// The triage page's status once the page a Save posted has loaded (the old page's
 /// element goes stale under the poll): `expected`, or what it showed for 10 s.
 async fn status_after_save(c: &Client, expected: &str) -> anyhow::Result<String> {
@@ -833,21 +858,13 @@ async fn an_operator_triages_a_group_in_the_console() -> anyhow::Result<()> {
         sign_in(&c, &base, &served.operator).await?;
         c.goto(&format!("{base}/console/consumers/{name}")).await?;
         ensure!(status_in_row().await? == "new", "a fresh group's status");
-        el(&c, Locator::LinkText("Triage")).await?.click().await?;
-        let status = el(&c, Locator::Css("select#status")).await?;
-        status.select_by_value("investigating").await?;
-        el(&c, Locator::Css("#assignee"))
-            .await?
-            .send_keys("alice")
-            .await?;
-        el(&c, Locator::Css("#note"))
-            .await?
-            .send_keys("<b>not bold</b>: the 12:03 deploy")
-            .await?;
-        el(&c, Locator::XPath("//button[normalize-space()='Save']"))
-            .await?
-            .click()
-            .await?;
+        triage_by_form(
+            &c,
+            "investigating",
+            Some("alice"),
+            Some("<b>not bold</b>: the 12:03 deploy"),
+        )
+        .await?;
         // The redirect back: the change shown, the note as text.
         let shown = status_after_save(&c, "investigating").await?;
         ensure!(shown == "investigating", "status after Save: {shown}");
@@ -877,15 +894,7 @@ async fn an_operator_triages_a_group_in_the_console() -> anyhow::Result<()> {
         );
 
         // Archived: out of the list, one line says so, its link shows it.
-        el(&c, Locator::LinkText("Triage")).await?.click().await?;
-        el(&c, Locator::Css("select#status"))
-            .await?
-            .select_by_value("archived")
-            .await?;
-        el(&c, Locator::XPath("//button[normalize-space()='Save']"))
-            .await?
-            .click()
-            .await?;
+        triage_by_form(&c, "archived", None, None).await?;
         let shown = status_after_save(&c, "archived").await?;
         ensure!(shown == "archived", "status after Save: {shown}");
         c.goto(&format!("{base}/console/consumers/{name}")).await?;

@@ -386,7 +386,7 @@ async fn group_triage(
     };
     let read = async {
         known_dlq(&state, &consumer)?;
-        let store = state.triage.as_ref().ok_or(AdminError::TriageOff)?;
+        let store = state.triage_store()?;
         store.get(&consumer, &fingerprint).await
     };
     match read.await {
@@ -416,7 +416,7 @@ async fn change_triage(
     let field = |name: &str| form_field(&fields, name);
     let changed = async {
         known_dlq(&state, &consumer)?;
-        let store = state.triage.as_ref().ok_or(AdminError::TriageOff)?;
+        let store = state.triage_store()?;
         let change = crate::triage::TriageChange {
             status: field("status")
                 .filter(|s| !s.is_empty())
