@@ -74,6 +74,8 @@ test:
     # Headless Chromium and its driver for the web console's browser tests; promtool.
     scripts/brokers browser || exit 1
     scripts/brokers promtool || exit 1
+    # The OpenID provider the console's single sign-on test starts (npm's oidc-provider).
+    scripts/brokers oidc || exit 1
     rc=0
     # The alert rules: valid, and each alert fires on what should fire it and only that.
     promtool check rules deploy/prometheus/reliq-rules.yml || rc=1

@@ -141,13 +141,25 @@ pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
         .route("/v1/jobs/{id}/cancel", post(cancel_job))
         .merge(crate::console::routes())
         .layer(DefaultBodyLimit::max(limits.max_body_bytes));
+    // Sign-out may send the browser on to the identity provider's own sign-out: a
+    // redirect after a form post, which `form-action` governs too.
+    let policy = match &state.oidc {
+        Some(oidc) => CONTENT_SECURITY_POLICY.replace(
+            "form-action 'self'",
+            &format!("form-action 'self' {}", oidc.provider_origin()),
+        ),
+        None => CONTENT_SECURITY_POLICY.to_owned(),
+    };
+    let policy =
+        HeaderValue::from_str(&policy).unwrap_or(HeaderValue::from_static(CONTENT_SECURITY_POLICY));
     let hardened = BROWSER_HARDENING
         .into_iter()
+        .map(|(name, value)| match name {
+            header::CONTENT_SECURITY_POLICY => (name, policy.clone()),
+            _ => (name, HeaderValue::from_static(value)),
+        })
         .fold(routes, |r, (name, value)| {
-            r.layer(SetResponseHeaderLayer::overriding(
-                name,
-                HeaderValue::from_static(value),
-            ))
+            r.layer(SetResponseHeaderLayer::overriding(name, value))
         });
     metrics::describe_counter!(
         crate::throttle::REFUSED_REQUESTS,

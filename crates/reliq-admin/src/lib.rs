@@ -20,6 +20,9 @@
 //!
 //! - [`TriageStore`]: operators' decisions per failure group (status, assignee, notes) in
 //!   a SQLite file beside the audit log; `stats` leaves archived groups out unless asked.
+//! - [`Oidc`]: single sign-on for the console (OpenID Connect, authorization code with
+//!   PKCE; a roles claim mapped to reader / operator / admin; the session ends when the
+//!   provider's token does). The API keeps bearer tokens.
 //! - [`serve`]: the API as a service — its own TLS with certificate reload, `/healthz`
 //!   and `/readyz`, and a stop that drains running jobs ([`ServeOptions`]).
 //!
@@ -32,6 +35,7 @@ mod error;
 mod filter;
 pub mod http;
 mod jobs;
+mod oidc;
 mod ops;
 mod server;
 mod sessions;
@@ -44,6 +48,7 @@ pub use auth::{Principal, Refusal, Role, Tokens, hash_token, new_token};
 pub use error::AdminError;
 pub use filter::{FILTER_FIELDS, FilterSpec};
 pub use jobs::{Drained, JobContext, JobState, JobView, Jobs};
+pub use oidc::{CALLBACK_PATH, Oidc, OidcError, OidcSettings, RoleMap, SIGNED_OUT_PATH};
 pub use ops::{
     Dlq, DlqStats, EditOutcome, EditRequest, EntryDetail, EntryList, EntrySummary, FailedEntry,
     Group, MAX_LIST, PurgeRequest, ReplayRequest, Run, RunOutcome,

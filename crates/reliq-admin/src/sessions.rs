@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::auth::random_hex;
 use crate::error::AdminError;
+use crate::oidc::SignedIn;
 
 /// The session cookie's name.
 pub const SESSION_COOKIE: &str = "reliq_session";
@@ -14,8 +15,17 @@ pub const SESSION_COOKIE: &str = "reliq_session";
 /// How long a session lasts without a new sign-in.
 pub(crate) const SESSION_TTL: Duration = Duration::from_secs(12 * 3600);
 
+/// What a session was signed in with.
+#[derive(Clone)]
+pub(crate) enum Credential {
+    /// An API token: its hash, checked against the tokens file on every request.
+    Token([u8; 32]),
+    /// The identity provider: who it said, until its token expires.
+    Provider(SignedIn),
+}
+
 struct Session {
-    token_hash: [u8; 32],
+    credential: Credential,
     csrf: String,
     started: Instant,
 }
@@ -36,7 +46,7 @@ impl Sessions {
         lock(&self.0)
     }
 
-    pub(crate) fn start(&self, token_hash: [u8; 32]) -> Result<String, AdminError> {
+    pub(crate) fn start(&self, credential: Credential) -> Result<String, AdminError> {
         let id = random_hex()?;
         let csrf = random_hex()?;
         let mut map = self.lock();
@@ -44,7 +54,7 @@ impl Sessions {
         map.insert(
             id.clone(),
             Session {
-                token_hash,
+                credential,
                 csrf,
                 started: Instant::now(),
             },
@@ -52,12 +62,12 @@ impl Sessions {
         Ok(id)
     }
 
-    /// The session's token hash and CSRF token, if it is live.
-    pub(crate) fn get(&self, id: &str) -> Option<([u8; 32], String)> {
+    /// The session's credential and CSRF token, if it is live.
+    pub(crate) fn get(&self, id: &str) -> Option<(Credential, String)> {
         let map = self.lock();
         map.get(id)
             .filter(|s| s.started.elapsed() < SESSION_TTL)
-            .map(|s| (s.token_hash, s.csrf.clone()))
+            .map(|s| (s.credential.clone(), s.csrf.clone()))
     }
 
     pub(crate) fn end(&self, id: &str) {

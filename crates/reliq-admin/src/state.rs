@@ -31,6 +31,8 @@ pub struct AdminState {
     pub(crate) ready_timeout: std::time::Duration,
     /// Operators' triage of failure groups, when the server keeps it.
     pub(crate) triage: Option<crate::triage::TriageStore>,
+    /// Single sign-on for the console, when configured.
+    pub(crate) oidc: Option<crate::oidc::Oidc>,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -57,6 +59,7 @@ impl AdminState {
             throttle: AuthThrottle::new(AuthBudget::default()),
             ready_timeout: std::time::Duration::from_secs(3),
             triage: None,
+            oidc: None,
         }
     }
 
@@ -94,6 +97,13 @@ impl AdminState {
     /// groups out unless asked (`?archived=true`).
     pub fn with_triage(mut self, store: crate::triage::TriageStore) -> Self {
         self.triage = Some(store);
+        self
+    }
+
+    /// Let people sign in to the console through an OpenID provider (beside tokens,
+    /// which the API keeps using).
+    pub fn with_oidc(mut self, oidc: crate::oidc::Oidc) -> Self {
+        self.oidc = Some(oidc);
         self
     }
 

@@ -580,4 +580,28 @@ pub(crate) struct ServeArgs {
     /// `reliq_topology_drift` (first at start) [default: 5m].
     #[arg(long)]
     pub(crate) topology_interval: Option<humantime::Duration>,
+    /// Single sign-on for the console: the OpenID provider's issuer URL (with
+    /// --oidc-client-id and --oidc-redirect-url, or the file's `[oidc]` table, which also
+    /// maps the roles claim: by default `roles` values reliq-reader, reliq-operator,
+    /// reliq-admin).
+    #[arg(long, env = "RELIQ_OIDC_ISSUER")]
+    pub(crate) oidc_issuer: Option<String>,
+    /// The console's client id at the provider.
+    #[arg(long, env = "RELIQ_OIDC_CLIENT_ID")]
+    pub(crate) oidc_client_id: Option<String>,
+    /// A file holding the client secret (or the secret itself in RELIQ_OIDC_CLIENT_SECRET).
+    #[arg(long, env = "RELIQ_OIDC_CLIENT_SECRET_FILE")]
+    pub(crate) oidc_client_secret_file: Option<PathBuf>,
+    /// The client secret (from the environment only: a flag would show it in `ps`).
+    #[arg(
+        long,
+        env = "RELIQ_OIDC_CLIENT_SECRET",
+        hide = true,
+        hide_env_values = true
+    )]
+    pub(crate) oidc_client_secret: Option<String>,
+    /// The console's callback as browsers reach it: `https://<host>/console/oidc/callback`
+    /// (registered at the provider, with `https://<host>/console/sign-in` for sign-out).
+    #[arg(long, env = "RELIQ_OIDC_REDIRECT_URL")]
+    pub(crate) oidc_redirect_url: Option<String>,
 }

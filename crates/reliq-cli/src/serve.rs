@@ -18,6 +18,17 @@
 //! cert = "/etc/reliq/tls/tls.crt"
 //! key = "/etc/reliq/tls/tls.key"
 //! reload_every = "30s"
+//!
+//! [oidc]                                   # single sign-on for the console
+//! issuer = "https://login.example.com/realms/ops"
+//! client_id = "reliq-console"
+//! client_secret_file = "/run/secrets/reliq-oidc"
+//! redirect_url = "https://reliq.example.com/console/oidc/callback"
+//! roles_claim = "roles"                    # or a dotted path: realm_access.roles
+//! [oidc.roles]
+//! reader = ["reliq-reader"]
+//! operator = ["reliq-operator"]
+//! admin = ["reliq-admin"]
 //! ```
 //!
 //! An unknown key or a value that does not parse fails at start naming it (exit 2).
@@ -56,6 +67,7 @@ struct ServeFile {
     metrics_interval: Option<String>,
     topology_interval: Option<String>,
     tls: Option<TlsFile>,
+    oidc: Option<reliq_admin::OidcSettings>,
 }
 
 /// The file's `[tls]` table.
@@ -80,6 +92,7 @@ struct Settings {
     ready_timeout: Duration,
     metrics_interval: Duration,
     topology_interval: Duration,
+    oidc: Option<reliq_admin::OidcSettings>,
     options: ServeOptions,
 }
 
@@ -111,10 +124,11 @@ fn duration(
 }
 
 fn resolve(args: ServeArgs) -> Result<Settings, Failure> {
-    let file = match &args.config {
+    let mut file = match &args.config {
         Some(path) => read_file(path)?,
         None => ServeFile::default(),
     };
+    let oidc = oidc_settings(&args, file.oidc.take())?;
     let flags_name_a_broker = args.broker.url.is_some()
         || args.broker.url_file.is_some()
         || args.broker.backend.is_some();
@@ -215,8 +229,67 @@ fn resolve(args: ServeArgs) -> Result<Settings, Failure> {
             "topology_interval",
             Duration::from_secs(300),
         )?,
+        oidc,
         options,
     })
+}
+
+/// The `[oidc]` table with the flags (and environment) over it; flags alone need the
+/// issuer, the client id and the redirect URL.
+fn oidc_settings(
+    args: &ServeArgs,
+    file: Option<reliq_admin::OidcSettings>,
+) -> Result<Option<reliq_admin::OidcSettings>, Failure> {
+    let flagged = args.oidc_issuer.is_some()
+        || args.oidc_client_id.is_some()
+        || args.oidc_redirect_url.is_some()
+        || args.oidc_client_secret_file.is_some();
+    let mut settings = match (file, flagged) {
+        (Some(settings), _) => settings,
+        (None, false) => return Ok(None),
+        (None, true) => {
+            let need = |value: &Option<String>, flag: &str| {
+                value.clone().ok_or_else(|| {
+                    bad_input(format!(
+                        "single sign-on needs {flag} (or `[oidc]` in --config)"
+                    ))
+                })
+            };
+            let mut table = toml::Table::new();
+            table.insert(
+                "issuer".into(),
+                need(&args.oidc_issuer, "--oidc-issuer")?.into(),
+            );
+            table.insert(
+                "client_id".into(),
+                need(&args.oidc_client_id, "--oidc-client-id")?.into(),
+            );
+            table.insert(
+                "redirect_url".into(),
+                need(&args.oidc_redirect_url, "--oidc-redirect-url")?.into(),
+            );
+            // The file's defaults (scopes, claims, role map) for what the flags leave out.
+            table
+                .try_into()
+                .map_err(|e: toml::de::Error| bad_input(format!("oidc: {}", e.message())))?
+        }
+    };
+    if let Some(issuer) = &args.oidc_issuer {
+        settings.issuer = issuer.clone();
+    }
+    if let Some(id) = &args.oidc_client_id {
+        settings.client_id = id.clone();
+    }
+    if let Some(url) = &args.oidc_redirect_url {
+        settings.redirect_url = url.clone();
+    }
+    if let Some(path) = &args.oidc_client_secret_file {
+        settings.client_secret_file = Some(path.clone());
+    }
+    if settings.client_secret_file.is_none() {
+        settings.client_secret = args.oidc_client_secret.clone();
+    }
+    Ok(Some(settings))
 }
 
 /// Resolves when the process is asked to stop: SIGTERM (systemd, Kubernetes) or SIGINT.
@@ -250,6 +323,8 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<u8, Failure> {
         // A bad certificate fails before anything connects, naming the file.
         reliq_admin::load_tls(tls).map_err(|e| bad_input(e.to_string()))?;
     }
+    // Bad single sign-on settings fail here too, naming the field.
+    let oidc = settings.oidc.map(reliq_admin::Oidc::new).transpose()?;
     // The server starts before its broker answers (`/readyz` says whether it does).
     let connected = crate::connect_broker(&settings.broker, crate::Reach::Client).await?;
     let tokens = reliq_admin::Tokens::open(&settings.tokens)?;
@@ -282,6 +357,9 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<u8, Failure> {
     if let Some(path) = &settings.triage_db {
         state = state.with_triage(reliq_admin::TriageStore::open(path).await?);
     }
+    if let Some(oidc) = oidc {
+        state = state.with_oidc(oidc);
+    }
     let state = Arc::new(state);
     // The one line a supervisor (or a test) waits for.
     println!("reliq admin API listening on {scheme}://{bound}");
@@ -295,4 +373,28 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<u8, Failure> {
         drained.finished, drained.handed_back, drained.abandoned
     );
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The documented example is a file `serve` takes: every key known, every value read.
+    #[test]
+    fn the_deploy_example_parses_with_its_oidc_table() -> Result<(), toml::de::Error> {
+        let file: ServeFile = toml::from_str(include_str!("../../../deploy/admin.toml.example"))?;
+        assert_eq!(file.consumers.len(), 2);
+        assert!(file.tls.is_some());
+        let oidc = file.oidc.expect("the example's [oidc] table");
+        assert_eq!(oidc.client_id, "reliq-console");
+        assert_eq!(oidc.roles.admin, ["reliq-admin"]);
+        // Valid settings, but for the secret file (not on this machine).
+        let oidc = reliq_admin::OidcSettings {
+            client_secret_file: None,
+            client_secret: Some("x".into()),
+            ..oidc
+        };
+        assert!(reliq_admin::Oidc::new(oidc).is_ok());
+        Ok(())
+    }
 }

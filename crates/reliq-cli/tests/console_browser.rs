@@ -99,6 +99,19 @@ struct Served {
 }
 
 async fn serve(broker: Arc<dyn Broker>, consumers: Vec<Subscription>) -> anyhow::Result<Served> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let audit = AuditLog::tracing_only();
+    serve_on(listener, broker, consumers, audit, Ok).await
+}
+
+/// [`serve`] on `listener`, auditing to `audit`, with `configure` adding to the state.
+async fn serve_on(
+    listener: tokio::net::TcpListener,
+    broker: Arc<dyn Broker>,
+    consumers: Vec<Subscription>,
+    audit: AuditLog,
+    configure: impl FnOnce(AdminState) -> anyhow::Result<AdminState>,
+) -> anyhow::Result<Served> {
     let dir = tempfile::tempdir()?;
     let tokens = dir.path().join("tokens.toml");
     let (reader, reader_entry) = new_token("rita", Role::Reader, None)?;
@@ -109,10 +122,10 @@ async fn serve(broker: Arc<dyn Broker>, consumers: Vec<Subscription>) -> anyhow:
         format!("{reader_entry}\n{operator_entry}\n{admin_entry}"),
     )?;
     let triage = reliq_admin::TriageStore::open(&dir.path().join("triage.sqlite")).await?;
-    let state = AdminState::new(broker, Tokens::open(&tokens)?, AuditLog::tracing_only())
+    let state = AdminState::new(broker, Tokens::open(&tokens)?, audit)
         .with_consumers(consumers)
         .with_triage(triage);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let state = configure(state)?;
     let base = format!("http://{}", listener.local_addr()?);
     let app = router(Arc::new(state), Limits::default());
     tokio::spawn(async move {
@@ -456,16 +469,7 @@ async fn console_in_a_browser(backend: &'static str) -> anyhow::Result<()> {
 
         // An admin purges the group.
         sign_in(&c, &base, &admin).await?;
-        c.goto(&format!("{base}/console/consumers/{name}")).await?;
-        click_in_row(&c, "undecodable field at byte <n>", "Preview purge").await?;
-        el(
-            &c,
-            Locator::XPath("//button[starts-with(normalize-space(), 'Purge these 1')]"),
-        )
-        .await?
-        .click()
-        .await?;
-        let state = wait_for_job(&c).await?;
+        let state = purge_group(&c, &base, &name, "undecodable field at byte <n>", 1).await?;
         ensure!(
             state == "succeeded" && depth().await? == 0,
             "the purge ended {state}"
@@ -517,11 +521,7 @@ async fn console_in_a_browser(backend: &'static str) -> anyhow::Result<()> {
         Ok(())
     }
     .await;
-    if result.is_err() {
-        let _ = shots.take(&c, "failure").await;
-    }
-    let _ = c.close().await;
-    handle.shutdown().await;
+    wind_up(&result, &shots, c, handle, "failure").await;
     result
 }
 
@@ -681,11 +681,7 @@ async fn console_by_keyboard_and_at_a_narrow_width() -> anyhow::Result<()> {
         Ok(())
     }
     .await;
-    if result.is_err() {
-        let _ = shots.take(&c, "keyboard-failure").await;
-    }
-    let _ = c.close().await;
-    handle.shutdown().await;
+    wind_up(&result, &shots, c, handle, "keyboard-failure").await;
     result
 }
 
@@ -775,11 +771,7 @@ async fn an_inline_script_in_a_payload_does_not_run_on_the_message_page() -> any
         Ok(())
     }
     .await;
-    if result.is_err() {
-        let _ = shots.take(&c, "hostile-payload-failure").await;
-    }
-    let _ = c.close().await;
-    handle.shutdown().await;
+    wind_up(&result, &shots, c, handle, "hostile-payload-failure").await;
     result
 }
 
@@ -923,10 +915,353 @@ async fn an_operator_triages_a_group_in_the_console() -> anyhow::Result<()> {
         Ok(())
     }
     .await;
+    wind_up(&result, &shots, c, handle, "triage-failure").await;
+    result
+}
+
+/// The OpenID provider of `scripts/oidc/provider.mjs` (installed by `scripts/brokers oidc`)
+/// on a free port, killed on drop.
+struct Provider {
+    child: Child,
+    issuer: String,
+}
+
+impl Drop for Provider {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Start the provider for a console at `base`, its issuer on `localhost` — another site
+/// than the console's 127.0.0.1, as a real provider is (the cookies' SameSite rules
+/// apply as they would).
+async fn provider(base: &str, secret: &str, log: &std::path::Path) -> anyhow::Result<Provider> {
+    let dir = match std::env::var_os("RELIQ_OIDC_PROVIDER_DIR") {
+        Some(dir) => std::path::PathBuf::from(dir),
+        None => std::env::var_os("BROKERS_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| {
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.brokers")
+            })
+            .join("oidc"),
+    };
+    ensure!(
+        dir.join("node_modules/oidc-provider").is_dir(),
+        "no OpenID provider in {}: run scripts/brokers oidc",
+        dir.display()
+    );
+    let port = free_port()?;
+    let issuer = format!("http://localhost:{port}");
+    let child = std::process::Command::new("node")
+        .arg(dir.join("provider.mjs"))
+        .env("OIDC_PORT", port.to_string())
+        .env("OIDC_ISSUER", &issuer)
+        .env("OIDC_CLIENT_SECRET", secret)
+        .env(
+            "OIDC_REDIRECT_URI",
+            format!("{base}{}", reliq_admin::CALLBACK_PATH),
+        )
+        .env(
+            "OIDC_POST_LOGOUT_URI",
+            format!("{base}{}", reliq_admin::SIGNED_OUT_PATH),
+        )
+        .stdout(std::fs::File::create(log)?)
+        .stderr(std::fs::File::create(log.with_extension("err"))?)
+        .spawn()
+        .context("starting node (scripts/brokers oidc installs it)")?;
+    let provider = Provider { child, issuer };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::new();
+    let discovery = format!("http://127.0.0.1:{port}/.well-known/openid-configuration");
+    for _ in 0..200 {
+        if let Ok(r) = http.get(&discovery).send().await
+            && r.status().is_success()
+        {
+            return Ok(provider);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!(
+        "the OpenID provider did not answer on {port}: {}",
+        std::fs::read_to_string(log.with_extension("err")).unwrap_or_default()
+    )
+}
+
+/// Sign in through the provider as `user` (any password), from the console's sign-in
+/// page to the overview.
+async fn sign_in_at_provider(c: &Client, base: &str, user: &str) -> anyhow::Result<()> {
+    c.goto(&format!("{base}/console/sign-in")).await?;
+    el(c, Locator::Id("sso")).await?.click().await?;
+    el(c, Locator::Css("input[name=login]"))
+        .await?
+        .send_keys(user)
+        .await?;
+    el(c, Locator::Css("input[name=password]"))
+        .await?
+        .send_keys("any password")
+        .await?;
+    el(c, Locator::Css("button.login-submit"))
+        .await?
+        .click()
+        .await?;
+    // The consent page, then back to the console.
+    el(c, Locator::XPath("//button[normalize-space()='Continue']"))
+        .await?
+        .click()
+        .await?;
+    Ok(())
+}
+
+/// Sign out of the console, and at the provider (its confirmation page), back to the
+/// console's sign-in page.
+async fn sign_out_everywhere(c: &Client, base: &str) -> anyhow::Result<()> {
+    el(c, Locator::XPath("//button[normalize-space()='Sign out']"))
+        .await?
+        .click()
+        .await?;
+    el(c, Locator::Css("button[name=logout]"))
+        .await?
+        .click()
+        .await?;
+    el(c, Locator::Id("token")).await?;
+    ensure!(
+        c.current_url().await?.as_str() == format!("{base}/console/sign-in"),
+        "after the provider's sign-out: {}",
+        c.current_url().await?
+    );
+    Ok(())
+}
+
+/// The text of the header's "who" (name and role).
+async fn signed_in_as(c: &Client) -> anyhow::Result<String> {
+    Ok(el(c, Locator::Css("header span")).await?.text().await?)
+}
+
+/// A browser test's end, pass or fail: a screenshot named `failure_shot` when it
+/// failed, then the browser closed and the consumer stopped.
+async fn wind_up(
+    result: &anyhow::Result<()>,
+    shots: &Shots,
+    c: Client,
+    consumer: reliq_core::ConsumerHandle,
+    failure_shot: &str,
+) {
     if result.is_err() {
-        let _ = shots.take(&c, "triage-failure").await;
+        let _ = shots.take(&c, failure_shot).await;
     }
     let _ = c.close().await;
-    handle.shutdown().await;
+    consumer.shutdown().await;
+}
+
+/// Purges a failure group from the consumer's page: preview, confirm the count, and
+/// wait for the job; its final state.
+async fn purge_group(
+    c: &Client,
+    base: &str,
+    consumer: &str,
+    group: &str,
+    count: u64,
+) -> anyhow::Result<String> {
+    c.goto(&format!("{base}/console/consumers/{consumer}"))
+        .await?;
+    click_in_row(c, group, "Preview purge").await?;
+    el(
+        c,
+        Locator::XPath(&format!(
+            "//button[starts-with(normalize-space(), 'Purge these {count}')]"
+        )),
+    )
+    .await?
+    .click()
+    .await?;
+    wait_for_job(c).await
+}
+
+/// Single sign-on through a real OpenID provider (npm's `oidc-provider`) in Chromium:
+/// the authorization code flow with PKCE from the sign-in page's button; the `roles`
+/// claim mapped (a reader finds no action, an operator replays, an admin purges, a user
+/// with no mapped role is refused with 403); sign-out ends the session here and at the
+/// provider (the next sign-in asks for the password again); a session whose access token
+/// expires at the provider is signed out with a notice; a callback this browser did not
+/// start is refused; every sign-in is audited under the provider's name for the user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_sign_in_through_an_openid_provider() -> anyhow::Result<()> {
+    let broker: Arc<dyn Broker> = Arc::new(reliq_memory::MemoryBroker::new());
+    let (name, source) = (unique("sso"), unique("sso-src"));
+    let (handle, effects) = consumer_failing(broker.clone(), &name, &source, true).await?;
+    park(&broker, &handle, &source, 3, Duration::from_secs(60)).await?;
+    let sub = Subscription::new(name.clone(), source.clone());
+    let depth = async || -> anyhow::Result<u64> {
+        Ok(broker.dead_letters(&sub).await?.count().await?.count)
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let logs = tempfile::tempdir()?;
+    let secret = format!("secret-{}", unique("oidc"));
+    let idp = provider(&base, &secret, &logs.path().join("provider.log")).await?;
+    let audit_path = logs.path().join("audit.jsonl");
+    let settings = reliq_admin::OidcSettings {
+        client_secret: Some(secret.clone()),
+        ..reliq_admin::OidcSettings::new(
+            &idp.issuer,
+            "reliq-console",
+            &format!("{base}{}", reliq_admin::CALLBACK_PATH),
+        )
+    };
+    let served = serve_on(
+        listener,
+        broker.clone(),
+        vec![sub.clone()],
+        AuditLog::to_file(&audit_path)?,
+        |state| Ok(state.with_oidc(reliq_admin::Oidc::new(settings)?)),
+    )
+    .await?;
+    let shots = Shots::new("oidc")?;
+    let driver = driver().await?;
+    let c = browser(&driver, &served.dir.path().join("profile")).await?;
+    let group = "undecodable field at byte <n>";
+    let result = async {
+        // A callback this browser did not start: refused, nothing signed in.
+        c.goto(&format!(
+            "{base}/console/oidc/callback?code=stolen&state=forged"
+        ))
+        .await?;
+        let page = c.source().await?;
+        ensure!(
+            page.contains("400") && page.contains("not started in this browser"),
+            "a forged callback: {page}"
+        );
+
+        // A reader: signed in through the provider, sees the group and no action.
+        sign_in_at_provider(&c, &base, "rita").await?;
+        el(&c, Locator::Css("nav")).await?;
+        let who = signed_in_as(&c).await?;
+        ensure!(who.contains("oidc:rita") && who.contains("reader"), "{who}");
+        c.goto(&format!("{base}/console/consumers/{name}")).await?;
+        el(&c, Locator::XPath(&format!("//tr[contains(., '{group}')]"))).await?;
+        let mut buttons = Vec::new();
+        for b in c.find_all(Locator::Css("main button")).await? {
+            buttons.push(b.text().await?);
+        }
+        ensure!(buttons.is_empty(), "a reader sees buttons: {buttons:?}");
+        shots.take(&c, "reader").await?;
+        sign_out_everywhere(&c, &base).await?;
+        c.goto(&format!("{base}/console/")).await?;
+        ensure!(
+            c.current_url().await?.path() == "/console/sign-in",
+            "signed out, still in"
+        );
+        // Signed out at the provider too: its sign-in asks for a password again.
+        el(&c, Locator::Id("sso")).await?.click().await?;
+        el(&c, Locator::Css("input[name=password]")).await?;
+        shots.take(&c, "provider-login").await?;
+
+        // An operator replays the group: every dead letter handled once.
+        sign_in_at_provider(&c, &base, "oscar").await?;
+        el(&c, Locator::Css("nav")).await?;
+        ensure!(signed_in_as(&c).await?.contains("operator"), "oscar's role");
+        c.goto(&format!("{base}/console/consumers/{name}")).await?;
+        click_in_row(&c, group, "Replay").await?;
+        let state = wait_for_job(&c).await?;
+        ensure!(state == "succeeded", "oscar's replay ended {state}");
+        wait_for(
+            "the 3 replayed copies handled",
+            Duration::from_secs(30),
+            || effects.count() == 3,
+        )
+        .await?;
+        sign_out_everywhere(&c, &base).await?;
+
+        // An admin purges.
+        park(&broker, &handle, &source, 1, Duration::from_secs(60)).await?;
+        sign_in_at_provider(&c, &base, "ada").await?;
+        el(&c, Locator::Css("nav")).await?;
+        ensure!(signed_in_as(&c).await?.contains("admin"), "ada's role");
+        let state = purge_group(&c, &base, &name, group, 1).await?;
+        ensure!(
+            state == "succeeded" && depth().await? == 0,
+            "ada's purge ended {state}"
+        );
+        sign_out_everywhere(&c, &base).await?;
+
+        // A reader whose access token lasts 4 s: in, then out with a notice once it expired.
+        sign_in_at_provider(&c, &base, "tess").await?;
+        el(&c, Locator::Css("nav")).await?;
+        let signed_in = std::time::Instant::now();
+        ensure!(signed_in_as(&c).await?.contains("oidc:tess"), "tess");
+        tokio::time::sleep(Duration::from_secs(5).saturating_sub(signed_in.elapsed())).await;
+        c.goto(&format!("{base}/console/consumers/{name}")).await?;
+        let notice = el(&c, Locator::Css("p.error")).await?.text().await?;
+        ensure!(
+            c.current_url().await?.path() == "/console/sign-in" && notice.contains("expired"),
+            "after the provider's token expired: {} {notice:?}",
+            c.current_url().await?
+        );
+        shots.take(&c, "expired").await?;
+        // tess is still signed in at the provider: sign out there before the next user.
+        c.goto(&format!("{}/session/end", idp.issuer)).await?;
+        el(&c, Locator::Css("button[name=logout]"))
+            .await?
+            .click()
+            .await?;
+        el(&c, Locator::XPath("//h1[contains(., 'Sign-out')]")).await?;
+
+        // A user with no reliq role: refused with 403, naming the claim's values.
+        sign_in_at_provider(&c, &base, "nora").await?;
+        let refusal = el(&c, Locator::Css("p.error")).await?.text().await?;
+        ensure!(
+            refusal.contains("oidc:nora") || refusal.contains("`nora`"),
+            "{refusal}"
+        );
+        ensure!(refusal.contains("staff"), "{refusal}");
+        let page = c.source().await?;
+        ensure!(page.contains("403"), "nora's page: {page}");
+        c.goto(&format!("{base}/console/")).await?;
+        ensure!(
+            c.current_url().await?.path() == "/console/sign-in",
+            "a user without a role got in"
+        );
+
+        // The audit log: each sign-in under the provider's name, and nora's refusal.
+        let audit = std::fs::read_to_string(&audit_path)?;
+        let records: Vec<serde_json::Value> = audit
+            .lines()
+            .map(serde_json::from_str)
+            .collect::<Result<_, _>>()?;
+        let callbacks: Vec<(String, u64)> = records
+            .iter()
+            .filter(|r| r["action"] == "console-oidc-callback")
+            .map(|r| {
+                (
+                    r["actor"].as_str().unwrap_or("-").to_owned(),
+                    r["status"].as_u64().unwrap_or(0),
+                )
+            })
+            .collect();
+        let expected: Vec<(String, u64)> = [
+            ("-", 400),
+            ("oidc:rita", 200),
+            ("oidc:oscar", 200),
+            ("oidc:ada", 200),
+            ("oidc:tess", 200),
+            ("-", 403),
+        ]
+        .into_iter()
+        .map(|(a, s)| (a.to_owned(), s))
+        .collect();
+        ensure!(
+            callbacks == expected,
+            "the audited callbacks: {callbacks:?}"
+        );
+        ensure!(
+            !audit.contains(&secret) && !audit.contains("stolen"),
+            "the audit log holds a secret or a code"
+        );
+        Ok(())
+    }
+    .await;
+    wind_up(&result, &shots, c, handle, "failure").await;
+    drop(idp);
     result
 }

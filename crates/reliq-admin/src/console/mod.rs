@@ -12,24 +12,29 @@
 //! - Every request is audited like an API request (the same middleware).
 
 pub mod pages;
+mod respond;
+mod sso;
 
 use std::sync::Arc;
 use std::time::SystemTime;
 
 use axum::Router;
 use axum::extract::{Path, RawQuery, State};
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
-use maud::Markup;
 use reliq_core::Cursor;
 
 use crate::auth::{Principal, Role, hash_token};
 use crate::error::AdminError;
 use crate::filter::FilterSpec;
 use crate::ops::{Dlq, EditRequest, PurgeRequest, ReplayRequest, Run};
-use crate::sessions::{SESSION_COOKIE, SESSION_TTL};
+use crate::sessions::{Credential, SESSION_COOKIE};
 use crate::state::{AdminState, AuditNote};
+use respond::{
+    Page, cookie_value, failed, note, page, quiet_note, redirect, refusal, session_cookie,
+    set_cookie, with_note,
+};
 
 /// The console's routes (merged into the API's router, under its audit middleware).
 pub(crate) fn routes() -> Router<Arc<AdminState>> {
@@ -39,6 +44,8 @@ pub(crate) fn routes() -> Router<Arc<AdminState>> {
         .route("/console/assets/console.css", get(stylesheet))
         .route("/console/sign-in", get(sign_in_page).post(sign_in))
         .route("/console/sign-out", post(sign_out))
+        .route("/console/oidc/start", get(sso::start))
+        .route(crate::oidc::CALLBACK_PATH, get(sso::callback))
         .route("/console/consumers/{consumer}", get(groups))
         .route(
             "/console/consumers/{consumer}/groups/{fingerprint}",
@@ -58,60 +65,6 @@ pub(crate) fn routes() -> Router<Arc<AdminState>> {
         .route("/console/audit", get(audit))
 }
 
-/// A page answer: a response carrying its audit note (for the audit middleware).
-type Page = Response;
-
-fn with_note(mut response: Response, status: StatusCode, note: AuditNote) -> Page {
-    *response.status_mut() = status;
-    response.extensions_mut().insert(note);
-    response
-}
-
-fn page(note: AuditNote, markup: Markup) -> Page {
-    with_note(markup.into_response(), StatusCode::OK, note)
-}
-
-fn redirect(note: AuditNote, to: &str) -> Page {
-    with_note(
-        Redirect::to(to).into_response(),
-        StatusCode::SEE_OTHER,
-        note,
-    )
-}
-
-/// A refusal or failure, as a page with its status.
-fn refusal(mut note: AuditNote, status: StatusCode, message: String) -> Page {
-    note.reason = Some(message.clone());
-    let body = maud::html! {
-        (maud::DOCTYPE)
-        html lang="en" {
-            (pages::head(&status.as_u16().to_string()))
-            body { main {
-                h1 { (status.as_u16()) " " (status.canonical_reason().unwrap_or("")) }
-                p.error role="alert" { (message) }
-                p { a href="/console/" { "Back to the overview" } }
-            } }
-        }
-    };
-    with_note(body.into_response(), status, note)
-}
-
-fn failed(note: AuditNote, e: AdminError) -> Page {
-    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    refusal(note, status, e.to_string())
-}
-
-fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
-    headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|c| c.trim().split_once('='))
-        .find(|(k, _)| *k == name)
-        .map(|(_, v)| v.to_owned())
-}
-
 /// Who is signed in, and their CSRF token; or the sign-in page to go to.
 struct Visitor {
     who: Principal,
@@ -123,19 +76,30 @@ struct Visitor {
 fn visitor(state: &AdminState, headers: &HeaderMap, note: &mut AuditNote) -> Result<Visitor, Page> {
     let to_sign_in = |note: &AuditNote| redirect(note.clone(), "/console/sign-in");
     let id = cookie_value(headers, SESSION_COOKIE).ok_or_else(|| to_sign_in(note))?;
-    let (hash, csrf) = state.sessions.get(&id).ok_or_else(|| to_sign_in(note))?;
-    match state.tokens.check_hash(&hash, SystemTime::now()) {
-        Ok(who) => {
-            note.actor = Some(who.clone());
-            Ok(Visitor { who, csrf })
+    let (credential, csrf) = state.sessions.get(&id).ok_or_else(|| to_sign_in(note))?;
+    let who = match credential {
+        Credential::Token(hash) => match state.tokens.check_hash(&hash, SystemTime::now()) {
+            Ok(who) => who,
+            Err(why) => {
+                // The token was removed or expired: the session ends with it.
+                state.sessions.end(&id);
+                note.reason = Some(format!("session ended: {}", why.as_str()));
+                return Err(to_sign_in(note));
+            }
+        },
+        Credential::Provider(signed) => {
+            if SystemTime::now() >= signed.until {
+                // The provider's token expired: so does the session.
+                state.sessions.end(&id);
+                note.actor = Some(signed.who);
+                note.reason = Some("session ended: the identity provider's token expired".into());
+                return Err(redirect(note.clone(), "/console/sign-in?ended=expired"));
+            }
+            signed.who
         }
-        Err(why) => {
-            // The token was removed or expired: the session ends with it.
-            state.sessions.end(&id);
-            note.reason = Some(format!("session ended: {}", why.as_str()));
-            Err(to_sign_in(note))
-        }
-    }
+    };
+    note.actor = Some(who.clone());
+    Ok(Visitor { who, csrf })
 }
 
 /// A POST's form fields, checked: a live session, the CSRF token, a role of at least `role`.
@@ -187,14 +151,6 @@ fn form_field(fields: &[(String, String)], name: &str) -> Option<String> {
         .map(|(_, v)| v.replace("\r\n", "\n"))
 }
 
-fn note(action: &'static str, consumer: Option<&str>) -> AuditNote {
-    AuditNote {
-        action,
-        consumer: consumer.map(str::to_owned),
-        ..AuditNote::default()
-    }
-}
-
 /// The DLQ of a consumer the server was started with.
 fn known_dlq(state: &AdminState, consumer: &str) -> Result<Dlq, AdminError> {
     let sub = state
@@ -218,12 +174,17 @@ async fn stylesheet() -> Response {
         .into_response();
     response
         .extensions_mut()
-        .insert(note("console-asset", None));
+        .insert(quiet_note("console-asset"));
     response
 }
 
-async fn sign_in_page() -> Page {
-    page(note("console-sign-in-page", None), pages::sign_in(None))
+async fn sign_in_page(State(state): State<Arc<AdminState>>, RawQuery(query): RawQuery) -> Page {
+    let ended = query.as_deref() == Some("ended=expired");
+    let notice = ended.then_some("Your sign-in at the identity provider expired: sign in again.");
+    page(
+        quiet_note("console-sign-in-page"),
+        pages::sign_in(notice, state.oidc.is_some()),
+    )
 }
 
 async fn sign_in(State(state): State<Arc<AdminState>>, body: axum::body::Bytes) -> Page {
@@ -238,26 +199,20 @@ async fn sign_in(State(state): State<Arc<AdminState>>, body: axum::body::Bytes) 
     match state.tokens.check_hash(&hash, SystemTime::now()) {
         Err(why) => {
             note.reason = Some(why.as_str().into());
-            let again = pages::sign_in(Some(
-                "That token is not valid (unknown, removed or expired).",
-            ));
+            let again = pages::sign_in(
+                Some("That token is not valid (unknown, removed or expired)."),
+                state.oidc.is_some(),
+            );
             with_note(again.into_response(), StatusCode::UNAUTHORIZED, note)
         }
         Ok(who) => {
             note.actor = Some(who);
-            let id = match state.sessions.start(hash) {
+            let id = match state.sessions.start(Credential::Token(hash)) {
                 Ok(id) => id,
                 Err(e) => return failed(note, e),
             };
-            let secure = if state.secure_cookies { "; Secure" } else { "" };
-            let cookie = format!(
-                "{SESSION_COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/console; Max-Age={}{secure}",
-                SESSION_TTL.as_secs()
-            );
             let mut response = redirect(note, "/console/");
-            if let Ok(v) = HeaderValue::from_str(&cookie) {
-                response.headers_mut().insert(header::SET_COOKIE, v);
-            }
+            set_cookie(&mut response, &session_cookie(&state, &id));
             response
         }
     }
@@ -272,14 +227,22 @@ async fn sign_out(
     if let Err(p) = posted(&state, &headers, &body, Role::Reader, &mut note) {
         return p;
     }
+    let mut to = "/console/sign-in".to_owned();
     if let Some(id) = cookie_value(&headers, SESSION_COOKIE) {
+        // Signed in at the provider: sign out there too, when it offers that.
+        if let (Some((Credential::Provider(signed), _)), Some(oidc)) =
+            (state.sessions.get(&id), &state.oidc)
+            && let Some(url) = oidc.sign_out_url(&signed).await
+        {
+            to = url;
+        }
         state.sessions.end(&id);
     }
-    let mut response = redirect(note, "/console/sign-in");
-    let gone = format!("{SESSION_COOKIE}=; HttpOnly; SameSite=Strict; Path=/console; Max-Age=0");
-    if let Ok(v) = HeaderValue::from_str(&gone) {
-        response.headers_mut().insert(header::SET_COOKIE, v);
-    }
+    let mut response = redirect(note, &to);
+    set_cookie(
+        &mut response,
+        &format!("{SESSION_COOKIE}=; HttpOnly; SameSite=Strict; Path=/console; Max-Age=0"),
+    );
     response
 }
 

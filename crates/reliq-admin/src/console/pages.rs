@@ -33,6 +33,7 @@ input[type=number] { width: 6rem; }
 textarea { width: 100%; min-height: 10rem; }
 button { cursor: pointer; padding: .2rem .7rem; border: 1px solid #20303f; background: #fff; border-radius: 3px; }
 button.danger { border-color: #a11; color: #a11; }
+a.button { display: inline-block; padding: .3rem .8rem; border-radius: 3px; background: #20303f; color: #fff; text-decoration: none; }
 header button { background: transparent; border-color: #fff; color: #fff; }
 td a + form, td form + form { margin-left: .3rem; }
 td > a { margin-right: .5rem; }
@@ -96,7 +97,7 @@ pub fn layout(title: &str, who: &Principal, csrf: &str, body: Markup) -> Markup 
 }
 
 /// The sign-in page.
-pub fn sign_in(error: Option<&str>) -> Markup {
+pub fn sign_in(error: Option<&str>, single_sign_on: bool) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
@@ -105,6 +106,10 @@ pub fn sign_in(error: Option<&str>) -> Markup {
                 main {
                     h1 { "reliq console" }
                     @if let Some(e) = error { p.error role="alert" { (e) } }
+                    @if single_sign_on {
+                        p { a.button #sso href="/console/oidc/start" { "Sign in with single sign-on" } }
+                        p.muted { "Or with an admin token:" }
+                    }
                     form method="post" action="/console/sign-in" {
                         p {
                             label for="token" { "Admin token" }
@@ -113,6 +118,29 @@ pub fn sign_in(error: Option<&str>) -> Markup {
                         button type="submit" { "Sign in" }
                     }
                     p.muted { "A token from " code { "reliq admin token" } "; its role decides what this console lets you do." }
+                }
+            }
+        }
+    }
+}
+
+/// After a sign-in at the identity provider: on to the overview (a same-site move, so
+/// the new `SameSite=Strict` session cookie goes with it; no script: a meta refresh).
+pub fn signed_in(name: &str) -> Markup {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                meta http-equiv="refresh" content="0; url=/console/";
+                title { "Signed in — reliq" }
+                link rel="stylesheet" href="/console/assets/console.css";
+            }
+            body {
+                main {
+                    h1 { "Signed in" }
+                    p { "Signed in as " strong { (name) } ". " a href="/console/" { "On to the console" } "." }
                 }
             }
         }
