@@ -133,6 +133,11 @@ pub struct Expected {
     pub transient: usize,
     /// Extra copies of valid orders (each must come back as an inbox duplicate).
     pub valid_copies: HashSet<MessageId>,
+    /// Poison and unknown-SKU orders published twice: each copy is a message of its own
+    /// and is parked (the inbox is not asked for a message that cannot be handled), so
+    /// the DLQ holds two entries for each — unless the broker dropped the second copy at
+    /// publish.
+    pub dead_copies: HashSet<MessageId>,
 }
 
 impl Expected {
@@ -148,6 +153,9 @@ impl Expected {
                 e.transient += usize::from(o.transient);
                 e.valid.insert(id, (o.sku.clone(), o.qty));
             } else {
+                if o.copies > 1 {
+                    e.dead_copies.insert(id.clone());
+                }
                 let reason = match o.kind {
                     Kind::Poison => DeadLetterReason::Poison,
                     _ => DeadLetterReason::Permanent,

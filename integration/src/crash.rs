@@ -272,6 +272,12 @@ pub struct Scenario {
     /// fault proxy: `RELIQ_KAFKA_URL=kafka://127.0.0.1:9392,…`). The driver's own
     /// connections (the relay, the checks) keep the driver's environment.
     pub child_env: Vec<(String, String)>,
+    /// Freeze the last run's consumer (SIGSTOP) for this long once it has made progress,
+    /// while a second member of its group (a standby child) runs, then thaw it (SIGCONT).
+    /// Longer than the consumer's lease (NATS `ack_wait`, SQS visibility), Kafka session
+    /// or RabbitMQ heartbeat timeout, the frozen consumer comes back as a *zombie*: what it
+    /// held was handed to the standby meanwhile. Real brokers only.
+    pub pause: Option<Duration>,
 }
 
 /// Faults injected beside the consumer kills ([`run_with_faults`]: a broker node killed
@@ -302,6 +308,10 @@ pub struct Report {
     /// DLQ entries (a poison message redelivered after a kill, or published twice, is
     /// parked again), each with the reason its order was injected for.
     pub dlq_entries: usize,
+    /// The entries the DLQ must hold at least: one per dead order, two for one published
+    /// twice (unless the broker deduplicates publishes). Entries beyond it are dead
+    /// letters made twice for one message.
+    pub dlq_published: usize,
     /// Settlements the broker refused or did not confirm in time (summed over the runs'
     /// last reported counters): what a DLQ outage or a stalled connection costs.
     pub settle_failures: u64,
@@ -309,7 +319,7 @@ pub struct Report {
     pub released: u64,
     /// Valid orders that failed transiently first.
     pub transient: usize,
-    /// Consumer runs (kills + the last one).
+    /// Consumer runs (kills + the last one + the standby of a pause).
     pub runs: usize,
     /// Every order sorted by what became of it.
     pub outcomes: Outcomes,
@@ -317,6 +327,11 @@ pub struct Report {
     pub elapsed: Duration,
     /// What the [`Faults`] of [`run_with_faults`] injected, and when.
     pub faults: Vec<String>,
+    /// The [`Scenario::pause`], as done.
+    pub pause: Option<String>,
+    /// Deliveries the frozen consumer held when it was frozen (0 without a pause): what
+    /// it can settle again as a zombie once thawed.
+    pub held_when_frozen: u64,
 }
 
 impl std::fmt::Display for Report {
@@ -324,7 +339,7 @@ impl std::fmt::Display for Report {
         write!(
             f,
             "crash backend={} store={:?} orders={} kills={} commit_ack_kills={} reserved={} \
-             duplicates={} dead_lettered={} dlq_entries={} transient={} settle_failures={} \
+             duplicates={} dead_lettered={} dlq_entries={} dlq_published={} transient={} settle_failures={} \
              released={} runs={} {} secs={:.1}",
             self.backend,
             self.store,
@@ -335,6 +350,7 @@ impl std::fmt::Display for Report {
             self.duplicates,
             self.dead_lettered,
             self.dlq_entries,
+            self.dlq_published,
             self.transient,
             self.settle_failures,
             self.released,
@@ -344,6 +360,9 @@ impl std::fmt::Display for Report {
         )?;
         for fault in &self.faults {
             write!(f, "\n  fault: {fault}")?;
+        }
+        if let Some(pause) = &self.pause {
+            write!(f, "\n  pause: {pause}")?;
         }
         Ok(())
     }
@@ -376,6 +395,19 @@ impl Events {
             _ => None,
         }
     }
+
+    /// How many events there are (a mark for [`Events::first_stats_after`]).
+    fn len(&self) -> usize {
+        lock(&self.0).len()
+    }
+
+    /// Run `run`'s first counters reported after the first `mark` events.
+    fn first_stats_after(&self, run: usize, mark: usize) -> Option<StatsSnapshot> {
+        lock(&self.0).iter().skip(mark).find_map(|(r, e)| match e {
+            Event::Stats(s) if *r == run => Some(*s),
+            _ => None,
+        })
+    }
 }
 
 /// How the driver starts and kills the consumer.
@@ -389,6 +421,21 @@ trait Runner: Send {
     async fn kill(&mut self) -> anyhow::Result<&'static str>;
     /// Stop it gracefully.
     async fn stop(&mut self) -> anyhow::Result<()>;
+    /// Freeze it for `pause` (SIGSTOP, then SIGCONT); returns how.
+    async fn freeze(&mut self, pause: Duration) -> anyhow::Result<String>;
+    /// A second consumer like this one, not started (the standby of a pause).
+    fn standby(&self) -> anyhow::Result<Box<dyn Runner>>;
+}
+
+/// `kill -<signal> <pid>`: the procps binary, so the harness needs no unsafe `libc::kill`.
+async fn signal(pid: u32, signal: &str) -> anyhow::Result<()> {
+    let status = Command::new("kill")
+        .args([format!("-{signal}"), pid.to_string()])
+        .status()
+        .await
+        .context("running kill")?;
+    ensure!(status.success(), "kill -{signal} {pid}: {status}");
+    Ok(())
 }
 
 /// The consumer as a child process.
@@ -461,6 +508,33 @@ impl Runner for ChildRunner {
         ensure!(status.success(), "child ended with {status:?}");
         Ok(())
     }
+
+    async fn freeze(&mut self, pause: Duration) -> anyhow::Result<String> {
+        let (child, _) = self.child.as_mut().context("no child to freeze")?;
+        let pid = child.id().context("the child has exited")?;
+        signal(pid, "STOP").await?;
+        let frozen = Instant::now();
+        tokio::time::sleep(pause).await;
+        // Thawed whatever the sleep's outcome: a child left stopped would hang the run.
+        signal(pid, "CONT").await?;
+        ensure!(child.try_wait()?.is_none(), "the child died while frozen");
+        Ok(format!(
+            "run {}: SIGSTOP, SIGCONT {:.1}s later",
+            self.run,
+            frozen.elapsed().as_secs_f64()
+        ))
+    }
+
+    fn standby(&self) -> anyhow::Result<Box<dyn Runner>> {
+        Ok(Box::new(Self {
+            exe: self.exe.clone(),
+            args: self.args.clone(),
+            env: self.env.clone(),
+            events: self.events.clone(),
+            run: 0,
+            child: None,
+        }))
+    }
 }
 
 /// The consumer in this process, on the in-process broker.
@@ -499,6 +573,14 @@ impl Runner for InProcess {
         let handle = self.handle.take().context("no consumer to stop")?;
         handle.shutdown().await;
         Ok(())
+    }
+
+    async fn freeze(&mut self, _: Duration) -> anyhow::Result<String> {
+        bail!("a consumer in the driver's process cannot be frozen alone")
+    }
+
+    fn standby(&self) -> anyhow::Result<Box<dyn Runner>> {
+        bail!("the memory broker's scenario has no standby consumer")
     }
 }
 
@@ -664,7 +746,7 @@ async fn drive(
     let valid = expected.valid.len() as u64;
     // Kill moments: each kill after a random share (up to 1/(2·kills)) of the valid orders
     // has been reserved since its run started, so all of them fall in the first half.
-    let step = (valid / (u64::from(s.kills) * 2)).max(5);
+    let step = (valid / (u64::from(s.kills.max(1)) * 2)).max(5);
     let kills_planned = s.kills as usize;
     let commit_ack = |i: usize| i % 2 == 1;
     // Per killed run: the commit whose ack it dies before, or None for a random kill.
@@ -679,6 +761,17 @@ async fn drive(
     // The first run subscribes before anything is published (it declares the topology).
     runner.start(0, plan.first().copied().flatten()).await?;
     wait_for("the first consumer", &until, ready(0)).await?;
+    // A pause's standby joins the group before the orders come, and stays to the end.
+    let standby_run = kills_planned + 1;
+    let mut standby = match s.pause {
+        Some(_) => {
+            let mut second = runner.standby()?;
+            second.start(standby_run, None).await?;
+            wait_for("the standby consumer", &until, ready(standby_run)).await?;
+            Some(second)
+        }
+        None => None,
+    };
     let destination = orders::destination(&topic);
     let messages: Vec<_> = stream.iter().map(|o| o.message.clone()).collect();
     ensure!(db.place(&destination, &messages).await? == stream.len());
@@ -749,11 +842,47 @@ async fn drive(
     // The last run finishes the work; it is stopped once everything is reserved and it
     // has been idle for longer than a killed run's deliveries take to come back.
     let last = kills.len();
-    runner.start(last, None).await?;
-    wait_for("the last consumer", &until, ready(last)).await?;
+    if last > 0 {
+        // (Without kills the first run is the last.)
+        runner.start(last, None).await?;
+        wait_for("the last consumer", &until, ready(last)).await?;
+    }
+    // A pause: the last run is frozen early in its work (holding deliveries), and
+    // thawed after the standby took them over.
+    let mut pause = None;
+    if let Some(length) = s.pause {
+        let target = valid / 8 + rng.u64(0..=valid / 8);
+        wait_for("progress before the pause", &until, async || {
+            Ok((db.reserved_orders().await? >= target).then_some(()))
+        })
+        .await?;
+        // What it held: its last counters before the freeze (up to 200 ms old) and its
+        // first after the thaw, which it reports before a held delivery can be settled
+        // (that takes a round trip to the broker).
+        let before = runner.stats().map_or(0, |st| st.in_flight);
+        let mark = events.len();
+        let how = runner.freeze(length).await?;
+        let after = wait_for("the thawed consumer's counters", &until, async || {
+            Ok(events.first_stats_after(last, mark))
+        })
+        .await?;
+        let held = before.max(after.in_flight);
+        pause = Some((
+            format!("{how}, holding {held} deliveries when frozen"),
+            held,
+        ));
+    }
     wait_for("every valid order reserved", &until, async || {
         Ok((db.reserved_orders().await? >= valid).then_some(()))
     })
+    .await?;
+    // The relay marks what it sent; a mark that failed (the database locked by a frozen
+    // consumer's open transaction) is made on a later pass, after sending the row again.
+    wait_for(
+        "the relay to mark every outbox row sent",
+        &until,
+        async || Ok((db.unsent().await? == 0).then_some(())),
+    )
     .await?;
     // What a fault held back (a dead letter the DLQ refused) is settled after it ends.
     let faults = match faults {
@@ -765,21 +894,33 @@ async fn drive(
     };
     let quiet = s.backend.quiet_period();
     let mut seen = (None, Instant::now());
-    wait_for("the last consumer to go idle", &until, async || {
-        let st = runner.stats();
-        let key = st.map(|s| (s.received, s.in_flight));
-        if key != seen.0 {
-            seen = (key, Instant::now());
+    wait_for("the last consumers to go idle", &until, async || {
+        let stats = [Some(runner.stats()), standby.as_ref().map(|r| r.stats())];
+        let stats: Vec<_> = stats.into_iter().flatten().collect();
+        let key: Vec<_> = stats
+            .iter()
+            .map(|st| st.map(|s| (s.received, s.in_flight)))
+            .collect();
+        if Some(&key) != seen.0.as_ref() {
+            seen = (Some(key), Instant::now());
         }
-        Ok((st.is_some_and(|s| s.in_flight == 0) && seen.1.elapsed() >= quiet).then_some(()))
+        let idle = stats.iter().all(|st| st.is_some_and(|s| s.in_flight == 0));
+        Ok((idle && seen.1.elapsed() >= quiet).then_some(()))
     })
     .await?;
     runner.stop().await?;
+    if let Some(second) = standby.as_mut() {
+        second.stop().await?;
+    }
     relay.shutdown().await;
     ensure!(db.unsent().await? == 0, "outbox rows left unsent");
 
     let mut report = check(s, db, &broker, &topic, &expected, &events, &kills).await?;
     report.faults = faults;
+    if let Some((how, held)) = pause {
+        report.pause = Some(how);
+        report.held_when_frozen = held;
+    }
     Ok(report)
 }
 
@@ -845,6 +986,27 @@ async fn check(
         );
     }
 
+    // A poison order published twice is parked twice: a copy is a message of its own,
+    // and neither may be lost (on a broker that deduplicates publishes the second copy
+    // never arrives).
+    let copies_delivered = !broker.capabilities().deduplicates_publishes;
+    let parked_once: Vec<_> = expected
+        .dead_copies
+        .iter()
+        .filter(|id| copies_delivered && dlq.get(*id).map_or(0, Vec::len) < 2)
+        .collect();
+    ensure!(
+        parked_once.is_empty(),
+        "DLQ: {} orders published twice were parked fewer than twice: {parked_once:?}",
+        parked_once.len()
+    );
+    let dlq_published = expected.dead.len()
+        + if copies_delivered {
+            expected.dead_copies.len()
+        } else {
+            0
+        };
+
     // The kills happened as planned, and the inbox absorbed what it had to.
     ensure!(kills.len() == s.kills as usize, "{} kills", kills.len());
     if s.backend != Backend::Memory {
@@ -863,7 +1025,10 @@ async fn check(
         .enumerate()
         .filter_map(|(run, (_, id))| id.as_ref().map(|id| (run, id)))
         .collect();
-    ensure!(!held.is_empty(), "no kill between COMMIT and ack");
+    ensure!(
+        s.kills < 2 || !held.is_empty(),
+        "no kill between COMMIT and ack"
+    );
     for (run, id) in &held {
         ensure!(
             duplicates.iter().any(|(r, d)| r > run && d == *id),
@@ -872,7 +1037,6 @@ async fn check(
     }
     // The second copies reach the consumer unless the broker dropped them at publish
     // (NATS deduplicates a message id within its window).
-    let copies_delivered = !broker.capabilities().deduplicates_publishes;
     for id in expected.valid_copies.iter().filter(|_| copies_delivered) {
         ensure!(
             duplicates.iter().any(|(_, d)| d == id),
@@ -881,9 +1045,8 @@ async fn check(
     }
     // Each run's last counters (a child reports them every 200 ms and when it stops; an
     // in-process run reports none).
-    let last_stats: Vec<StatsSnapshot> = (0..=kills.len())
-        .filter_map(|run| events.stats(run))
-        .collect();
+    let runs = kills.len() + 1 + usize::from(s.pause.is_some());
+    let last_stats: Vec<StatsSnapshot> = (0..runs).filter_map(|run| events.stats(run)).collect();
     Ok(Report {
         backend: s.backend.name(),
         store: s.store,
@@ -894,13 +1057,16 @@ async fn check(
         duplicates: duplicates.len(),
         dead_lettered: dlq.len(),
         dlq_entries: dlq.values().map(Vec::len).sum(),
+        dlq_published,
         transient: expected.transient,
         settle_failures: last_stats.iter().map(|st| st.settle_failures).sum(),
         released: last_stats.iter().map(|st| st.released).sum(),
-        runs: kills.len() + 1,
+        runs,
         outcomes,
         elapsed: Duration::ZERO,
         faults: Vec::new(),
+        pause: None,
+        held_when_frozen: 0,
     })
 }
 

@@ -501,6 +501,7 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
         child: env!("CARGO_BIN_EXE_crash-consumer").into(),
         timeout: Duration::from_secs(300 + u64::from(orders) / 10),
         child_env: vec![(url_key.to_owned(), via)],
+        pause: None,
     };
     // The proxies live until the run is over, whatever becomes of the fault task.
     let report = crash::run_with_faults(scenario, faults(backend, proxies.clone())).await?;

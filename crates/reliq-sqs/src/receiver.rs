@@ -8,7 +8,7 @@ use reliq_core::{
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use aws_sdk_sqs::types::MessageSystemAttributeName;
@@ -40,6 +40,11 @@ struct Lease {
     /// Every receipt handle this receiver got for the message, the latest last: each is
     /// settled (SQS acts on the latest; an earlier one may still hold a copy hidden).
     receipts: Mutex<Vec<String>>,
+    /// Until when the message is surely invisible to other consumers: from the start of
+    /// the receive (or renewal) that hid it, plus its visibility timeout. Past it — the
+    /// process was frozen, or renewals failed — SQS may have handed the message to
+    /// another consumer, and a retry or dead-letter copy made here would be a second one.
+    hidden_until: Mutex<Instant>,
 }
 
 impl Lease {
@@ -49,6 +54,39 @@ impl Lease {
 
     fn latest(&self) -> Option<String> {
         lock(&self.receipts).last().cloned()
+    }
+
+    /// The message was hidden again by a receive that started at `asked`.
+    fn hidden(&self, asked: Instant, for_: Duration) {
+        let mut until = lock(&self.hidden_until);
+        *until = (*until).max(asked + for_);
+    }
+
+    /// A renewal that started at `asked` succeeded. It counts only if its answer came
+    /// before the lease ran out: SQS applied it before then, so the message stayed hidden
+    /// throughout. A later success proves nothing (SQS may accept an earlier receipt
+    /// handle after handing the message to another consumer), and the lease stays lost.
+    fn renewed(&self, asked: Instant, for_: Duration) -> bool {
+        let mut until = lock(&self.hidden_until);
+        if Instant::now() >= *until {
+            return false;
+        }
+        *until = (*until).max(asked + for_);
+        true
+    }
+
+    /// `NotHeld` once the visibility timeout ran out (see [`Lease::hidden_until`]).
+    fn check_hidden(&self) -> Result<(), BrokerError> {
+        let until = *lock(&self.hidden_until);
+        let now = Instant::now();
+        if now < until {
+            return Ok(());
+        }
+        Err(BrokerError::NotHeld(format!(
+            "its visibility timeout ran out {:?} ago (the lease was not renewed: a frozen \
+             process or failed renewals); SQS hands the message out again",
+            now - until
+        )))
     }
 }
 
@@ -152,15 +190,19 @@ impl Shared {
         latest_result(results)
     }
 
-    fn convert(&self, m: &aws_sdk_sqs::types::Message) -> Option<Delivery> {
+    /// A received message as a delivery (`asked`: when its receive request started).
+    fn convert(&self, m: &aws_sdk_sqs::types::Message, asked: Instant) -> Option<Delivery> {
         let receipt = m.receipt_handle()?.to_owned();
         let sqs_id = m.message_id().unwrap_or(&receipt).to_owned();
+        let visibility =
+            Duration::from_secs(whole_seconds(self.sub.lease).max(1).unsigned_abs().into());
         let mut held = lock(&self.counter.held);
         if let Some(lease) = held.get(&sqs_id) {
             // A second copy of a message this receiver holds: settled with it, not
             // handed out again.
             tracing::debug!(sqs_message_id = %sqs_id, "a second copy of a held message; settled with the first");
             lock(&lease.receipts).push(receipt);
+            lease.hidden(asked, visibility);
             return None;
         }
         let (attempt, sent) = system_attributes(m);
@@ -178,6 +220,7 @@ impl Shared {
             settled: self.closed.child_token(),
             lock: tokio::sync::Mutex::new(()),
             receipts: Mutex::new(vec![receipt]),
+            hidden_until: Mutex::new(asked + visibility),
         });
         held.insert(sqs_id.clone(), lease.clone());
         drop(held);
@@ -354,8 +397,25 @@ fn extend(broker: SqsBroker, url: String, lease: Arc<Lease>, every: Duration) {
             let Some(receipt) = lease.latest() else {
                 return Renewed::Stop;
             };
+            // A lease that ran out (the process was frozen past it) is not renewed: SQS
+            // may have handed the message out again, and a renewal would hide that.
+            if let Err(lost) = lease.check_hidden() {
+                tracing::warn!(error = %lost, "not renewing a lease that ran out");
+                return Renewed::Stop;
+            }
+            let asked = Instant::now();
             match change_visibility(&broker, &url, &receipt, seconds).await {
-                Ok(()) => Renewed::Yes,
+                Ok(())
+                    if lease.renewed(asked, Duration::from_secs(seconds.unsigned_abs().into())) =>
+                {
+                    Renewed::Yes
+                }
+                Ok(()) => {
+                    tracing::warn!(
+                        "a lease renewal was answered after the lease ran out; treated as lost"
+                    );
+                    Renewed::Stop
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "renewing a lease failed; SQS may deliver the message again");
                     Renewed::Stop
@@ -389,6 +449,7 @@ async fn poll(shared: Arc<Shared>) {
                 _ = shared.closed.cancelled() => break,
             }
         }
+        let asked = Instant::now();
         let result = shared
             .broker
             .inner
@@ -418,7 +479,7 @@ async fn poll(shared: Arc<Shared>) {
                 }
                 let mut got = 0;
                 for m in messages {
-                    if let Some(d) = shared.convert(m) {
+                    if let Some(d) = shared.convert(m, asked) {
                         lock(&shared.buffer).push_back(d);
                         got += 1;
                     }
@@ -553,6 +614,7 @@ impl Receiver for SqsReceiver {
     async fn retry(&self, delivery: &Delivery, retry: RetryRequest) -> Result<(), BrokerError> {
         delivery.token().check(self.shared.owner)?;
         let t = token(delivery)?;
+        t.lease.check_hidden()?;
         if self.retry_broken() {
             return Err(BrokerError::connection(
                 "retry route broken (fault injection)",
@@ -571,6 +633,8 @@ impl Receiver for SqsReceiver {
     async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {
         delivery.token().check(self.shared.owner)?;
         let t = token(delivery)?;
+        // No copy for a message SQS may have handed to another consumer already.
+        t.lease.check_hidden()?;
         let encoded = codec::encode(&dead, delivery.origin().route.as_deref())?;
         // The copy is confirmed before the source is deleted.
         self.shared

@@ -16,6 +16,7 @@
 mod counter;
 mod fetch;
 mod flow;
+mod frozen;
 mod poll;
 mod rebalance;
 mod receive;
@@ -145,6 +146,18 @@ impl KafkaReceiver {
         clients: Vec<Client>,
     ) -> Result<Self, BrokerError> {
         let (tx, rx) = mpsc::unbounded_channel();
+        // librdkafka's `session.timeout.ms` as configured (reliq's default or the URL's).
+        let session_timeout = clients
+            .first()
+            .and_then(|c| {
+                inner
+                    .config
+                    .consumer(&c.group, sub.prefetch)
+                    .get("session.timeout.ms")
+                    .and_then(|ms| ms.parse::<u64>().ok())
+            })
+            .map_or(Duration::from_secs(45), Duration::from_millis);
+        let clients_count = clients.len();
         let shared = Arc::new(Shared {
             owner: ReceiverId::next(),
             inner,
@@ -162,6 +175,9 @@ impl KafkaReceiver {
             stop: AtomicBool::new(false),
             crashed: AtomicBool::new(false),
             runtime: tokio::runtime::Handle::current(),
+            session_timeout,
+            alive_at: (0..clients_count).map(|_| AtomicU64::new(0)).collect(),
+            epoch: std::time::Instant::now(),
         });
         let mut consumers = Vec::new();
         for (i, c) in shared.clients.iter().enumerate() {

@@ -141,7 +141,9 @@ impl Shared {
         let mut next_route = Instant::now() + ROUTE_EVERY;
         let relay = matches!(self.clients[client].role, Role::Relay(_));
         let mut relay_hold = RelayHold::default();
+        self.alive(client);
         while !self.is_stopped() {
+            self.pass_begins(client, consumer);
             let queued = lock(&self.state).queued;
             let now = Instant::now();
             let hold_back = flow.hold_back(queued, self.sub.prefetch, now);

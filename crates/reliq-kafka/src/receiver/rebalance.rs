@@ -75,25 +75,25 @@ impl Shared {
     }
 
     fn assign(&self, client: usize, consumer: &BaseConsumer<Ctx>, tpl: &TopicPartitionList) {
-        let committed = match consumer.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
-            Ok(c) => Some(c),
+        match consumer.committed_offsets(tpl.clone(), Duration::from_secs(10)) {
+            Ok(committed) => self.start_parts(client, &committed),
             Err(e) => {
                 tracing::warn!(error = %e, "reading committed offsets failed; delivery counter starts at 0");
-                None
+                self.start_parts(client, tpl);
             }
-        };
+        }
+        tracing::debug!(topic = %self.clients[client].topic, partitions = tpl.count(), "partitions assigned");
+    }
+
+    /// A fresh state, with a new generation, for each of `client`'s partitions in
+    /// `committed`: its committed position and crash-loop counter, when it has one.
+    pub(super) fn start_parts(&self, client: usize, committed: &TopicPartitionList) {
         let mut s = lock(&self.state);
-        for e in tpl.elements() {
-            let mut head = None;
-            let mut head_count = None;
-            if let Some(c) = committed
-                .as_ref()
-                .and_then(|c| c.find_partition(e.topic(), e.partition()))
-                && let Offset::Offset(o) = c.offset()
-            {
-                head = Some(o);
-                head_count = parse_counter(c.metadata());
-            }
+        for e in committed.elements() {
+            let (head, head_count) = match e.offset() {
+                Offset::Offset(o) => (Some(o), parse_counter(e.metadata())),
+                _ => (None, None),
+            };
             let generation = s.next_generation;
             s.next_generation += 1;
             s.parts.insert(
@@ -102,7 +102,6 @@ impl Shared {
             );
         }
         self.rebalances.fetch_add(1, Ordering::Release);
-        tracing::debug!(topic = %self.clients[client].topic, partitions = tpl.count(), "partitions assigned");
     }
 
     fn revoke(
@@ -149,6 +148,8 @@ impl Shared {
                         .map(|p| p.busy)
                         .sum()
                 };
+                // Draining is the poll thread at work, not a frozen process.
+                self.alive(client);
                 if busy == 0 || Instant::now() >= deadline {
                     if busy > 0 {
                         tracing::warn!(

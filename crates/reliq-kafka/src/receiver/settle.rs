@@ -119,6 +119,14 @@ impl Shared {
         let Some(info) = TokenInfo::of(d) else {
             return Err(BrokerError::ForeignDelivery);
         };
+        // Checked before the generation: until the poll thread runs again after a
+        // freeze, the state still says the partition is ours (see `frozen`).
+        if let Some(silent) = self.frozen(info.client) {
+            return Err(BrokerError::NotHeld(format!(
+                "this consumer did not run for {silent:?}, longer than its group session;                  partition {} may be another member's, which delivers offset {} again",
+                info.partition, info.offset
+            )));
+        }
         match lock(&self.state).parts.get(&(info.client, info.partition)) {
             Some(part) if part.generation == info.generation => Ok(()),
             _ => Err(BrokerError::NotHeld(format!(

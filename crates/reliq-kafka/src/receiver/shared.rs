@@ -201,6 +201,12 @@ pub(super) struct Shared {
     pub(super) stop: AtomicBool,
     pub(super) crashed: AtomicBool,
     pub(super) runtime: tokio::runtime::Handle,
+    /// The consumers' group session (`session.timeout.ms`): a poll thread silent for
+    /// longer was frozen, and its member may be a zombie (see `frozen`).
+    pub(super) session_timeout: Duration,
+    /// Per client: when its poll thread last ran, in ms since `epoch`.
+    pub(super) alive_at: Vec<AtomicU64>,
+    pub(super) epoch: std::time::Instant,
 }
 
 /// The runtime's end of the stream: chunks from the poll threads, and what is left of
