@@ -66,7 +66,8 @@ impl Backend {
         })
     }
 
-    fn name(self) -> &'static str {
+    /// The name [`Backend::parse`] reads (the child processes' `--backend`).
+    pub fn name(self) -> &'static str {
         match self {
             Self::Memory => "memory",
             Self::Rabbit => "rabbit",

@@ -1,7 +1,7 @@
 //! Chaos on three-node clusters (`scripts/brokers cluster up`): the crash harness
 //! (`reliq_integration::crash::run_with_faults`: orders through the outbox, the inventory
 //! consumer with its durable inbox SIGKILLed 5 times, two of them between COMMIT and ack)
-//! with three faults injected meanwhile, timed from the moment the orders are in the
+//! with five faults injected meanwhile, timed from the moment the orders are in the
 //! outbox:
 //!
 //! - **node loss** (+3 s): the leader of the consumer's queue / partition / stream
@@ -10,7 +10,11 @@
 //!   confirm them (see [`dlq_outage`]); the DLQ must not grow meanwhile, and what was held
 //!   back must land after;
 //! - **stall** (+45 s, 10 s): every connection of the consumer — each goes through a
-//!   [`FaultProxy`] per node — moves no byte.
+//!   [`FaultProxy`] per node — moves no byte;
+//! - **node pause** (+60 s, 20 s): the leader of the consumer's data frozen (SIGSTOP),
+//!   then thawed (see [`node_pause`]);
+//! - **rolling restart** (+85 s): every node stopped gracefully and started again, one
+//!   after the other, each back in the cluster before the next goes.
 //!
 //! The harness's checker then fails on any lost order, any double reservation, any DLQ
 //! entry other than the injected poison or with another reason than its injected one, and
@@ -23,7 +27,7 @@
 //!
 //! `RELIQ_CHAOS_ORDERS` (default 10,000, which keeps the consumer
 //! busy through every fault), `RELIQ_CRASH_SEED` as in the crash harness,
-//! `RELIQ_CHAOS_FAULTS=node,dlq,stall` to inject only some.
+//! `RELIQ_CHAOS_FAULTS=node,dlq,stall,nodepause,rolling` to inject only some.
 
 use reliq_core::seam::lock;
 use std::net::SocketAddr;
@@ -80,65 +84,124 @@ const DLQ_OUTAGE_AT: Duration = Duration::from_secs(10);
 const DLQ_OUTAGE: Duration = Duration::from_secs(30);
 const STALL_AT: Duration = Duration::from_secs(45);
 const STALL: Duration = Duration::from_secs(10);
+const NODE_PAUSE_AT: Duration = Duration::from_secs(60);
+const NODE_PAUSE: Duration = Duration::from_secs(20);
+const ROLLING_AT: Duration = Duration::from_secs(85);
+
+/// Every fault a round injects, by its `RELIQ_CHAOS_FAULTS` name.
+const FAULTS: [&str; 5] = ["node", "dlq", "stall", "nodepause", "rolling"];
 
 /// The faults of one run, side by side: the leader killed and restarted, the DLQ
-/// unavailable, the consumer's connections stalled.
+/// unavailable, the consumer's connections stalled, the leader frozen, every node
+/// restarted in turn.
 fn faults(backend: Backend, proxies: Arc<Proxies>) -> crash::Faults {
     Box::new(move |topic: String| {
         async move {
             let t0 = Instant::now();
-            // `RELIQ_CHAOS_FAULTS=node,dlq,stall` (the default: all) picks some, to
-            // look into one.
+            // `RELIQ_CHAOS_FAULTS=node,stall` (the default: all) picks some, to look
+            // into one.
             let picked = std::env::var("RELIQ_CHAOS_FAULTS")
                 .ok()
                 .filter(|v| !v.is_empty())
-                .unwrap_or_else(|| "node,dlq,stall".into());
+                .unwrap_or_else(|| FAULTS.join(","));
             let on = |name: &str| picked.split(',').any(|p| p.trim() == name);
-            let skipped = |name: &'static str| async move { Ok(format!("{name}: not injected")) };
-            let (node, dlq, stall) = tokio::try_join!(
-                async {
-                    if on("node") {
-                        node_loss(backend, &topic, t0).await
-                    } else {
-                        skipped("node").await
-                    }
-                },
-                async {
-                    if on("dlq") {
-                        dlq_outage(backend, &topic, t0).await
-                    } else {
-                        skipped("dlq").await
-                    }
-                },
-                async {
-                    if on("stall") {
-                        stall(&proxies, t0).await
-                    } else {
-                        skipped("stall").await
-                    }
-                },
+            let (node, dlq, stall, node_pause, rolling) = tokio::try_join!(
+                injected("node", on("node"), node_loss(backend, &topic, t0)),
+                injected("dlq", on("dlq"), dlq_outage(backend, &topic, t0)),
+                injected("stall", on("stall"), stall(&proxies, t0)),
+                injected(
+                    "nodepause",
+                    on("nodepause"),
+                    node_pause(backend, &topic, t0)
+                ),
+                injected("rolling", on("rolling"), rolling_restart(backend, t0)),
             )?;
-            Ok(vec![node, dlq, stall])
+            Ok(vec![node, dlq, stall, node_pause, rolling])
         }
         .boxed()
     })
 }
 
+/// `fault`'s account of itself, or that `name` was left out.
+async fn injected(
+    name: &str,
+    on: bool,
+    fault: impl Future<Output = anyhow::Result<String>>,
+) -> anyhow::Result<String> {
+    if on {
+        fault.await.with_context(|| format!("fault `{name}`"))
+    } else {
+        Ok(format!("{name}: not injected"))
+    }
+}
+
 /// Kill the leader of the consumer's data, start it again [`NODE_DOWN`] later.
 async fn node_loss(backend: Backend, topic: &str, t0: Instant) -> anyhow::Result<String> {
     tokio::time::sleep_until(t0 + NODE_LOSS_AT).await;
+    leader_out(backend, topic, t0, NODE_DOWN, ["kill", "start"]).await
+}
+
+/// Freeze the leader of the consumer's data (SIGSTOP) for [`NODE_PAUSE`], then thaw it:
+/// longer than a Kafka broker's session with the controller (9 s), a NATS leader's
+/// election timeout and a consumer's request timeouts, shorter than Erlang's net tick
+/// (60 s), so RabbitMQ's other nodes do not see it as down. Its ports keep accepting
+/// connections meanwhile: a frozen node answers nothing, which is not a closed port.
+async fn node_pause(backend: Backend, topic: &str, t0: Instant) -> anyhow::Result<String> {
+    tokio::time::sleep_until(t0 + NODE_PAUSE_AT).await;
+    leader_out(backend, topic, t0, NODE_PAUSE, ["pause", "resume"]).await
+}
+
+/// Take the node that leads the consumer's data out (`scripts/brokers cluster <out>`) for
+/// `held`, then bring it back (`<back>`) whatever happens meanwhile: a node left dead or
+/// frozen would hang the rest of the run.
+async fn leader_out(
+    backend: Backend,
+    topic: &str,
+    t0: Instant,
+    held: Duration,
+    [out, back]: [&str; 2],
+) -> anyhow::Result<String> {
     let (broker, what) = led(backend, topic);
     let leader = cluster(&["leader", broker, &what]).await?;
-    cluster(&["kill", &leader]).await?;
-    let killed = t0.elapsed();
-    tokio::time::sleep(NODE_DOWN).await;
-    cluster(&["start", &leader]).await?;
-    let back = t0.elapsed();
+    cluster(&[out, &leader]).await?;
+    let taken = t0.elapsed();
+    tokio::time::sleep(held).await;
+    cluster(&[back, &leader]).await?;
+    let returned = t0.elapsed();
     let new_leader = cluster(&["leader", broker, &what]).await?;
     Ok(format!(
-        "{leader} (leader of {what}) SIGKILLed at +{:.1} s, started again at +{:.1} s and rejoined; leader now {new_leader}",
-        killed.as_secs_f64(),
-        back.as_secs_f64()
+        "{leader} (leader of {what}): {out} at +{:.1} s, {back} at +{:.1} s; leader now {new_leader}",
+        taken.as_secs_f64(),
+        returned.as_secs_f64()
+    ))
+}
+
+/// Restart every node of the cluster in turn, as an upgrade does: each stopped
+/// gracefully and started again, the next one only once it has rejoined (`scripts/brokers
+/// cluster restart`).
+async fn rolling_restart(backend: Backend, t0: Instant) -> anyhow::Result<String> {
+    tokio::time::sleep_until(t0 + ROLLING_AT).await;
+    let nodes: [&str; 3] = match backend {
+        Backend::Rabbit => ["rabbit-1", "rabbit-2", "rabbit-3"],
+        Backend::Kafka => ["kafka-1", "kafka-2", "kafka-3"],
+        Backend::Nats => ["nats-1", "nats-2", "nats-3"],
+        other => unreachable!("no cluster for {other:?}"),
+    };
+    let began = t0.elapsed();
+    let mut steps = Vec::new();
+    for node in nodes {
+        let from = t0.elapsed();
+        cluster(&["restart", node]).await?;
+        steps.push(format!(
+            "{node} +{:.1} → +{:.1} s",
+            from.as_secs_f64(),
+            t0.elapsed().as_secs_f64()
+        ));
+    }
+    Ok(format!(
+        "rolling restart from +{:.1} s: {}",
+        began.as_secs_f64(),
+        steps.join(", ")
     ))
 }
 
@@ -507,7 +570,11 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
     let report = crash::run_with_faults(scenario, faults(backend, proxies.clone())).await?;
     drop(proxies);
     println!("{report}");
-    ensure!(report.faults.len() == 3, "faults: {:?}", report.faults);
+    ensure!(
+        report.faults.len() == FAULTS.len(),
+        "faults: {:?}",
+        report.faults
+    );
     Ok(())
 }
 

@@ -1,5 +1,5 @@
 # scripts/brokers.d/cluster.sh - `scripts/brokers cluster ...`: node names and ports, and the
-# commands (up, down, status, kill, start, leader, rabbitmqctl); the nodes of each broker are
+# commands (up, down, status, kill, start, restart, pause, resume, leader, rabbitmqctl); the nodes of each broker are
 # in cluster-rabbitmq.sh, cluster-kafka.sh, cluster-nats.sh. sourced by scripts/brokers (not run).
 
 # ----------------------------------------------------------------- clusters
@@ -180,14 +180,46 @@ cmd_cluster_kill() { # NODE: SIGKILL, wait until it is gone
   local n=${1:-} pid i
   node_broker "$n" > /dev/null || die "usage: $0 cluster kill NODE (rabbit-1..3, kafka-1..3, nats-1..3)"
   alive "$n" || { err "$n: not running"; return 1; }
-  # the Erlang VM, not its sh launcher (which exits with it); a booting node: the launcher
-  if pid_alive "$CDIR/$n/pid" "$(pattern_of "$n")"; then pid=$(pid_of "$CDIR/$n/pid"); else pid=$(node_pid "$n"); fi
+  pid=$(node_server_pid "$n")
   kill -KILL "$pid" 2> /dev/null
   for ((i = 0; i < 50; i++)); do running "$pid" || break; sleep 0.2; done
   running "$pid" && { err "$n: pid $pid still there after SIGKILL"; return 1; }
   for ((i = 0; i < 50; i++)); do alive "$n" || break; sleep 0.2; done  # rabbit: the launcher follows
   rm -f "$CDIR/$n/pid" "$CDIR/$n/launcher.pid"
   log "$n: killed (SIGKILL to pid $pid)"
+}
+
+# the node's server process: the Erlang VM, not its sh launcher (which exits with it);
+# a booting rabbit node: the launcher
+node_server_pid() { # NODE
+  if pid_alive "$CDIR/$1/pid" "$(pattern_of "$1")"; then pid_of "$CDIR/$1/pid"; else node_pid "$1"; fi
+}
+
+cmd_cluster_signal() { # STOP|CONT NODE: freeze or thaw the node's server process
+  local sig=$1 n=${2:-} pid state
+  node_broker "$n" > /dev/null || die "usage: $0 cluster pause|resume NODE (rabbit-1..3, kafka-1..3, nats-1..3)"
+  alive "$n" || { err "$n: not running"; return 1; }
+  pid=$(node_server_pid "$n")
+  kill "-$sig" "$pid" || { err "$n: SIG$sig to pid $pid failed"; return 1; }
+  # /proc/PID/stat field 3: T once stopped; anything else once thawed
+  state=$(awk '{ print $3 }' "/proc/$pid/stat" 2> /dev/null)
+  if [ "$sig" = STOP ]; then
+    [ "$state" = T ] || { sleep 0.2; state=$(awk '{ print $3 }' "/proc/$pid/stat"); }
+    [ "$state" = T ] || { err "$n: pid $pid not stopped (state $state)"; return 1; }
+    log "$n: paused (SIGSTOP to pid $pid)"
+  else
+    log "$n: resumed (SIGCONT to pid $pid)"
+  fi
+}
+
+cmd_cluster_restart() { # NODE: a graceful stop (as `down` does), then `start`
+  local n=${1:-} t0=$SECONDS
+  node_broker "$n" > /dev/null || die "usage: $0 cluster restart NODE (rabbit-1..3, kafka-1..3, nats-1..3)"
+  alive "$n" || { err "$n: not running"; return 1; }
+  stop_node "$n" || return 1
+  ! alive "$n" || { err "$n: still running after its stop"; return 1; }
+  log "$n: stopped gracefully in $((SECONDS - t0))s"
+  cmd_cluster_start "$n"
 }
 
 cmd_cluster_start() { # NODE: start it, wait until it is back in the cluster
@@ -302,6 +334,9 @@ cmd_cluster() {
     status) cmd_cluster_status "$@" ;;
     kill) cmd_cluster_kill "$@" ;;
     start) cmd_cluster_start "$@" ;;
+    restart) cmd_cluster_restart "$@" ;;
+    pause) cmd_cluster_signal STOP "$@" ;;
+    resume) cmd_cluster_signal CONT "$@" ;;
     leader) cmd_cluster_leader "$@" ;;
     rabbitmqctl)
       local n

@@ -9,6 +9,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::pull, stream};
 use tokio::task::JoinHandle;
 
+use crate::clock::ServerClock;
 use crate::error::{api, connection};
 use crate::names::{
     consumer_name, dead_letter_stream, dead_letter_subject, retry_subjects, stream_name,
@@ -32,6 +33,8 @@ pub(crate) struct Inner {
     pub(crate) js: jetstream::Context,
     pub(crate) options: NatsOptions,
     pub(crate) advisory_watchers: Mutex<HashMap<(String, String), JoinHandle<()>>>,
+    /// The server's clock, which fires the retries' schedules.
+    pub(crate) clock: ServerClock,
 }
 
 impl Drop for Inner {
@@ -209,6 +212,7 @@ impl NatsBroker {
                 js,
                 options,
                 advisory_watchers: Mutex::new(HashMap::new()),
+                clock: ServerClock::default(),
             }),
         })
     }

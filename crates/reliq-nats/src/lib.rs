@@ -9,7 +9,7 @@
 //! | receive (bounded) | demand-driven pull requests (5 s expiry) of at most `prefetch − held` messages, all answered on one inbox the receiver keeps subscribed for its life; in-progress acks every `lease / 2` keep long handlers leased |
 //! | close | the inbox is read until the open pull request ends; what arrives, and what is released after the close, is NAKed with a delay that outlasts that request (the server would hand a message NAKed at once straight back to it) — nothing waits for the ack wait |
 //! | ack | `+ACK` (double-acked, i.e. confirmed by the server, by default) |
-//! | retry after d | publish the retry copy (same id, failure headers) as a scheduled message to `retry.<stream>.<consumer>.at.<seq>` with `Nats-Schedule: @at <now + d>` and `Nats-Schedule-Target: retry.<stream>.<consumer>.due`, wait for the `PubAck`, then `+ACK` the delivery: the retry waits durably in the stream, outside the consumer's `max_ack_pending`, and the server publishes it to the consumer's due subject after `d` (one schedule per subject: a retry scheduled again after a lost ack replaces it). The copy carries its origin (`reliq-nats-origin`: sequence and subject) |
+//! | retry after d | publish the retry copy (same id, failure headers) as a scheduled message to `retry.<stream>.<consumer>.at.<seq>` with `Nats-Schedule: @at <now + d>` (now in the server's clock, which fires it: this host's time plus the server's offset, measured from `STREAM.INFO`'s `ts`; a host minutes off still waits `d`) and `Nats-Schedule-Target: retry.<stream>.<consumer>.due`, wait for the `PubAck`, then `+ACK` the delivery: the retry waits durably in the stream, outside the consumer's `max_ack_pending`, and the server publishes it to the consumer's due subject after `d` (one schedule per subject: a retry scheduled again after a lost ack replaces it). The copy carries its origin (`reliq-nats-origin`: sequence and subject) |
 //! | dead-letter | publish to the DLQ stream `DLQ_<stream>_<consumer>` (subject `dlq.<stream>.<consumer>`), wait for the `PubAck`, then `+TERM` |
 //! | attempt | the delivery count in the message metadata; on a retry copy, the attempt it was retried at plus its own redeliveries |
 //! | dead_letters | the DLQ stream read without a consumer: **browse** = direct gets of the next message on the DLQ subject from a stream sequence (nothing acked, delivered or moved; cursor = the next stream sequence, text); **get** = a browse for the id (the oldest copy); **remove** = `STREAM.MSG.DELETE` of the entry's sequence, confirmed by the server (oldest copy first; a sequence already gone is skipped); **count** = the stream's message count + the first entry's `reliq-dead-lettered-at` (one read) |
@@ -48,6 +48,7 @@
 mod advisories;
 mod broker;
 mod client;
+mod clock;
 mod codec;
 mod dead_letters;
 mod error;

@@ -385,8 +385,14 @@ impl Receiver for NatsReceiver {
         }
         let t = self.token(delivery)?;
         let mut h = to_nats_headers(&retry.message);
-        // Never early: the schedule's time has millisecond precision.
-        let due = SystemTime::now() + retry.delay + Duration::from_millis(1);
+        // In the server's clock, which fires it (`crate::clock`); never early: the
+        // schedule's time has millisecond precision.
+        let inner = &self.broker.inner;
+        let server_now = inner
+            .clock
+            .now(&inner.js, &stream_name(&self.sub.source))
+            .await?;
+        let due = server_now + retry.delay + Duration::from_millis(1);
         h.insert(SCHEDULE, format!("@at {}", headers::format_time(due)));
         h.insert(SCHEDULE_TARGET, retry_due_subject(&self.sub));
         h.insert(ORIGIN_HEADER, format!("{} {}", t.origin.0, t.origin.1));
