@@ -132,10 +132,11 @@ crash-harness backend="rabbit" orders="10000" db="sqlite":
 # `scripts/brokers cluster up`): the crash harness with <orders> orders, 5 consumer
 # SIGKILLs, and during the run the leader of the consumer's queue / partition / stream
 # SIGKILLed and restarted, its DLQ unavailable for 30 s, its connections stalled for 10 s
-# by a fault proxy, that leader frozen (SIGSTOP) for 20 s, then every node restarted in
-# turn (integration/tests/chaos.rs; the faults are timed for the busy time of 10,000
-# orders; RELIQ_CHAOS_FAULTS picks some). Starts the clusters (and stops them after, if it started them);
-# 1.5-4 min per broker once they are up. Not part of `just test`.
+# by a fault proxy, the consumer cut off from that leader both ways and then one way,
+# the leader frozen (SIGSTOP) for 20 s, then every node restarted in turn
+# (integration/tests/chaos.rs; the faults are timed for the busy time of 10,000
+# orders; RELIQ_CHAOS_FAULTS picks some). Starts the clusters (and stops them after,
+# if it started them); 2-4 min per broker once they are up. Not part of `just test`.
 chaos orders="10000" filter="all()":
     #!/usr/bin/env bash
     set -uo pipefail

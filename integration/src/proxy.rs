@@ -7,6 +7,9 @@
 //! - [`FaultProxy::stall`] / [`FaultProxy::resume`]: the connections stay open but no
 //!   byte moves either way (a hung network path: the peers see no error, only silence;
 //!   once the proxy's small buffers are full, TCP flow control holds the senders).
+//! - [`FaultProxy::stall_answers`]: requests reach the node, its answers do not (an
+//!   asymmetric partition: the node acts on what it is sent — commits, acknowledges —
+//!   and the client hears nothing until [`FaultProxy::resume`]).
 //! - [`FaultProxy::cut`]: every open connection is reset; new ones are accepted.
 //!
 //! Each accepted connection opens its own upstream connection; bytes are forwarded
@@ -35,6 +38,8 @@ const CHUNK: usize = 16 * 1024;
 struct Faults {
     latency: Duration,
     stalled: bool,
+    /// Only the upstream's bytes are held ([`FaultProxy::stall_answers`]).
+    answers_stalled: bool,
     /// Bumped by [`FaultProxy::cut`]: connections accepted before it are reset.
     cuts: u64,
 }
@@ -109,9 +114,18 @@ impl FaultProxy {
         self.faults.send_modify(|f| f.stalled = true);
     }
 
-    /// Move bytes again; what was held is delivered in order.
+    /// Hold every byte the upstream sends (open and new connections) while the client's
+    /// still reach it, until [`resume`](Self::resume).
+    pub fn stall_answers(&self) {
+        self.faults.send_modify(|f| f.answers_stalled = true);
+    }
+
+    /// Move bytes again, both ways; what was held is delivered in order.
     pub fn resume(&self) {
-        self.faults.send_modify(|f| f.stalled = false);
+        self.faults.send_modify(|f| {
+            f.stalled = false;
+            f.answers_stalled = false;
+        });
     }
 
     /// Reset every open connection (both sides see the connection reset); connections
@@ -170,8 +184,18 @@ async fn serve(mut client: TcpStream, mut server: TcpStream, mut faults: watch::
         let (client_read, client_write) = client.split();
         let (server_read, server_write) = server.split();
         let both_ways = futures::future::join(
-            pump(client_read, server_write, faults.clone()),
-            pump(server_read, client_write, faults.clone()),
+            pump(
+                client_read,
+                server_write,
+                faults.clone(),
+                Direction::Requests,
+            ),
+            pump(
+                server_read,
+                client_write,
+                faults.clone(),
+                Direction::Answers,
+            ),
         );
         let cut = faults.wait_for(|f| f.cuts != cuts_at_start);
         tokio::select! {
@@ -187,10 +211,30 @@ async fn serve(mut client: TcpStream, mut server: TcpStream, mut faults: watch::
     }
 }
 
+/// Which way a [`pump`] moves bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    /// Client to upstream.
+    Requests,
+    /// Upstream to client.
+    Answers,
+}
+
+impl Faults {
+    fn holds(&self, direction: Direction) -> bool {
+        self.stalled || (direction == Direction::Answers && self.answers_stalled)
+    }
+}
+
 /// One direction: a reader stamps each chunk with the moment it was read, a writer
 /// delivers it `latency` later, holding everything while stalled. Ends when the reading
 /// side closes (the writing side is then shut down: the close is passed on) or fails.
-async fn pump(mut from: ReadHalf<'_>, mut to: WriteHalf<'_>, mut faults: watch::Receiver<Faults>) {
+async fn pump(
+    mut from: ReadHalf<'_>,
+    mut to: WriteHalf<'_>,
+    mut faults: watch::Receiver<Faults>,
+    direction: Direction,
+) {
     let (tx, mut rx) = mpsc::channel::<(Instant, Vec<u8>)>(CHUNKS_IN_FLIGHT);
     let read = async move {
         loop {
@@ -210,7 +254,8 @@ async fn pump(mut from: ReadHalf<'_>, mut to: WriteHalf<'_>, mut faults: watch::
         while let Some((read_at, chunk)) = rx.recv().await {
             let latency = faults.borrow().latency;
             tokio::time::sleep_until(read_at + latency).await;
-            if faults.wait_for(|f| !f.stalled).await.is_err() || to.write_all(&chunk).await.is_err()
+            if faults.wait_for(|f| !f.holds(direction)).await.is_err()
+                || to.write_all(&chunk).await.is_err()
             {
                 return;
             }

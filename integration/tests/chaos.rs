@@ -1,7 +1,7 @@
 //! Chaos on three-node clusters (`scripts/brokers cluster up`): the crash harness
 //! (`reliq_integration::crash::run_with_faults`: orders through the outbox, the inventory
 //! consumer with its durable inbox SIGKILLed 5 times, two of them between COMMIT and ack)
-//! with five faults injected meanwhile, timed from the moment the orders are in the
+//! with seven faults injected meanwhile, timed from the moment the orders are in the
 //! outbox:
 //!
 //! - **node loss** (+3 s): the leader of the consumer's queue / partition / stream
@@ -11,9 +11,15 @@
 //!   back must land after;
 //! - **stall** (+45 s, 10 s): every connection of the consumer — each goes through a
 //!   [`FaultProxy`] per node — moves no byte;
-//! - **node pause** (+60 s, 20 s): the leader of the consumer's data frozen (SIGSTOP),
+//! - **leader partition** (+58 s, 12 s): the consumer cut off from the node leading its
+//!   data only — that node's proxy holds every byte both ways — while the nodes still
+//!   reach each other (see [`leader_partition`]);
+//! - **one-way partition** (+72 s, 12 s): the same node receives what the consumer sends
+//!   and its answers are held: it acts on requests (commits, acks, confirms) the consumer
+//!   hears nothing of — the ambiguous acknowledgement (see [`one_way_partition`]);
+//! - **node pause** (+86 s, 20 s): the leader of the consumer's data frozen (SIGSTOP),
 //!   then thawed (see [`node_pause`]);
-//! - **rolling restart** (+85 s): every node stopped gracefully and started again, one
+//! - **rolling restart** (+110 s): every node stopped gracefully and started again, one
 //!   after the other, each back in the cluster before the next goes.
 //!
 //! The harness's checker then fails on any lost order, any double reservation, any DLQ
@@ -27,7 +33,8 @@
 //!
 //! `RELIQ_CHAOS_ORDERS` (default 10,000, which keeps the consumer
 //! busy through every fault), `RELIQ_CRASH_SEED` as in the crash harness,
-//! `RELIQ_CHAOS_FAULTS=node,dlq,stall,nodepause,rolling` to inject only some.
+//! `RELIQ_CHAOS_FAULTS=node,dlq,stall,leadercut,oneway,nodepause,rolling` to inject only
+//! some.
 
 use reliq_core::seam::lock;
 use std::net::SocketAddr;
@@ -84,16 +91,28 @@ const DLQ_OUTAGE_AT: Duration = Duration::from_secs(10);
 const DLQ_OUTAGE: Duration = Duration::from_secs(30);
 const STALL_AT: Duration = Duration::from_secs(45);
 const STALL: Duration = Duration::from_secs(10);
-const NODE_PAUSE_AT: Duration = Duration::from_secs(60);
+const LEADER_CUT_AT: Duration = Duration::from_secs(58);
+const LEADER_CUT: Duration = Duration::from_secs(12);
+const ONE_WAY_AT: Duration = Duration::from_secs(72);
+const ONE_WAY: Duration = Duration::from_secs(12);
+const NODE_PAUSE_AT: Duration = Duration::from_secs(86);
 const NODE_PAUSE: Duration = Duration::from_secs(20);
-const ROLLING_AT: Duration = Duration::from_secs(85);
+const ROLLING_AT: Duration = Duration::from_secs(110);
 
 /// Every fault a round injects, by its `RELIQ_CHAOS_FAULTS` name.
-const FAULTS: [&str; 5] = ["node", "dlq", "stall", "nodepause", "rolling"];
+const FAULTS: [&str; 7] = [
+    "node",
+    "dlq",
+    "stall",
+    "leadercut",
+    "oneway",
+    "nodepause",
+    "rolling",
+];
 
 /// The faults of one run, side by side: the leader killed and restarted, the DLQ
-/// unavailable, the consumer's connections stalled, the leader frozen, every node
-/// restarted in turn.
+/// unavailable, the consumer's connections stalled, the consumer cut off from the leader
+/// both ways and then one way, the leader frozen, every node restarted in turn.
 fn faults(backend: Backend, proxies: Arc<Proxies>) -> crash::Faults {
     Box::new(move |topic: String| {
         async move {
@@ -105,10 +124,20 @@ fn faults(backend: Backend, proxies: Arc<Proxies>) -> crash::Faults {
                 .filter(|v| !v.is_empty())
                 .unwrap_or_else(|| FAULTS.join(","));
             let on = |name: &str| picked.split(',').any(|p| p.trim() == name);
-            let (node, dlq, stall, node_pause, rolling) = tokio::try_join!(
+            let (node, dlq, stall, leader_cut, one_way, node_pause, rolling) = tokio::try_join!(
                 injected("node", on("node"), node_loss(backend, &topic, t0)),
                 injected("dlq", on("dlq"), dlq_outage(backend, &topic, t0)),
                 injected("stall", on("stall"), stall(&proxies, t0)),
+                injected(
+                    "leadercut",
+                    on("leadercut"),
+                    leader_partition(backend, &topic, &proxies, t0)
+                ),
+                injected(
+                    "oneway",
+                    on("oneway"),
+                    one_way_partition(backend, &topic, &proxies, t0)
+                ),
                 injected(
                     "nodepause",
                     on("nodepause"),
@@ -116,7 +145,9 @@ fn faults(backend: Backend, proxies: Arc<Proxies>) -> crash::Faults {
                 ),
                 injected("rolling", on("rolling"), rolling_restart(backend, t0)),
             )?;
-            Ok(vec![node, dlq, stall, node_pause, rolling])
+            Ok(vec![
+                node, dlq, stall, leader_cut, one_way, node_pause, rolling,
+            ])
         }
         .boxed()
     })
@@ -149,6 +180,93 @@ async fn node_loss(backend: Backend, topic: &str, t0: Instant) -> anyhow::Result
 async fn node_pause(backend: Backend, topic: &str, t0: Instant) -> anyhow::Result<String> {
     tokio::time::sleep_until(t0 + NODE_PAUSE_AT).await;
     leader_out(backend, topic, t0, NODE_PAUSE, ["pause", "resume"]).await
+}
+
+/// Cut the consumer off from the node leading its data for [`LEADER_CUT`]: that node's
+/// proxy holds every byte both ways, on open and new connections (packets dropped, not
+/// refused), while the nodes still reach each other — the consumer on the small side of
+/// a partition that isolates it from the leader only. RabbitMQ and NATS clients must move
+/// to another node; a Kafka client cannot (the partition has one leader) and must wait it
+/// out without losing its place.
+async fn leader_partition(
+    backend: Backend,
+    topic: &str,
+    proxies: &Proxies,
+    t0: Instant,
+) -> anyhow::Result<String> {
+    tokio::time::sleep_until(t0 + LEADER_CUT_AT).await;
+    cut_from_leader(
+        backend,
+        topic,
+        proxies,
+        t0,
+        LEADER_CUT,
+        FaultProxy::stall,
+        "cut both ways",
+    )
+    .await
+}
+
+/// For [`ONE_WAY`], the node leading the consumer's data gets what the consumer sends
+/// and its answers are held: it commits offsets, acknowledges and confirms publishes the
+/// consumer does not hear of, so the consumer times out on work that was done (the
+/// ambiguous acknowledgement), and sees it all arrive at once when the link heals.
+async fn one_way_partition(
+    backend: Backend,
+    topic: &str,
+    proxies: &Proxies,
+    t0: Instant,
+) -> anyhow::Result<String> {
+    tokio::time::sleep_until(t0 + ONE_WAY_AT).await;
+    cut_from_leader(
+        backend,
+        topic,
+        proxies,
+        t0,
+        ONE_WAY,
+        FaultProxy::stall_answers,
+        "answers held",
+    )
+    .await
+}
+
+/// `fault` on the proxy of the node leading the consumer's data for `held`, then its
+/// links resumed whatever happens meanwhile. When the consumer holds no connection to
+/// that node — a RabbitMQ client talks to one node of its choice, which the quorum
+/// queue's leader need not be — the node it is connected to instead: a partition that
+/// misses the consumer tests nothing.
+async fn cut_from_leader(
+    backend: Backend,
+    topic: &str,
+    proxies: &Proxies,
+    t0: Instant,
+    held: Duration,
+    fault: fn(&FaultProxy),
+    how: &str,
+) -> anyhow::Result<String> {
+    let (broker, what) = led(backend, topic);
+    let leader = cluster(&["leader", broker, &what]).await?;
+    let mut proxy = proxies.of(&leader)?;
+    let mut node = format!("{leader} (leader of {what})");
+    if proxy.connections() == 0
+        && let Some((i, busiest)) = proxies.busiest()
+    {
+        proxy = busiest;
+        node = format!(
+            "{broker} node {} (the consumer's; {leader} leads {what})",
+            i + 1
+        );
+    }
+    let open = proxy.connections();
+    fault(proxy);
+    let from = t0.elapsed();
+    tokio::time::sleep(held).await;
+    proxy.resume();
+    Ok(format!(
+        "the consumer's link to {node}, {open} connection(s) open: {how} +{:.1} → +{:.1} s",
+        from.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    ))
 }
 
 /// Take the node that leads the consumer's data out (`scripts/brokers cluster <out>`) for
@@ -518,6 +636,25 @@ impl Proxies {
 
     fn connections(&self) -> usize {
         self.0.iter().map(FaultProxy::connections).sum()
+    }
+
+    /// The proxy with the most open connections, and its index (node `index + 1`), if
+    /// any has one.
+    fn busiest(&self) -> Option<(usize, &FaultProxy)> {
+        self.0
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.connections() > 0)
+            .max_by_key(|(_, p)| p.connections())
+    }
+
+    /// The proxy in front of `node` (`rabbit-2`, `kafka-3`, `nats-1`: the URLs list the
+    /// nodes in that order).
+    fn of(&self, node: &str) -> anyhow::Result<&FaultProxy> {
+        node.rsplit_once('-')
+            .and_then(|(_, n)| n.parse::<usize>().ok())
+            .and_then(|n| self.0.get(n.checked_sub(1)?))
+            .with_context(|| format!("no fault proxy in front of node `{node}`"))
     }
 
     fn stall(&self) {

@@ -612,3 +612,74 @@ async fn a_closed_receivers_open_pull_gives_everything_back() -> anyhow::Result<
     ensure!(dlq.count().await?.count == 0, "something was dead-lettered");
     Ok(())
 }
+
+/// A message parked from its delivery and again from a retry copy of it leaves one DLQ
+/// entry. Found in a chaos round: a dead letter held (a stalled link) past its lease was
+/// delivered again, failed transiently and was retried, the first dead letter landed,
+/// then the copy failed permanently — and the copy's dead letter was not a duplicate of
+/// the first (its `Nats-Msg-Id` named the delivered copy's sequence): two DLQ entries for
+/// one id. Here the same steps on one delivery: retried, then its dead letter lands, then
+/// the copy is parked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_dead_lettered_from_its_delivery_and_from_a_retry_copy_is_parked_once()
+-> anyhow::Result<()> {
+    let backend = NatsBackend::new();
+    let nats = backend.connect_nats().await?;
+    let topic = unique("nats-dl-once");
+    let mut sub = Subscription::new("parked-once", topic.clone());
+    sub.delivery_limit = 10;
+    let rx = nats.subscribe(&sub).await?;
+    nats.publish(
+        &Destination::new(topic.clone()),
+        Message::new("unknown sku"),
+    )
+    .await?;
+    let receive = async || {
+        tokio::time::timeout(Duration::from_secs(10), rx.receive())
+            .await
+            .context("no delivery in 10 s")?
+            .map_err(anyhow::Error::from)
+    };
+    let dead = |d: &Delivery| {
+        let mut message = d.message().clone();
+        DeadLetter {
+            reason: DeadLetterReason::Permanent,
+            error_class: None,
+            error: Some("unknown sku".into()),
+            attempts: d.attempt(),
+            first_failure_at: None,
+            dead_lettered_at: std::time::SystemTime::now(),
+            consumer: sub.consumer.clone(),
+            origin: d.origin().clone(),
+        }
+        .write(message.headers_mut());
+        message
+    };
+    let first = receive().await?;
+    let id = first.id().clone();
+    let mut copy = first.message().clone();
+    copy.headers_mut()
+        .insert(reliq_core::seam::headers::ATTEMPT, "2".to_owned());
+    rx.retry(
+        &first,
+        reliq_core::seam::RetryRequest {
+            message: copy,
+            delay: Duration::from_millis(100),
+            tier: 0,
+        },
+    )
+    .await?;
+    rx.dead_letter(&first, dead(&first)).await?;
+    let copy = receive().await?;
+    ensure!(copy.id() == &id && copy.attempt() == 2, "{copy:?}");
+    rx.dead_letter(&copy, dead(&copy)).await?;
+
+    let broker: Arc<dyn Broker> = Arc::new(nats);
+    let dlq = broker.dead_letters(&sub).await?;
+    let entry = only_dead_letter(dlq.as_ref()).await?;
+    ensure!(
+        entry.id() == &id && entry.record()?.attempts == 1,
+        "{entry:?}"
+    );
+    Ok(())
+}

@@ -60,7 +60,7 @@ impl KafkaBroker {
 
     /// Connect with explicit settings.
     pub fn with_config(config: KafkaConfig) -> Result<Self, KafkaError> {
-        let refusals = Refusals::default();
+        let refusals = Refusals::new(&config.bootstrap);
         let tokens = TokenSource::for_config(&config)?;
         let watching = || WatchingContext {
             refusals: refusals.clone(),

@@ -8,6 +8,7 @@
 //! which keeps the last such refusal; [`Refusals::or_refused`] ends a request with it as
 //! soon as it is seen, naming the cause (librdkafka's words: they carry no secret).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -104,18 +105,53 @@ pub(crate) struct Refusals {
     last: Arc<watch::Sender<Option<Refusal>>>,
     /// When a request last succeeded: a refusal older than that is over.
     healed: Arc<Mutex<Option<Instant>>>,
-}
-
-impl Default for Refusals {
-    fn default() -> Self {
-        Self {
-            last: Arc::new(watch::Sender::new(None)),
-            healed: Arc::new(Mutex::new(None)),
-        }
-    }
+    /// The distinct bootstrap servers.
+    servers: usize,
+    /// Servers that hung up on their first request, and when ([`Self::hung_up`]).
+    hang_ups: Arc<Mutex<HashMap<String, Instant>>>,
 }
 
 impl Refusals {
+    /// The refusals of the clients of the cluster at `bootstrap` (`host:port,…`).
+    pub(crate) fn new(bootstrap: &str) -> Self {
+        let mut servers: Vec<&str> = bootstrap.split(',').map(str::trim).collect();
+        servers.sort_unstable();
+        servers.dedup();
+        Self {
+            last: Arc::new(watch::Sender::new(None)),
+            healed: Arc::new(Mutex::new(None)),
+            servers: servers.len().max(1),
+            hang_ups: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// A server hung up at the first request: a protocol mismatch (a plaintext client on
+    /// a TLS or SASL listener) only once **every** bootstrap server has done so within
+    /// [`FRESH`]. One node alone doing it is a node going down, or a load balancer or
+    /// proxy whose node is down (it accepts, then resets) — seen in the chaos rounds: a
+    /// consumer starting during a node loss failed with a `security.protocol` error. The
+    /// client carries on through the other nodes then.
+    fn hung_up(&self, refusal: Refusal) {
+        let server = server_of(&refusal.reason).unwrap_or_default().to_owned();
+        let all = {
+            let mut hang_ups = lock(&self.hang_ups);
+            hang_ups.retain(|_, at| at.elapsed() < FRESH);
+            hang_ups.insert(server, refusal.at);
+            hang_ups.len() >= self.servers
+        };
+        if all {
+            self.last.send_replace(Some(refusal));
+        }
+    }
+
+    fn refused(&self, refusal: Refusal) {
+        if refusal.kind == RefusalKind::Protocol {
+            self.hung_up(refusal);
+        } else {
+            self.last.send_replace(Some(refusal));
+        }
+    }
+
     /// A fresh refusal not healed by a later success.
     fn current(&self) -> Option<Refusal> {
         let healed = *lock(&self.healed);
@@ -160,6 +196,21 @@ impl Refusals {
     }
 }
 
+/// The server a librdkafka message is about: `127.0.0.1:9392` in
+/// `[thrd:…]: 127.0.0.1:9392/bootstrap: Disconnected: …` or
+/// `ssl://b-1.example:9094/2: SSL handshake failed: …`.
+fn server_of(message: &str) -> Option<&str> {
+    message
+        .split_whitespace()
+        .filter(|word| !word.starts_with("[thrd:"))
+        .find_map(|word| {
+            let word = word.strip_suffix(':')?;
+            let word = word.rsplit("://").next()?;
+            let (server, _name) = word.split_once('/')?;
+            server.contains(':').then_some(server)
+        })
+}
+
 /// The producers' and admin client's context: logs as librdkafka's default context does,
 /// and keeps refusals in [`Refusals`].
 pub(crate) struct WatchingContext {
@@ -181,13 +232,13 @@ impl ClientContext for WatchingContext {
             && message.contains("Disconnected")
             && message.contains("in state APIVERSION_QUERY")
         {
-            self.refusals.last.send_replace(Some(Refusal {
+            self.refusals.refused(Refusal {
                 kind: RefusalKind::Protocol,
                 reason: format!(
                     "{message} — the listener closed the connection at the first request, as a TLS or SASL listener does with a plaintext client"
                 ),
                 at: Instant::now(),
-            }));
+            });
         }
         match level {
             RDKafkaLogLevel::Emerg
@@ -210,7 +261,7 @@ impl ClientContext for WatchingContext {
 
     fn error(&self, error: RdError, reason: &str) {
         if let Some(refusal) = Refusal::of(&error, reason) {
-            self.refusals.last.send_replace(Some(refusal));
+            self.refusals.refused(refusal);
         }
         tracing::error!(target: "librdkafka", "librdkafka: {error}: {reason}");
     }
@@ -278,7 +329,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_waiting_request_ends_with_the_refusal_and_a_success_heals_it() {
-        let refusals = Refusals::default();
+        let refusals = Refusals::new("k:1");
         let context = WatchingContext {
             refusals: refusals.clone(),
             plaintext: true,
@@ -306,5 +357,55 @@ mod tests {
         *lock(&refusals.healed) = Some(Instant::now());
         let ok = refusals.or_refused::<u8, ()>("k:1", async { Ok(7) }).await;
         assert!(matches!(ok, Ok(Ok(7))), "{ok:?}");
+    }
+
+    #[test]
+    fn the_server_of_a_message_is_read_from_its_broker_name() {
+        assert_eq!(
+            server_of(
+                "[thrd:127.0.0.1:9392/bootstrap]: 127.0.0.1:9392/bootstrap: Disconnected: connection reset by peer (after 1ms in state APIVERSION_QUERY)"
+            ),
+            Some("127.0.0.1:9392")
+        );
+        assert_eq!(
+            server_of("ssl://b-1.example:9094/2: SSL handshake failed"),
+            Some("b-1.example:9094")
+        );
+        assert_eq!(server_of("1/1 brokers are down"), None);
+    }
+
+    #[tokio::test]
+    async fn one_node_hanging_up_is_not_a_protocol_mismatch_every_node_is() {
+        let refusals = Refusals::new("h:1,h:2,h:3");
+        let context = WatchingContext {
+            refusals: refusals.clone(),
+            plaintext: true,
+            tokens: TokenSource::default(),
+        };
+        let hang_up = |server: &str| {
+            context.log(
+                RDKafkaLogLevel::Info,
+                "FAIL",
+                &format!("[thrd:{server}/bootstrap]: {server}/bootstrap: Disconnected: connection reset by peer (after 1ms in state APIVERSION_QUERY)"),
+            );
+        };
+        // A node down behind a proxy, hanging up again and again: the request goes on.
+        hang_up("h:2");
+        hang_up("h:2");
+        let waiting = refusals.or_refused::<u8, ()>("h:1,h:2,h:3", async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            Ok(1)
+        });
+        assert!(matches!(waiting.await, Ok(Ok(1))));
+        // Every node hangs up: the client speaks the wrong protocol.
+        hang_up("h:1");
+        hang_up("h:3");
+        let refused = refusals
+            .or_refused::<(), ()>("h:1,h:2,h:3", std::future::pending())
+            .await;
+        assert!(
+            matches!(&refused, Err(BrokerError::Config { field, .. }) if field == "security.protocol"),
+            "{refused:?}"
+        );
     }
 }

@@ -149,13 +149,10 @@ impl AdvisoryWatcher {
         }
         .write(message.headers_mut());
         let mut h = to_nats_headers(&message);
+        // One entry per message first consumed, as the receiver's dead letters.
         h.insert(
             MSG_ID,
-            format!(
-                "{id_prefix}:{}:{}",
-                stream_name(&self.sub.source),
-                advisory.stream_seq
-            ),
+            format!("{id_prefix}:{}:{origin_seq}", stream_name(&self.sub.source)),
         );
         let (_, _, payload, _) = message.into_parts();
         self.broker

@@ -420,12 +420,17 @@ impl Receiver for NatsReceiver {
     }
 
     async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {
-        let seq = self.token(delivery)?.stream_sequence;
+        let origin = self.token(delivery)?.origin.0;
         let mut h = to_nats_headers(&dead);
-        // Idempotent: a redelivery of the same stream message dead-letters to one entry.
+        // Idempotent per message, within the DLQ's duplicate window: keyed by the stream
+        // message first consumed, so a redelivery of it *and* a retry copy of it dead-letter
+        // to one entry. (Keyed by the delivered copy's sequence, a message whose lease ran
+        // out while its dead letter was held — a stalled link — was delivered again,
+        // retried after a transient failure and parked a second time from the copy: two
+        // entries for one id in a chaos round.)
         h.insert(
             MSG_ID,
-            format!("dl:{}:{seq}", stream_name(&self.sub.source)),
+            format!("dl:{}:{origin}", stream_name(&self.sub.source)),
         );
         let (_, _, payload, _) = dead.into_parts();
         self.broker

@@ -119,6 +119,48 @@ async fn a_stall_holds_every_byte_until_resumed_then_delivers_in_order() {
 }
 
 #[tokio::test]
+async fn stalled_answers_let_requests_through_and_hold_the_replies() {
+    // An upstream that reports what reached it, then echoes it.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = listener.local_addr().unwrap();
+    let (arrived_tx, mut arrived) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let arrived_tx = arrived_tx.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4];
+                while s.read_exact(&mut buf).await.is_ok() {
+                    let _ = arrived_tx.send(buf.to_vec());
+                    if s.write_all(&buf).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    let proxy = FaultProxy::start(upstream).await.unwrap();
+    let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
+    assert_eq!(round_trip(&mut s, b"warm").await, b"warm");
+    assert_eq!(arrived.recv().await.unwrap(), b"warm");
+
+    proxy.stall_answers();
+    s.write_all(b"sent").await.unwrap();
+    let reached = tokio::time::timeout(Duration::from_secs(2), arrived.recv()).await;
+    assert_eq!(
+        reached
+            .expect("the request did not reach the upstream")
+            .unwrap(),
+        b"sent"
+    );
+    let mut buf = [0u8; 4];
+    let early = tokio::time::timeout(Duration::from_millis(700), s.read_exact(&mut buf)).await;
+    assert!(early.is_err(), "an answer moved while answers were stalled");
+    proxy.resume();
+    s.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"sent");
+}
+
+#[tokio::test]
 async fn a_cut_resets_open_connections_and_serves_new_ones() {
     let proxy = FaultProxy::start(echo().await).await.unwrap();
     let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
