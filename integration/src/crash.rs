@@ -279,6 +279,10 @@ pub struct Scenario {
     /// or RabbitMQ heartbeat timeout, the frozen consumer comes back as a *zombie*: what it
     /// held was handed to the standby meanwhile. Real brokers only.
     pub pause: Option<Duration>,
+    /// Where the consumer child reaches the database instead of its URL's host (a fault
+    /// proxy: `127.0.0.1:40123`), so its dependency can be cut while the broker and the
+    /// driver's own connection to the database stay up. PostgreSQL only.
+    pub child_db_host: Option<String>,
 }
 
 /// Faults injected beside the consumer kills ([`run_with_faults`]: a broker node killed
@@ -715,13 +719,17 @@ async fn drive(
             (broker, Box::new(runner))
         }
         backend => {
+            let child_db = s.child_db_host.as_deref().map_or_else(
+                || db_url.to_owned(),
+                |host| settings::with_hosts(db_url, host),
+            );
             let mut args: Vec<String> = [
                 "--backend",
                 backend.name(),
                 "--group-prefix",
                 &group_prefix,
                 "--db",
-                db_url,
+                &child_db,
                 "--topic",
                 &topic,
             ]
@@ -916,7 +924,18 @@ async fn drive(
     relay.shutdown().await;
     ensure!(db.unsent().await? == 0, "outbox rows left unsent");
 
-    let mut report = check(s, db, &broker, &topic, &expected, &events, &kills).await?;
+    // A failed check names the faults beside it, so it says what it followed.
+    let mut report = check(s, db, &broker, &topic, &expected, &events, &kills)
+        .await
+        .map_err(|e| {
+            if faults.is_empty() {
+                return e;
+            }
+            let timeline: String = faults.iter().map(|f| format!("\n  fault: {f}")).collect();
+            e.context(format!(
+                "the check failed after these faults (from the moment the orders were in the outbox):{timeline}"
+            ))
+        })?;
     report.faults = faults;
     if let Some((how, held)) = pause {
         report.pause = Some(how);

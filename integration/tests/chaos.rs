@@ -1,7 +1,7 @@
 //! Chaos on three-node clusters (`scripts/brokers cluster up`): the crash harness
 //! (`reliq_integration::crash::run_with_faults`: orders through the outbox, the inventory
 //! consumer with its durable inbox SIGKILLed 5 times, two of them between COMMIT and ack)
-//! with seven faults injected meanwhile, timed from the moment the orders are in the
+//! with eight faults injected meanwhile, timed from the moment the orders are in the
 //! outbox:
 //!
 //! - **node loss** (+3 s): the leader of the consumer's queue / partition / stream
@@ -11,6 +11,10 @@
 //!   back must land after;
 //! - **stall** (+45 s, 10 s): every connection of the consumer — each goes through a
 //!   [`FaultProxy`] per node — moves no byte;
+//! - **dependency partition** (+15 s, 30 s): the consumer cut off from its inbox database
+//!   (PostgreSQL, through a [`FaultProxy`]) while the brokers stay reachable: its
+//!   handler's claims fail, the consumer's circuit breaker opens and it stops taking
+//!   messages — none may be parked for it (see [`database_partition`]);
 //! - **leader partition** (+58 s, 12 s): the consumer cut off from the node leading its
 //!   data only — that node's proxy holds every byte both ways — while the nodes still
 //!   reach each other (see [`leader_partition`]);
@@ -33,8 +37,9 @@
 //!
 //! `RELIQ_CHAOS_ORDERS` (default 10,000, which keeps the consumer
 //! busy through every fault), `RELIQ_CRASH_SEED` as in the crash harness,
-//! `RELIQ_CHAOS_FAULTS=node,dlq,stall,leadercut,oneway,nodepause,rolling` to inject only
-//! some.
+//! `RELIQ_CHAOS_FAULTS=node,dlq,dbcut,stall,leadercut,oneway,nodepause,rolling` to
+//! inject only some. The inbox and outbox are on PostgreSQL (`RELIQ_POSTGRES_URL`; `just
+//! chaos` starts it).
 
 use reliq_core::seam::lock;
 use std::net::SocketAddr;
@@ -89,6 +94,8 @@ const NODE_LOSS_AT: Duration = Duration::from_secs(3);
 const NODE_DOWN: Duration = Duration::from_secs(15);
 const DLQ_OUTAGE_AT: Duration = Duration::from_secs(10);
 const DLQ_OUTAGE: Duration = Duration::from_secs(30);
+const DB_CUT_AT: Duration = Duration::from_secs(15);
+const DB_CUT: Duration = Duration::from_secs(30);
 const STALL_AT: Duration = Duration::from_secs(45);
 const STALL: Duration = Duration::from_secs(10);
 const LEADER_CUT_AT: Duration = Duration::from_secs(58);
@@ -100,9 +107,10 @@ const NODE_PAUSE: Duration = Duration::from_secs(20);
 const ROLLING_AT: Duration = Duration::from_secs(110);
 
 /// Every fault a round injects, by its `RELIQ_CHAOS_FAULTS` name.
-const FAULTS: [&str; 7] = [
+const FAULTS: [&str; 8] = [
     "node",
     "dlq",
+    "dbcut",
     "stall",
     "leadercut",
     "oneway",
@@ -111,9 +119,10 @@ const FAULTS: [&str; 7] = [
 ];
 
 /// The faults of one run, side by side: the leader killed and restarted, the DLQ
-/// unavailable, the consumer's connections stalled, the consumer cut off from the leader
+/// unavailable, the consumer cut off from its database, the consumer's connections
+/// stalled, the consumer cut off from the leader
 /// both ways and then one way, the leader frozen, every node restarted in turn.
-fn faults(backend: Backend, proxies: Arc<Proxies>) -> crash::Faults {
+fn faults(backend: Backend, proxies: Arc<Proxies>, database: Arc<FaultProxy>) -> crash::Faults {
     Box::new(move |topic: String| {
         async move {
             let t0 = Instant::now();
@@ -124,9 +133,10 @@ fn faults(backend: Backend, proxies: Arc<Proxies>) -> crash::Faults {
                 .filter(|v| !v.is_empty())
                 .unwrap_or_else(|| FAULTS.join(","));
             let on = |name: &str| picked.split(',').any(|p| p.trim() == name);
-            let (node, dlq, stall, leader_cut, one_way, node_pause, rolling) = tokio::try_join!(
+            let (node, dlq, db_cut, stall, leader_cut, one_way, node_pause, rolling) = tokio::try_join!(
                 injected("node", on("node"), node_loss(backend, &topic, t0)),
                 injected("dlq", on("dlq"), dlq_outage(backend, &topic, t0)),
+                injected("dbcut", on("dbcut"), database_partition(&database, t0)),
                 injected("stall", on("stall"), stall(&proxies, t0)),
                 injected(
                     "leadercut",
@@ -146,7 +156,7 @@ fn faults(backend: Backend, proxies: Arc<Proxies>) -> crash::Faults {
                 injected("rolling", on("rolling"), rolling_restart(backend, t0)),
             )?;
             Ok(vec![
-                node, dlq, stall, leader_cut, one_way, node_pause, rolling,
+                node, dlq, db_cut, stall, leader_cut, one_way, node_pause, rolling,
             ])
         }
         .boxed()
@@ -252,10 +262,8 @@ async fn cut_from_leader(
         && let Some((i, busiest)) = proxies.busiest()
     {
         proxy = busiest;
-        node = format!(
-            "{broker} node {} (the consumer's; {leader} leads {what})",
-            i + 1
-        );
+        let prefix = leader.rsplit_once('-').map_or(broker, |(prefix, _)| prefix);
+        node = format!("{prefix}-{} (the consumer's; {leader} leads {what})", i + 1);
     }
     let open = proxy.connections();
     fault(proxy);
@@ -566,23 +574,45 @@ async fn suspend_rabbit_stream_writer(stream: &str, outage: Duration) -> anyhow:
         .with_context(|| format!("suspending the writer of stream {stream}"))
 }
 
+/// Cut the consumer off from its inbox database for [`DB_CUT`] (its proxy holds every
+/// byte both ways, on open and new connections), the brokers still reachable. Every
+/// claim fails or hangs until the pool's timeout; the orders consumer's circuit breaker
+/// (`reliq_examples::orders::breaker`) opens and the consumer stops taking deliveries
+/// until a probe gets through — a dependency outage must not spend the messages'
+/// attempts and park healthy orders as `exhausted` (the checker fails on any such entry).
+async fn database_partition(database: &FaultProxy, t0: Instant) -> anyhow::Result<String> {
+    held_both_ways("to its database", &[database], t0, DB_CUT_AT, DB_CUT).await
+}
+
 /// Stall every connection of the consumer (all of them go through the proxies) for
 /// [`STALL`].
 async fn stall(proxies: &Proxies, t0: Instant) -> anyhow::Result<String> {
-    tokio::time::sleep_until(t0 + STALL_AT).await;
-    let open = proxies.connections();
+    let every: Vec<&FaultProxy> = proxies.0.iter().collect();
+    held_both_ways("to the brokers", &every, t0, STALL_AT, STALL).await
+}
+
+/// From `at`, hold every byte through `proxies` both ways for `held`, then let them move.
+async fn held_both_ways(
+    what: &str,
+    proxies: &[&FaultProxy],
+    t0: Instant,
+    at: Duration,
+    held: Duration,
+) -> anyhow::Result<String> {
+    tokio::time::sleep_until(t0 + at).await;
+    let open: usize = proxies.iter().map(|p| p.connections()).sum();
     ensure!(
         open > 0,
-        "no consumer connection goes through the fault proxies at +{} s",
-        STALL_AT.as_secs()
+        "no consumer connection {what} goes through its fault proxy at +{} s",
+        at.as_secs()
     );
-    proxies.stall();
-    let stalled = t0.elapsed();
-    tokio::time::sleep(STALL).await;
-    proxies.resume();
+    proxies.iter().for_each(|p| p.stall());
+    let from = t0.elapsed();
+    tokio::time::sleep(held).await;
+    proxies.iter().for_each(|p| p.resume());
     Ok(format!(
-        "the consumer's {open} connection(s) stalled by the fault proxy at +{:.1} s, moving again at +{:.1} s",
-        stalled.as_secs_f64(),
+        "the consumer's {open} connection(s) {what} held both ways at +{:.1} s, moving again at +{:.1} s",
+        from.as_secs_f64(),
         t0.elapsed().as_secs_f64()
     ))
 }
@@ -632,10 +662,6 @@ impl Proxies {
             via.push_str("reliq.ignore_discovered_servers=true");
         }
         Ok((Self(proxies), via))
-    }
-
-    fn connections(&self) -> usize {
-        self.0.iter().map(FaultProxy::connections).sum()
     }
 
     /// The proxy with the most open connections, and its index (node `index + 1`), if
@@ -692,9 +718,15 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
     let (proxies, via) = Proxies::start(backend, &url).await?;
     println!("consumer through the fault proxies: {via}");
     let proxies = Arc::new(proxies);
+    // The consumer's own way to its database, through a proxy the faults can cut.
+    let db_url = settings::get("RELIQ_POSTGRES_URL");
+    let db_node: SocketAddr = settings::authority(&db_url)
+        .parse()
+        .with_context(|| format!("the host of RELIQ_POSTGRES_URL={db_url}"))?;
+    let database = Arc::new(FaultProxy::start(db_node).await?);
     let scenario = Scenario {
         backend,
-        store: Store::Sqlite,
+        store: Store::Postgres,
         orders,
         kills: 5,
         seed,
@@ -702,10 +734,13 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
         timeout: Duration::from_secs(300 + u64::from(orders) / 10),
         child_env: vec![(url_key.to_owned(), via)],
         pause: None,
+        child_db_host: Some(database.addr().to_string()),
     };
     // The proxies live until the run is over, whatever becomes of the fault task.
-    let report = crash::run_with_faults(scenario, faults(backend, proxies.clone())).await?;
-    drop(proxies);
+    let report =
+        crash::run_with_faults(scenario, faults(backend, proxies.clone(), database.clone()))
+            .await?;
+    drop((proxies, database));
     println!("{report}");
     ensure!(
         report.faults.len() == FAULTS.len(),

@@ -32,6 +32,7 @@ async fn scenario(backend: Backend, store: Store) -> anyhow::Result<()> {
         timeout: Duration::from_secs(120 + u64::from(orders) / 10),
         child_env: Vec::new(),
         pause: None,
+        child_db_host: None,
     })
     .await?;
     println!("{report}");
@@ -94,6 +95,7 @@ async fn frozen(
         timeout: Duration::from_secs(120 + u64::from(orders) / 10) + pause,
         child_env,
         pause: Some(pause),
+        child_db_host: None,
     })
     .await?;
     println!("{report}");
