@@ -95,6 +95,9 @@ impl Backend {
 /// again (see the SQS conformance factory's `crash_lease`).
 const LEASE: Duration = Duration::from_secs(3);
 
+/// How long closing the run's store and dropping its schema may take.
+const TEARDOWN: Duration = Duration::from_secs(30);
+
 /// Connect to a real backend with the integration factories (their URLs from the
 /// environment or `brokers.env`). On Kafka, `group_prefix` is the run's consumer-group
 /// prefix (the parent and every child must use the same).
@@ -621,11 +624,32 @@ async fn run_inner(s: Scenario, during: Option<Faults>) -> anyhow::Result<Report
         drive(&s, &db, &db_url, schema.as_deref(), during).await
     }
     .await;
-    db.close().await;
-    if let Some(schema) = &schema {
-        Db::drop_schema(&db_url, schema).await?;
-    }
-    let mut report = outcome?;
+    // The teardown is bounded and comes after the run's own error: a pool closes once
+    // every connection is back and a schema drops once no transaction holds its tables,
+    // so a connection stuck in a failed run would otherwise hang here and hide why.
+    let teardown = async {
+        db.close().await;
+        if let Some(schema) = &schema {
+            Db::drop_schema(&db_url, schema).await?;
+        }
+        anyhow::Ok(())
+    };
+    let teardown = tokio::time::timeout(TEARDOWN, teardown)
+        .await
+        .unwrap_or_else(|_| {
+            Err(anyhow::anyhow!(
+                "the store's teardown took longer than {TEARDOWN:?}"
+            ))
+        });
+    let mut report = match (outcome, teardown) {
+        (Ok(report), Ok(())) => report,
+        (Err(run), Ok(())) => return Err(run),
+        (Ok(_), Err(teardown)) => return Err(teardown),
+        (Err(run), Err(teardown)) => {
+            eprintln!("after the run failed: {teardown:#}");
+            return Err(run);
+        }
+    };
     report.elapsed = started.elapsed();
     Ok(report)
 }

@@ -36,8 +36,11 @@ ensure_postgres() {
     run_quiet "pg_createcluster-$ver" pg_createcluster "$ver" main || return 1
   fi
 }
+# The tests' connections at once: eight tests in parallel, a crash-harness test being
+# three processes with a pool of 10 each (the default's 100 ran out with four of them).
+POSTGRES_MAX_CONNECTIONS=${POSTGRES_MAX_CONNECTIONS:-400}
 start_postgres() {
-  local d=$DIR/postgres ver name port status
+  local d=$DIR/postgres ver name port status live
   mkdir -p "$d"
   ver=$(pg_cluster_field 1) name=$(pg_cluster_field 2) port=$(pg_cluster_field 3) status=$(pg_cluster_field 4)
   [ -n "$ver" ] || { err "postgres: no cluster found (pg_lsclusters)"; return 1; }
@@ -45,10 +48,25 @@ start_postgres() {
     err "postgres: cluster $ver/$name is configured for port $port, brokers.env says POSTGRES_PORT=$POSTGRES_PORT"
     return 1
   fi
+  # Written to the cluster's postgresql.conf (read at its next start).
+  run_quiet pg_conftool-max_connections \
+    pg_conftool "$ver" "$name" set max_connections "$POSTGRES_MAX_CONNECTIONS" || return 1
   case $status in
     online*)
-      if [ -f "$d/started-here" ]; then log "postgres: already running (cluster $ver/$name)"
-      else log "postgres: cluster $ver/$name already online (not started by this script; down leaves it)"; fi
+      live=$(runuser -u postgres -- psql -X -qtA -p "$port" -d postgres -c 'show max_connections' 2> /dev/null)
+      if [ -f "$d/started-here" ]; then
+        if [ -n "$live" ] && [ "$live" -lt "$POSTGRES_MAX_CONNECTIONS" ]; then
+          log "postgres: restarting cluster $ver/$name for max_connections=$POSTGRES_MAX_CONNECTIONS (was $live)"
+          run_quiet pg_ctlcluster-restart \
+            pg_ctlcluster --skip-systemctl-redirect "$ver" "$name" restart || return 1
+          return 0
+        fi
+        log "postgres: already running (cluster $ver/$name)"
+      else
+        log "postgres: cluster $ver/$name already online (not started by this script; down leaves it)"
+        [ -n "$live" ] && [ "$live" -lt "$POSTGRES_MAX_CONNECTIONS" ] \
+          && log "postgres: its max_connections is $live (the tests want $POSTGRES_MAX_CONNECTIONS): restart it to apply"
+      fi
       return 0 ;;
   esac
   check_ports_free postgres || return 1

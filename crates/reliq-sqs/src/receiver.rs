@@ -649,6 +649,13 @@ impl Receiver for SqsReceiver {
                 &format!("{}-dlq-{}", dead.id(), unique_suffix()),
             )
             .await?;
+        // The check and the send are not one step: a process frozen in between (or a
+        // send slower than what was left of the lease) lands a copy after SQS may have
+        // handed the message to another consumer, which parks it too. Said, so an
+        // operator counting DLQ entries knows which one may be there twice.
+        if let Err(late) = t.lease.check_hidden() {
+            tracing::warn!(id = %dead.id(), reason = %late, "the dead-letter copy landed after the lease ran out: the message may be parked twice");
+        }
         t.settle_leased(self.shared.delete_all(t)).await?;
         t.finish();
         self.shared.group_done(t);
