@@ -765,9 +765,9 @@ async fn nats_cluster() -> anyhow::Result<()> {
     chaos(Backend::Nats, "RELIQ_NATS_URL").await
 }
 
-/// The cluster URL `url_key` names, one single-node URL per host (credentials, path and
-/// query kept): to reach one node on purpose.
-fn node_urls(url_key: &str) -> anyhow::Result<Vec<String>> {
+/// The cluster URL `url_key` names, split: everything before the hosts (scheme and
+/// credentials), the hosts, and everything after them (path and query).
+fn url_hosts(url_key: &str) -> anyhow::Result<(String, Vec<String>, String)> {
     let url = settings::get(url_key);
     let (scheme, rest) = url.split_once("://").context("no scheme in the URL")?;
     let split = rest.find(['/', '?']).unwrap_or(rest.len());
@@ -776,16 +776,33 @@ fn node_urls(url_key: &str) -> anyhow::Result<Vec<String>> {
         Some((user, hosts)) => (format!("{user}@"), hosts),
         None => (String::new(), authority),
     };
-    let urls: Vec<String> = hosts
-        .split(',')
-        .map(|host| format!("{scheme}://{user}{host}{tail}"))
-        .collect();
+    let hosts: Vec<String> = hosts.split(',').map(str::to_owned).collect();
     ensure!(
-        urls.len() >= 3,
+        hosts.len() >= 3,
         "{url_key}={url} names {} node(s): run this through `just chaos`",
-        urls.len()
+        hosts.len()
     );
-    Ok(urls)
+    Ok((format!("{scheme}://{user}"), hosts, tail.to_owned()))
+}
+
+/// The cluster URL `url_key` names, one single-node URL per host (credentials, path and
+/// query kept): to reach one node on purpose.
+fn node_urls(url_key: &str) -> anyhow::Result<Vec<String>> {
+    let (prefix, hosts, tail) = url_hosts(url_key)?;
+    Ok(hosts
+        .iter()
+        .map(|host| format!("{prefix}{host}{tail}"))
+        .collect())
+}
+
+/// The cluster URL `url_key` names with its host `first` (0-based) moved to the front:
+/// a client of it connects there first.
+fn cluster_url_from(url_key: &str, first: usize) -> anyhow::Result<String> {
+    let (prefix, mut hosts, tail) = url_hosts(url_key)?;
+    ensure!(first < hosts.len(), "{url_key} has no host {first}");
+    let host = hosts.remove(first);
+    hosts.insert(0, host);
+    Ok(format!("{prefix}{}{tail}", hosts.join(",")))
 }
 
 /// Publish `ids` to RabbitMQ queue `queue` through the default exchange with confirms,
@@ -915,6 +932,106 @@ async fn rabbit_dead_letters_read_on_a_lagging_replica() -> anyhow::Result<()> {
         seen.len(),
         ids.len(),
         &missing[..missing.len().min(5)]
+    );
+    Ok(())
+}
+
+/// A dead-letter read whose connection is on a node without a member of the stream
+/// reads through another node of the URL. RabbitMQ serves a stream consumer only from a
+/// member on the connection's node and otherwise refuses it with `PRECONDITION_FAILED`
+/// ("does not have a replica on the local node"); chaos round P (seed
+/// 5211333207330061400) got that refusal from a node 10 s after a rolling restart, and
+/// the checker's DLQ read failed. Here rabbit-2's member of the stream is removed
+/// (`rabbit_stream_queue:delete_replica`) and the reader's URL lists rabbit-2 first: a
+/// raw consumer on rabbit-2 is refused (the case holds), and browse, get and count
+/// still answer every entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_dead_letters_read_through_another_node_when_the_first_holds_no_member()
+-> anyhow::Result<()> {
+    use lapin::options::BasicConsumeOptions;
+    use lapin::types::{AMQPValue, FieldTable};
+    use reliq_core::{Broker, Cursor, MessageId};
+    let nodes = node_urls("RELIQ_RABBIT_URL")?;
+    let sub = reliq_examples::orders::subscription(&reliq_conformance::support::unique("nomember"));
+    let on_first = reliq_rabbit::RabbitBroker::connect(&nodes[0]).await?;
+    on_first.declare_dead_letter_queue(&sub).await?;
+    let parking = reliq_rabbit::Names::of(&sub).parking;
+    let ids: Vec<String> = (0..300).map(|i| format!("nomember-{i}")).collect();
+    publish_raw(&nodes[0], &parking, &ids).await?;
+    let removed = cluster(&[
+        "rabbitmqctl",
+        "rabbit-1",
+        "eval",
+        &format!(
+            "rabbit_stream_queue:delete_replica(<<\"/\">>, <<\"{parking}\">>, 'rabbit-2@localhost')."
+        ),
+    ])
+    .await?;
+    ensure!(removed == "ok", "delete_replica answered {removed}");
+
+    // The case holds: rabbit-2 refuses a stream consumer (the coordinator removes the
+    // member asynchronously: wait for it).
+    let raw = lapin::Connection::connect(&nodes[1], lapin::ConnectionProperties::default()).await?;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let refusal = loop {
+        let ch = raw.create_channel().await?;
+        ch.basic_qos(10, Default::default()).await?;
+        let mut args = FieldTable::default();
+        args.insert("x-stream-offset".into(), AMQPValue::LongLongInt(0));
+        match ch
+            .basic_consume(
+                parking.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                args,
+            )
+            .await
+        {
+            Err(e) => break e.to_string(),
+            Ok(_) if Instant::now() < deadline => {
+                let _ = ch.close(200, "again".into()).await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            Ok(_) => bail!("rabbit-2 still serves {parking} 15 s after its member was removed"),
+        }
+    };
+    let _ = raw.close(200, "done".into()).await;
+    ensure!(
+        refusal.contains("does not have a replica on the local node"),
+        "rabbit-2 refused the stream consumer otherwise: {refusal}"
+    );
+
+    let reader = reliq_rabbit::RabbitBroker::connect(&cluster_url_from("RELIQ_RABBIT_URL", 1)?)
+        .await?
+        .dead_letters(&sub)
+        .await?;
+    let mut seen = Vec::new();
+    let mut cursor = Cursor::start();
+    loop {
+        let page = reader.browse(&cursor, 128).await?;
+        seen.extend(page.entries.iter().map(|e| e.id().as_str().to_owned()));
+        if page.at_end {
+            break;
+        }
+        cursor = page.next;
+    }
+    ensure!(
+        seen == ids,
+        "browsed {} entries through the URL that starts at rabbit-2, expected {} in order",
+        seen.len(),
+        ids.len()
+    );
+    let last = MessageId::from(ids[ids.len() - 1].as_str());
+    ensure!(
+        reader.get(&last).await?.is_some_and(|e| e.id() == &last),
+        "get {last} through the URL that starts at rabbit-2 found nothing"
+    );
+    let count = reader.count().await?;
+    ensure!(
+        count.count == ids.len() as u64,
+        "count through the URL that starts at rabbit-2: {} of {}",
+        count.count,
+        ids.len()
     );
     Ok(())
 }

@@ -77,42 +77,60 @@ impl Inner {
     /// (the error is the last node's). A cluster's clients move to a live node this way
     /// when theirs is lost: the receivers re-declare and resume on the new connection.
     async fn connect_once(&self) -> Result<Connection, BrokerError> {
-        let n = self.nodes.len().max(1);
-        let start = self.preferred.load(Ordering::Relaxed) % n;
+        let n = self.node_count();
+        let start = self.preferred_node();
         let mut last = BrokerError::connection("no node in the URL");
         for k in (0..n).map(|i| (start + i) % n) {
-            let Some(url) = self.nodes.get(k) else {
-                continue;
-            };
-            let props = ConnectionProperties::default()
-                .with_connection_name(self.opts.connection_name.clone().into());
-            let connecting = lapin::DefaultConnectionBuilder::new()
-                .map_err(|e| RabbitError::client("starting the AMQP client", e))?
-                .with_uri_str(url.clone())
-                .with_properties(props)
-                .with_tls_config(self.tls.clone());
-            // Bounded: a node that accepts TCP but never answers must not hold the
-            // reconnect loop (the others may be up).
-            match tokio::time::timeout(NODE_CONNECT_TIMEOUT, connecting.connect()).await {
-                Ok(Ok(c)) => {
+            match self.connect_node(k).await {
+                Ok(c) => {
                     if k != start {
                         tracing::info!(node = k, "connected to another RabbitMQ node of the URL");
                     }
                     self.preferred.store(k, Ordering::Relaxed);
                     return Ok(c);
                 }
-                Ok(Err(e)) => last = refused_connection(e),
-                Err(_) => {
-                    last = BrokerError::connection(format!(
-                        "no answer within {NODE_CONNECT_TIMEOUT:?}"
-                    ));
-                }
+                Err(e) => last = e,
             }
             if n > 1 {
                 tracing::warn!(node = k, error = %last, "connecting to a RabbitMQ node failed; trying the next");
             }
         }
         Err(last)
+    }
+
+    /// How many nodes the URL names (at least one).
+    pub(crate) fn node_count(&self) -> usize {
+        self.nodes.len().max(1)
+    }
+
+    /// The node the shared connection was made to (or is tried first).
+    pub(crate) fn preferred_node(&self) -> usize {
+        self.preferred.load(Ordering::Relaxed) % self.node_count()
+    }
+
+    /// One connection attempt to node `k` of the URL (bounded: a node that accepts TCP
+    /// but never answers must not hold the caller; the others may be up). Not the shared
+    /// connection: a caller that needs a particular node (a stream read that the shared
+    /// connection's node cannot serve) owns what this returns, and closes it.
+    pub(crate) async fn connect_node(&self, k: usize) -> Result<Connection, BrokerError> {
+        let url = self
+            .nodes
+            .get(k)
+            .ok_or_else(|| BrokerError::connection(format!("no node {k} in the URL")))?;
+        let props = ConnectionProperties::default()
+            .with_connection_name(self.opts.connection_name.clone().into());
+        let connecting = lapin::DefaultConnectionBuilder::new()
+            .map_err(|e| RabbitError::client("starting the AMQP client", e))?
+            .with_uri_str(url.clone())
+            .with_properties(props)
+            .with_tls_config(self.tls.clone());
+        match tokio::time::timeout(NODE_CONNECT_TIMEOUT, connecting.connect()).await {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(e)) => Err(refused_connection(e)),
+            Err(_) => Err(BrokerError::connection(format!(
+                "no answer within {NODE_CONNECT_TIMEOUT:?}"
+            ))),
+        }
     }
 
     /// A live connection: the current one, or a new one (bounded backoff with jitter).

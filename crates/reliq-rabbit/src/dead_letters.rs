@@ -381,9 +381,14 @@ enum Start {
     Last,
 }
 
-/// One stream consumer on its own channel.
+/// One stream consumer on its own channel: on the shared connection, or on a connection
+/// of its own to another node of the URL when the shared connection's node could not
+/// serve the stream.
 struct StreamRead {
     ch: Channel,
+    /// The read's own connection, closed with it (`None`: the channel is on the shared
+    /// connection).
+    own: Option<lapin::Connection>,
     consumer: lapin::Consumer,
     stream: String,
     /// Deliveries taken and not yet acked, and the last one's tag: credit is given back a
@@ -411,9 +416,17 @@ fn offset_of(d: &lapin::message::Delivery) -> Option<u64> {
 
 impl StreamRead {
     /// Start reading `stream` at `start`; also the message count the broker reports for
-    /// it (it lags behind publishes: a hint, never the truth). A node whose member of the
-    /// stream is not running (yet: a node just restarted) refuses the consumer with
-    /// `INTERNAL_ERROR` ("no local stream replica"); that is retried for up to 15 s.
+    /// it (it lags behind publishes: a hint, never the truth).
+    ///
+    /// RabbitMQ serves a stream consumer only from a running member of the stream on the
+    /// connection's node, and a node can have none: its member is not running yet (a
+    /// node just restarted: `INTERNAL_ERROR`), or the stream coordinator knows no member
+    /// of the stream there (`PRECONDITION_FAILED`, "does not have a replica on the local
+    /// node": the stream's members were changed, or — seen 10 s after a rolling restart
+    /// — the coordinator has not registered the restarted member yet). The read then
+    /// goes round the URL's nodes, each other node on a connection of its own, with
+    /// 500 ms between rounds, for up to 15 s: `reliq dlq` and the admin API read through
+    /// any node that holds the stream.
     async fn open(
         inner: &Inner,
         stream: &str,
@@ -421,15 +434,38 @@ impl StreamRead {
         prefetch: u16,
     ) -> Result<(Self, u32), BrokerError> {
         let deadline = tokio::time::Instant::now() + STALL;
+        let nodes = inner.node_count();
+        let shared = inner.preferred_node();
+        let mut turn = 0usize;
         loop {
-            match Self::open_once(inner, stream, start, prefetch).await {
-                Err(Refused::NoLocalMember(e)) if tokio::time::Instant::now() < deadline => {
-                    tracing::info!(stream, error = %e, "no running member of the stream on this node yet; retrying");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
+            let node = (shared + turn) % nodes;
+            let via = if node == shared {
+                Via::Shared
+            } else {
+                Via::Node(node)
+            };
+            let refusal = match Self::open_once(inner, stream, start, prefetch, via).await {
+                Ok(read) => {
+                    if node != shared {
+                        tracing::info!(
+                            stream,
+                            node,
+                            "reading the stream through another node of the URL"
+                        );
+                    }
+                    return Ok(read);
                 }
-                Err(Refused::NoLocalMember(e)) => return Err(missing_or(stream, e)),
                 Err(Refused::Other(e)) => return Err(e),
-                Ok(read) => return Ok(read),
+                Err(Refused::NotServedHere(e)) => missing_or(stream, e),
+                Err(Refused::Unreachable(e)) => e,
+            };
+            if tokio::time::Instant::now() >= deadline {
+                return Err(refusal);
+            }
+            tracing::info!(stream, node, error = %refusal, "this node cannot serve the stream now; trying the next");
+            turn += 1;
+            if turn.is_multiple_of(nodes) {
+                tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }
     }
@@ -439,8 +475,55 @@ impl StreamRead {
         stream: &str,
         start: Start,
         prefetch: u16,
+        via: Via,
     ) -> Result<(Self, u32), Refused> {
-        let ch = inner.channel().await?;
+        let (ch, own) = match via {
+            Via::Shared => (inner.channel().await?, None),
+            Via::Node(k) => {
+                let conn = inner.connect_node(k).await.map_err(Refused::Unreachable)?;
+                match conn.create_channel().await {
+                    Ok(ch) => (ch, Some(conn)),
+                    Err(e) => {
+                        let _ = conn.close(200, "no channel".into()).await;
+                        return Err(Refused::Unreachable(RabbitError::client(
+                            "opening a channel",
+                            e,
+                        )));
+                    }
+                }
+            }
+        };
+        let read = Self::attach(&ch, stream, start, prefetch).await;
+        match read {
+            Ok((consumer, count)) => Ok((
+                Self {
+                    ch,
+                    own,
+                    consumer,
+                    stream: stream.to_owned(),
+                    unacked: 0,
+                    last_tag: 0,
+                    ack_every: (prefetch / 4).max(1),
+                },
+                count,
+            )),
+            Err(refused) => {
+                if let Some(conn) = own {
+                    let _ = conn.close(200, "stream read refused".into()).await;
+                }
+                Err(refused)
+            }
+        }
+    }
+
+    /// Start the stream consumer on `ch` (its prefetch, its start offset); the message
+    /// count the broker reports.
+    async fn attach(
+        ch: &Channel,
+        stream: &str,
+        start: Start,
+        prefetch: u16,
+    ) -> Result<(lapin::Consumer, u32), Refused> {
         let name = short("queue", stream)?;
         let declared = ch
             .queue_declare(
@@ -464,28 +547,15 @@ impl StreamRead {
                 Start::Last => AMQPValue::LongString(LongString::from("last")),
             },
         );
-        let consumer = match ch
+        match ch
             .basic_consume(name, "".into(), BasicConsumeOptions::default(), args)
             .await
         {
-            Ok(consumer) => consumer,
+            Ok(consumer) => Ok((consumer, declared.message_count())),
             // The channel is closed by the refusal.
-            Err(e) if reply_code(&e) == Some(INTERNAL_ERROR) => {
-                return Err(Refused::NoLocalMember(e));
-            }
-            Err(e) => return Err(missing_or(stream, e).into()),
-        };
-        Ok((
-            Self {
-                ch,
-                consumer,
-                stream: stream.to_owned(),
-                unacked: 0,
-                last_tag: 0,
-                ack_every: (prefetch / 4).max(1),
-            },
-            declared.message_count(),
-        ))
+            Err(e) if no_member_here(&e) => Err(Refused::NotServedHere(e)),
+            Err(e) => Err(missing_or(stream, e).into()),
+        }
     }
 
     /// The next entry and its offset, or `None` after `wait` without one. Acked a quarter
@@ -527,12 +597,39 @@ impl StreamRead {
 
     async fn close(self) {
         let _ = self.ch.close(200, "read done".into()).await;
+        if let Some(conn) = self.own {
+            let _ = conn.close(200, "read done".into()).await;
+        }
     }
 }
 
-/// AMQP's `INTERNAL_ERROR` reply code: what RabbitMQ answers a stream consumer on a node
-/// with no running member of the stream.
-const INTERNAL_ERROR: u16 = 541;
+/// Which connection a [`StreamRead`] is opened on.
+#[derive(Clone, Copy, Debug)]
+enum Via {
+    /// The broker's shared connection.
+    Shared,
+    /// A connection of the read's own to node `k` of the URL.
+    Node(usize),
+}
+
+/// RabbitMQ refused a stream consumer because the connection's node has no running
+/// member of the stream: `INTERNAL_ERROR` (541, the member is not running) or
+/// `PRECONDITION_FAILED` (406) "does not have a replica on the local node" (the stream
+/// coordinator knows no member there). 406 is matched with its text: it also answers
+/// arguments that do not match the queue, which no other node would accept either.
+fn no_member_here(e: &lapin::Error) -> bool {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => match amqp.get_id() {
+            541 => true,
+            406 => amqp
+                .get_message()
+                .as_str()
+                .contains("does not have a replica on the local node"),
+            _ => false,
+        },
+        _ => false,
+    }
+}
 
 /// Append `record` to the removal ledger `ledger`, confirmed.
 async fn append_to_ledger(
@@ -573,8 +670,11 @@ pub(crate) async fn declaring<T>(
 
 /// Why a stream consumer could not be started.
 enum Refused {
-    /// The node has no running member of the stream (yet).
-    NoLocalMember(lapin::Error),
+    /// The node has no running member of the stream ([`no_member_here`]): another node,
+    /// or this one later, may serve it.
+    NotServedHere(lapin::Error),
+    /// Another node of the URL could not be reached; the next one may be.
+    Unreachable(BrokerError),
     Other(BrokerError),
 }
 

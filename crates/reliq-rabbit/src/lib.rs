@@ -49,8 +49,10 @@
 //!   few bytes per removal): a ledger record dropped before its entry would bring the
 //!   entry back.
 //! - **Complete reads on a cluster.** RabbitMQ serves a stream consumer from the
-//!   stream's member on the connection's node (a node with none refuses it with
-//!   `INTERNAL_ERROR`, retried for 15 s), and a member behind its leader — a node just
+//!   stream's member on the connection's node. A node with none running refuses it
+//!   (`INTERNAL_ERROR`, or `PRECONDITION_FAILED` "does not have a replica on the local
+//!   node" — seen 10 s after a rolling restart); the read then goes round the URL's
+//!   other nodes, each on a connection of its own, for up to 15 s. A member behind its leader — a node just
 //!   restarted, or one the leader's committed offset did not reach (the leader sends it
 //!   without waiting, and drops it while the nodes' link is down) — delivers a
 //!   consistent but short prefix, possibly until the stream is next written. So browse,
