@@ -138,6 +138,8 @@ pub struct Expected {
     /// the DLQ holds two entries for each — unless the broker dropped the second copy at
     /// publish.
     pub dead_copies: HashSet<MessageId>,
+    /// Every order's id in the order it was placed: where in a run an order came.
+    pub placed: Vec<MessageId>,
 }
 
 impl Expected {
@@ -146,6 +148,7 @@ impl Expected {
         let mut e = Self::default();
         for o in orders {
             let id = o.message.id().clone();
+            e.placed.push(id.clone());
             if o.kind == Kind::Valid {
                 if o.copies > 1 {
                     e.valid_copies.insert(id.clone());

@@ -980,7 +980,11 @@ async fn check(
     let valid: HashSet<&str> = expected.valid.keys().map(MessageId::as_str).collect();
     let rows = db.reservations().await?;
     let dlq = orders::dead_letter_reasons(broker, &orders::subscription(topic)).await?;
-    let outcomes = Outcomes::sort(expected, &rows, &dlq, events);
+    // A poison order published twice is parked twice: a copy is a message of its own,
+    // and neither may be lost (on a broker that deduplicates publishes the second copy
+    // never arrives).
+    let copies_delivered = !broker.capabilities().deduplicates_publishes;
+    let outcomes = Outcomes::sort(expected, &rows, &dlq, events, copies_delivered);
     println!("{outcomes}");
     // Every valid order reserved exactly once; nothing else reserved.
     exactly_once("reservations", &valid, &rows)?;
@@ -1030,10 +1034,6 @@ async fn check(
         );
     }
 
-    // A poison order published twice is parked twice: a copy is a message of its own,
-    // and neither may be lost (on a broker that deduplicates publishes the second copy
-    // never arrives).
-    let copies_delivered = !broker.capabilities().deduplicates_publishes;
     let parked_once: Vec<_> = expected
         .dead_copies
         .iter()
@@ -1116,7 +1116,8 @@ async fn check(
 
 /// Every order placed, sorted by what became of it (the categories of RabbitMQ's Jepsen
 /// suite, for effects): a valid order's effect is its reservation, an injected one's is
-/// its DLQ entry.
+/// its DLQ entry. Lost orders are also counted by where they were placed, and DLQ entries
+/// beyond one per published copy are counted apart.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Outcomes {
     /// Done once, delivered once.
@@ -1131,6 +1132,35 @@ pub struct Outcomes {
     pub unexpected: usize,
     /// Reserved more than once.
     pub duplicated: usize,
+    /// The lost orders by where they were placed: in the first, middle or last third of
+    /// the run (a loss at the tail points at shutdown or the final drain, one in the
+    /// middle at a fault).
+    pub lost_at: Thirds,
+    /// DLQ entries beyond one per published copy of an injected order: dead letters sent
+    /// again after their confirm was lost, or parked again by the next owner.
+    pub extra_dead_letters: usize,
+}
+
+/// Counts by the third of a run an order was placed in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Thirds {
+    /// Placed in the first third.
+    pub early: usize,
+    /// Placed in the middle third.
+    pub middle: usize,
+    /// Placed in the last third.
+    pub tail: usize,
+}
+
+impl Thirds {
+    /// Count the order placed `index`-th of `total`.
+    fn count(&mut self, index: usize, total: usize) {
+        match index.saturating_mul(3) / total.max(1) {
+            0 => self.early += 1,
+            1 => self.middle += 1,
+            _ => self.tail += 1,
+        }
+    }
 }
 
 impl Outcomes {
@@ -1139,6 +1169,7 @@ impl Outcomes {
         reservations: &HashMap<String, i64>,
         dlq: &HashMap<MessageId, Vec<reliq_core::DeadLetterReason>>,
         events: &Events,
+        copies_delivered: bool,
     ) -> Self {
         let absorbed: HashSet<MessageId> = events
             .all()
@@ -1149,19 +1180,39 @@ impl Outcomes {
             })
             .collect();
         let mut o = Self::default();
-        for id in expected.valid.keys() {
-            match reservations.get(id.as_str()).copied().unwrap_or(0) {
-                0 => o.lost += 1,
-                1 if absorbed.contains(id) => o.recovered += 1,
-                1 => o.once += 1,
-                _ => o.duplicated += 1,
-            }
-        }
-        for id in expected.dead.keys() {
-            if dlq.contains_key(id) {
-                o.once += 1;
+        let total = expected.placed.len();
+        for (index, id) in expected.placed.iter().enumerate() {
+            let lost = if expected.valid.contains_key(id) {
+                match reservations.get(id.as_str()).copied().unwrap_or(0) {
+                    0 => true,
+                    1 if absorbed.contains(id) => {
+                        o.recovered += 1;
+                        false
+                    }
+                    1 => {
+                        o.once += 1;
+                        false
+                    }
+                    _ => {
+                        o.duplicated += 1;
+                        false
+                    }
+                }
             } else {
+                match dlq.get(id).map_or(0, Vec::len) {
+                    0 => true,
+                    entries => {
+                        let copies =
+                            1 + usize::from(copies_delivered && expected.dead_copies.contains(id));
+                        o.extra_dead_letters += entries.saturating_sub(copies);
+                        o.once += 1;
+                        false
+                    }
+                }
+            };
+            if lost {
                 o.lost += 1;
+                o.lost_at.count(index, total);
             }
         }
         let placed = |id: &str| expected.valid.contains_key(&MessageId::from(id.to_owned()));
@@ -1178,8 +1229,17 @@ impl std::fmt::Display for Outcomes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "once={} recovered={} lost={} unexpected={} duplicated={}",
-            self.once, self.recovered, self.lost, self.unexpected, self.duplicated
+            "once={} recovered={} lost={} (early/middle/tail {}/{}/{}) unexpected={} duplicated={} \
+             extra_dead_letters={}",
+            self.once,
+            self.recovered,
+            self.lost,
+            self.lost_at.early,
+            self.lost_at.middle,
+            self.lost_at.tail,
+            self.unexpected,
+            self.duplicated,
+            self.extra_dead_letters
         )
     }
 }
@@ -1240,30 +1300,55 @@ mod tests {
         for v in ["a", "b", "c", "e"] {
             expected.valid.insert(id(v), ("sku-1".into(), 1));
         }
-        expected
-            .dead
-            .insert(id("p"), reliq_core::DeadLetterReason::Poison);
-        expected
-            .dead
-            .insert(id("q"), reliq_core::DeadLetterReason::Poison);
+        for d in ["p", "q", "r"] {
+            expected
+                .dead
+                .insert(id(d), reliq_core::DeadLetterReason::Poison);
+        }
+        expected.dead_copies.insert(id("r"));
+        // Placed: c and q in the first third, p and r in the middle one.
+        expected.placed = ["c", "q", "a", "p", "r", "b", "e"].map(id).to_vec();
         let reservations: HashMap<String, i64> = [("a", 1), ("b", 2), ("e", 1), ("x", 1)]
             .map(|(k, n)| (k.to_owned(), n))
             .into();
+        let poison = reliq_core::DeadLetterReason::Poison;
         let dlq = HashMap::from([
-            (id("p"), vec![reliq_core::DeadLetterReason::Poison]),
+            (id("p"), vec![poison; 3]),
+            (id("r"), vec![poison; 3]),
             (id("e"), vec![reliq_core::DeadLetterReason::Permanent]),
         ]);
         let events = Events::default();
         events.push(1, Event::Duplicate(id("a")));
-        let o = Outcomes::sort(&expected, &reservations, &dlq, &events);
+        let o = Outcomes::sort(&expected, &reservations, &dlq, &events, true);
         assert_eq!(
             o,
             Outcomes {
-                once: 2,       // e reserved; p parked
+                once: 3,       // e reserved; p and r parked
                 recovered: 1,  // a, delivered again
                 lost: 2,       // c never reserved, q never parked
                 unexpected: 2, // x reserved, e (valid) parked
                 duplicated: 1, // b
+                lost_at: Thirds {
+                    early: 2, // c and q
+                    middle: 0,
+                    tail: 0,
+                },
+                extra_dead_letters: 3, // p: 3 entries for 1 copy; r: 3 for 2
+            }
+        );
+        // On a broker that drops a second copy at publish, r's second entry is extra too.
+        let o = Outcomes::sort(&expected, &reservations, &dlq, &events, false);
+        assert_eq!(o.extra_dead_letters, 4);
+        let mut thirds = Thirds::default();
+        for index in 0..9 {
+            thirds.count(index, 9);
+        }
+        assert_eq!(
+            thirds,
+            Thirds {
+                early: 3,
+                middle: 3,
+                tail: 3
             }
         );
     }
