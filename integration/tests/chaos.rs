@@ -240,6 +240,10 @@ async fn one_way_partition(
     .await
 }
 
+/// How long a partition waits for the consumer to hold a connection before it cuts
+/// (short: the next fault is due 14 s after this one starts).
+const CONNECTED_WAIT: Duration = Duration::from_secs(3);
+
 /// `fault` on the proxy of the node leading the consumer's data for `held`, then its
 /// links resumed whatever happens meanwhile. When the consumer holds no connection to
 /// that node — a RabbitMQ client talks to one node of its choice, which the quorum
@@ -254,6 +258,13 @@ async fn cut_from_leader(
     fault: fn(&FaultProxy),
     how: &str,
 ) -> anyhow::Result<String> {
+    // The consumer can be between connections when the fault is due (restarted after a
+    // kill, or reconnecting): give it a moment to hold one, so the partition cuts it
+    // rather than nobody (round R's leader cut on RabbitMQ found 0 connections).
+    let connected_by = Instant::now() + CONNECTED_WAIT;
+    while proxies.busiest().is_none() && Instant::now() < connected_by {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let (broker, what) = led(backend, topic);
     let leader = cluster(&["leader", broker, &what]).await?;
     let mut proxy = proxies.of(&leader)?;
@@ -1032,6 +1043,184 @@ async fn rabbit_dead_letters_read_through_another_node_when_the_first_holds_no_m
         "count through the URL that starts at rabbit-2: {} of {}",
         count.count,
         ids.len()
+    );
+    Ok(())
+}
+
+/// Every publish to a RabbitMQ stream that the broker confirms is in the stream, also
+/// when the stream's leader is restarted meanwhile. Chaos round S (seed
+/// 13761896155604975235) missed 200 dead letters — every one confirmed (their sources
+/// were acked), all dead-lettered while rabbit-2, the leader of the dead-letter stream,
+/// was down in the rolling restart. Raw AMQP here (no reliq code): publishes with
+/// confirms, 32 in flight, through rabbit-3 while rabbit-2, a replica, and then
+/// rabbit-1, the stream's leader, are stopped gracefully and started again (the order of
+/// round S: the replica restarted just before comes back behind); then the stream is
+/// read whole through rabbit-3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_stream_keeps_every_publish_confirmed_across_a_leader_restart() -> anyhow::Result<()>
+{
+    use futures::StreamExt;
+    use lapin::options::{
+        BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    };
+    use lapin::types::{AMQPValue, FieldTable};
+    use std::collections::BTreeSet;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let nodes = node_urls("RELIQ_RABBIT_URL")?;
+    let stream = reliq_conformance::support::unique("leaderstop");
+    let declare =
+        lapin::Connection::connect(&nodes[0], lapin::ConnectionProperties::default()).await?;
+    let ch = declare.create_channel().await?;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("stream".into()),
+    );
+    ch.queue_declare(
+        stream.as_str().into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        },
+        args,
+    )
+    .await?;
+    let _ = declare.close(200, "declared".into()).await;
+    let leader = cluster(&["leader", "rabbitmq", &stream]).await?;
+    ensure!(
+        leader == "rabbit-1",
+        "the stream's leader is {leader}, not rabbit-1"
+    );
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let publisher = {
+        let url = nodes[2].clone();
+        let stream = stream.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut confirmed = BTreeSet::new();
+            let mut failed = 0u64;
+            let mut n = 0u64;
+            'connect: while !stop.load(Ordering::SeqCst) {
+                let Ok(conn) =
+                    lapin::Connection::connect(&url, lapin::ConnectionProperties::default()).await
+                else {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                };
+                while !stop.load(Ordering::SeqCst) {
+                    // A channel per batch: a channel's stream client is made when it
+                    // first publishes to the stream, so some are made while the leader
+                    // is going away (round S's consumer reconnected then).
+                    let Ok(ch) = conn.create_channel().await else {
+                        continue 'connect;
+                    };
+                    if ch
+                        .confirm_select(ConfirmSelectOptions::default())
+                        .await
+                        .is_err()
+                    {
+                        continue 'connect;
+                    }
+                    let mut pending = Vec::new();
+                    for _ in 0..32 {
+                        n += 1;
+                        let props = lapin::BasicProperties::default()
+                            .with_message_id(n.to_string().into())
+                            .with_delivery_mode(2);
+                        match ch
+                            .basic_publish(
+                                "".into(),
+                                stream.as_str().into(),
+                                BasicPublishOptions {
+                                    mandatory: true,
+                                    ..BasicPublishOptions::default()
+                                },
+                                &n.to_be_bytes(),
+                                props,
+                            )
+                            .await
+                        {
+                            Ok(p) => pending.push((n, p)),
+                            Err(_) => {
+                                failed += 1;
+                                continue 'connect;
+                            }
+                        }
+                    }
+                    for (id, p) in pending {
+                        match tokio::time::timeout(Duration::from_secs(10), p).await {
+                            Ok(Ok(lapin::Confirmation::Ack(None))) => {
+                                confirmed.insert(id);
+                            }
+                            _ => failed += 1,
+                        }
+                    }
+                    let _ = ch.close(200, "batch done".into()).await;
+                }
+            }
+            (confirmed, failed, n)
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // As in a rolling restart: a replica first (it comes back behind), then the leader.
+    for node in ["rabbit-2", "rabbit-1"] {
+        let started = Instant::now();
+        cluster(&["restart", node]).await?;
+        println!(
+            "{node} restarted in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    stop.store(true, Ordering::SeqCst);
+    let (confirmed, failed, published) = publisher.await?;
+    println!(
+        "published {published}, confirmed {}, not confirmed {failed}; leader now {}",
+        confirmed.len(),
+        cluster(&["leader", "rabbitmq", &stream]).await?
+    );
+
+    // Read it whole through rabbit-3: until 3 s pass without a delivery.
+    let reader =
+        lapin::Connection::connect(&nodes[2], lapin::ConnectionProperties::default()).await?;
+    let ch = reader.create_channel().await?;
+    ch.basic_qos(1000, Default::default()).await?;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-stream-offset".into(),
+        AMQPValue::LongString("first".into()),
+    );
+    let mut consumer = ch
+        .basic_consume(
+            stream.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            args,
+        )
+        .await?;
+    let mut stored = BTreeSet::new();
+    while let Ok(Some(d)) = tokio::time::timeout(Duration::from_secs(3), consumer.next()).await {
+        let d = d?;
+        if let Some(id) = d.properties.message_id().as_ref() {
+            stored.insert(id.as_str().parse::<u64>()?);
+        }
+        d.ack(Default::default()).await?;
+    }
+    let _ = reader.close(200, "read".into()).await;
+    let lost: Vec<u64> = confirmed.difference(&stored).copied().collect();
+    println!(
+        "stored {}; confirmed and not stored {}",
+        stored.len(),
+        lost.len()
+    );
+    ensure!(
+        lost.is_empty(),
+        "{} publishes confirmed by RabbitMQ are not in stream {stream} after its leader's restart \
+         (first {:?}, last {:?})",
+        lost.len(),
+        lost.first(),
+        lost.last()
     );
     Ok(())
 }
