@@ -79,13 +79,27 @@ async fn retried_after_its_delay(backend: Backend, skew_minutes: i64) -> anyhow:
         .kill_on_drop(true)
         .spawn()
         .context("starting skewed-consumer")?;
+    // Each line is timed when it arrives, by a task of its own: read between publishes,
+    // a line the child wrote while this test was still publishing would be timed late,
+    // and its message's retry would look early (the publishes to a loaded SQS took
+    // 1.7 s once).
     let stdout = child.stdout.take().context("the child's stdout")?;
-    let mut lines = BufReader::new(stdout).lines();
+    let (line_tx, mut line_rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut lines = BufReader::new(stdout).lines();
+        loop {
+            let line = lines.next_line().await;
+            let last = !matches!(line, Ok(Some(_)));
+            if line_tx.send((Instant::now(), line)).is_err() || last {
+                break;
+            }
+        }
+    });
     let mut next_line = async || -> anyhow::Result<(Instant, String)> {
-        match tokio::time::timeout(Duration::from_secs(60), lines.next_line()).await {
-            Ok(Ok(Some(line))) => Ok((Instant::now(), line)),
-            Ok(Ok(None)) => bail!("skewed-consumer exited"),
-            Ok(Err(e)) => Err(e.into()),
+        match tokio::time::timeout(Duration::from_secs(60), line_rx.recv()).await {
+            Ok(Some((at, Ok(Some(line))))) => Ok((at, line)),
+            Ok(Some((_, Ok(None))) | None) => bail!("skewed-consumer exited"),
+            Ok(Some((_, Err(e)))) => Err(e.into()),
             Err(_) => bail!("skewed-consumer said nothing for 60 s"),
         }
     };
