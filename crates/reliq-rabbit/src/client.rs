@@ -1,9 +1,10 @@
 //! The connection: [`RabbitBroker`] and its shared state ([`Inner`]) — the AMQP
-//! connection, the publishing channel (confirms + mandatory), the exchanges known to
-//! exist and where queue settings live. The [`Broker`](reliq_core::Broker) implementation is in `broker.rs`.
+//! connection, the publishing channels (confirms + mandatory: one shared, and one of its
+//! own for each stream reliq appends to), the exchanges known to exist and where queue
+//! settings live. The [`Broker`](reliq_core::Broker) implementation is in `broker.rs`.
 
 use reliq_core::{BrokerError, Message, Subscription, seam::lock};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
@@ -29,13 +30,18 @@ pub(crate) enum Target<'a> {
     Exchange(&'a str, &'a str),
     /// A queue through the default exchange, with its role.
     Queue(&'static str, &'a str),
+    /// A stream through the default exchange, with its role: published on a channel of
+    /// the stream's own ([`Inner::publish_to`] says why).
+    Stream(&'static str, &'a str),
 }
 
 impl std::fmt::Display for Target<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Exchange(exchange, route) => write!(f, "exchange `{exchange}` route `{route}`"),
-            Self::Queue(role, queue) => write!(f, "{role} `{queue}`"),
+            Self::Queue(role, queue) | Self::Stream(role, queue) => {
+                write!(f, "{role} `{queue}`")
+            }
         }
     }
 }
@@ -56,12 +62,67 @@ pub(crate) struct Inner {
     pub(crate) management: Option<Management>,
     pub(crate) store: topology::SettingsStore,
     pub(crate) conn: Mutex<Option<Arc<Connection>>>,
-    /// The shared publishing channel (read on every publish: a plain lock, held only to
-    /// clone the handle).
-    pub(crate) publisher: StdMutex<Option<Channel>>,
-    /// Serialises reopening the publishing channel.
+    /// The publishing channels (read on every publish: a plain lock, held only to clone
+    /// the handle): the shared one, and one per stream reliq appends to.
+    pub(crate) publishers: StdMutex<Publishers>,
+    /// Serialises reopening a publishing channel.
     pub(crate) publisher_reopen: Mutex<()>,
     pub(crate) exchanges: StdMutex<HashSet<String>>,
+}
+
+/// The open publishing channels, each in confirm mode.
+#[derive(Default)]
+pub(crate) struct Publishers {
+    /// Every publish that is not a stream append.
+    shared: Option<Arc<Channel>>,
+    /// A channel of its own per stream, by stream name: every publish on it goes to that
+    /// stream, so the channel's publish sequence and its stream writer's sequence agree.
+    streams: HashMap<String, Arc<Channel>>,
+}
+
+/// Which publishing channel a publish goes out on.
+#[derive(Clone, Copy)]
+enum Lane<'a> {
+    Shared,
+    Stream(&'a str),
+}
+
+impl<'a> Lane<'a> {
+    fn of(what: Target<'a>) -> Self {
+        match what {
+            Target::Stream(_, stream) => Lane::Stream(stream),
+            Target::Exchange(..) | Target::Queue(..) => Lane::Shared,
+        }
+    }
+}
+
+impl Publishers {
+    fn slot(&self, lane: Lane<'_>) -> Option<&Arc<Channel>> {
+        match lane {
+            Lane::Shared => self.shared.as_ref(),
+            Lane::Stream(stream) => self.streams.get(stream),
+        }
+    }
+
+    fn set(&mut self, lane: Lane<'_>, ch: Arc<Channel>) {
+        match lane {
+            Lane::Shared => self.shared = Some(ch),
+            Lane::Stream(stream) => drop(self.streams.insert(stream.to_owned(), ch)),
+        }
+    }
+
+    /// Forget `lane`'s channel if it is still `ch` (not one a concurrent publish opened
+    /// since); the caller closes it.
+    fn take_if(&mut self, lane: Lane<'_>, ch: &Arc<Channel>) -> Option<Arc<Channel>> {
+        let same = |c: &Arc<Channel>| Arc::ptr_eq(c, ch);
+        match lane {
+            Lane::Shared => self.shared.take_if(|c| same(c)),
+            Lane::Stream(stream) => match self.streams.get(stream) {
+                Some(c) if same(c) => self.streams.remove(stream),
+                _ => None,
+            },
+        }
+    }
 }
 
 impl Inner {
@@ -202,29 +263,43 @@ impl Inner {
         }
     }
 
-    /// The shared publishing channel (confirm mode), reopened when closed.
-    async fn publisher(&self) -> Result<Channel, BrokerError> {
-        if let Some(ch) = self.open_publisher() {
+    /// The publishing channel of `lane` (confirm mode), reopened when closed.
+    async fn publisher(&self, lane: Lane<'_>) -> Result<Arc<Channel>, BrokerError> {
+        if let Some(ch) = self.open_publisher(lane) {
             return Ok(ch);
         }
         let _reopening = self.publisher_reopen.lock().await;
-        if let Some(ch) = self.open_publisher() {
+        if let Some(ch) = self.open_publisher(lane) {
             return Ok(ch); // reopened by a concurrent publish meanwhile
         }
         let ch = self.channel().await?;
         ch.confirm_select(ConfirmSelectOptions::default())
             .await
             .map_err(|e| RabbitError::client("confirm.select", e))?;
-        *lock(&self.publisher) = Some(ch.clone());
+        let ch = Arc::new(ch);
+        lock(&self.publishers).set(lane, ch.clone());
         Ok(ch)
     }
 
-    /// The publishing channel, if it is open.
-    fn open_publisher(&self) -> Option<Channel> {
-        lock(&self.publisher)
-            .as_ref()
+    /// The publishing channel of `lane`, if it is open.
+    fn open_publisher(&self, lane: Lane<'_>) -> Option<Arc<Channel>> {
+        lock(&self.publishers)
+            .slot(lane)
             .filter(|ch| ch.status().connected())
             .cloned()
+    }
+
+    /// Close `lane`'s channel `ch` (unless a concurrent publish replaced it already): the
+    /// next publish opens a fresh one.
+    async fn retire_publisher(&self, lane: Lane<'_>, ch: &Arc<Channel>) {
+        let retired = lock(&self.publishers).take_if(lane, ch);
+        let Some(ch) = retired else { return };
+        if let Err(e) = ch
+            .close(200, "reliq: a fresh channel for this stream".into())
+            .await
+        {
+            tracing::debug!(error = %e, "closing a stream's publishing channel");
+        }
     }
 
     /// Check (once per process) that `exchange` exists, on a throwaway channel: a publish
@@ -270,6 +345,18 @@ impl Inner {
 
     /// Publish `message` to `exchange` with `routing_key`, mandatory and persistent, and
     /// wait for the confirm. `what` names the destination in errors.
+    ///
+    /// A stream append ([`Target::Stream`]) goes out on a channel of the stream's own,
+    /// which is closed after any outcome but a plain confirm. RabbitMQ before 4.0.0
+    /// (fixed by rabbitmq-server#12236) loses confirmed stream publishes on a channel
+    /// that also publishes elsewhere: when the stream's leader changes, the channel
+    /// re-sends its unconfirmed appends numbered with the channel's publish sequence
+    /// instead of its stream writer's; that sequence runs ahead once the channel has
+    /// published to another queue, so the new leader then takes every later append of
+    /// the channel for a duplicate, drops it and confirms it. (Chaos round S lost 200
+    /// confirmed dead letters so, on a channel shared with retry copies.) On a channel
+    /// that only appends to one stream the two sequences are equal, and a fresh channel
+    /// after a return, nack, error or timeout keeps them so.
     pub(crate) async fn publish_to(
         &self,
         exchange: &str,
@@ -278,10 +365,28 @@ impl Inner {
         what: Target<'_>,
     ) -> Result<(), BrokerError> {
         self.ensure_exchange(exchange).await?;
+        let lane = Lane::of(what);
+        let ch = self.publisher(lane).await?;
+        let result = self
+            .publish_on(&ch, exchange, routing_key, message, what)
+            .await;
+        if matches!(lane, Lane::Stream(_)) && result.is_err() {
+            self.retire_publisher(lane, &ch).await;
+        }
+        result
+    }
+
+    async fn publish_on(
+        &self,
+        ch: &Channel,
+        exchange: &str,
+        routing_key: &str,
+        message: &Message,
+        what: Target<'_>,
+    ) -> Result<(), BrokerError> {
         let props = codec::properties(message)?;
         let ex = short("exchange", exchange)?;
         let rk = short("routing key", routing_key)?;
-        let ch = self.publisher().await?;
         let pending = ch
             .basic_publish(
                 ex,
@@ -414,7 +519,7 @@ impl RabbitBroker {
             management,
             store,
             conn: Mutex::new(None),
-            publisher: StdMutex::new(None),
+            publishers: StdMutex::new(Publishers::default()),
             publisher_reopen: Mutex::new(()),
             exchanges: StdMutex::new(HashSet::new()),
         });

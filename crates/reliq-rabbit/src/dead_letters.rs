@@ -613,20 +613,28 @@ enum Via {
 }
 
 /// RabbitMQ refused a stream consumer because the connection's node has no running
-/// member of the stream: `INTERNAL_ERROR` (541, the member is not running) or
-/// `PRECONDITION_FAILED` (406) "does not have a replica on the local node" (the stream
-/// coordinator knows no member there). 406 is matched with its text: it also answers
-/// arguments that do not match the queue, which no other node would accept either.
+/// member of the stream ([`no_member_reply`]).
 fn no_member_here(e: &lapin::Error) -> bool {
     match e.kind() {
-        lapin::ErrorKind::ProtocolError(amqp) => match amqp.get_id() {
-            541 => true,
-            406 => amqp
-                .get_message()
-                .as_str()
-                .contains("does not have a replica on the local node"),
-            _ => false,
-        },
+        lapin::ErrorKind::ProtocolError(amqp) => {
+            no_member_reply(amqp.get_id(), amqp.get_message().as_str())
+        }
+        _ => false,
+    }
+}
+
+/// The replies of RabbitMQ 3.10–4.x to a stream consumer on a node without a running
+/// member: `INTERNAL_ERROR` (541, the member is not running), `PRECONDITION_FAILED`
+/// (406) "does not have a replica on the local node" (the stream coordinator knows no
+/// member there) and `RESOURCE_ERROR` (506) "does not have a running local replica"
+/// (the member went away between that check and the consumer's start). 406 and 506 are
+/// matched with their text: 406 also answers arguments that do not match the queue
+/// (which no other node would accept either), 506 other resource limits.
+fn no_member_reply(code: u16, text: &str) -> bool {
+    match code {
+        541 => true,
+        406 => text.contains("does not have a replica on the local node"),
+        506 => text.contains("does not have a running local replica"),
         _ => false,
     }
 }
@@ -643,7 +651,7 @@ async fn append_to_ledger(
             "",
             ledger,
             &Message::new(payload),
-            Target::Queue("removal ledger", ledger),
+            Target::Stream("removal ledger", ledger),
         )
         .await
 }
@@ -847,7 +855,7 @@ async fn write_fence(inner: &Inner, stream: &str) -> Result<String, BrokerError>
             "",
             stream,
             &fence,
-            Target::Queue("read fence of stream", stream),
+            Target::Stream("read fence of stream", stream),
         )
         .await?;
     Ok(id)
@@ -874,7 +882,7 @@ async fn move_landed(
             "",
             &names.parking,
             &message,
-            Target::Queue("dead-letter stream", &names.parking),
+            Target::Stream("dead-letter stream", &names.parking),
         )
         .await
 }
@@ -1018,5 +1026,31 @@ async fn relay_on(
             .map_err(|e| RabbitError::client("basic.ack", e))?;
         tracing::debug!(landing = %names.landing, message_id = ?d.properties.message_id(), "broker dead letter moved into the dead-letter stream");
         *failures = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::no_member_reply;
+
+    #[test]
+    fn a_node_without_a_running_member_is_told_from_other_refusals() {
+        // The texts RabbitMQ 3.10.8 sends (rabbit_stream_queue, rabbit_channel).
+        let q = "queue 'orders.billing.dlq.stream' in vhost '/'";
+        assert!(no_member_reply(541, "INTERNAL_ERROR"));
+        assert!(no_member_reply(
+            406,
+            &format!("PRECONDITION_FAILED - queue '{q}' does not have a replica on the local node")
+        ));
+        assert!(no_member_reply(
+            506,
+            &format!("RESOURCE_ERROR - {q} does not have a running local replica")
+        ));
+        assert!(!no_member_reply(
+            406,
+            "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue"
+        ));
+        assert!(!no_member_reply(506, "RESOURCE_ERROR - memory alarm"));
+        assert!(!no_member_reply(404, "NOT_FOUND - no queue"));
     }
 }

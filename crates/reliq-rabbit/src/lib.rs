@@ -13,7 +13,7 @@
 //! | `receive` | one channel per receiver, `basic.qos(prefetch)`, `basic.consume` with manual ack |
 //! | `ack` | `basic.ack` |
 //! | `retry` | publish the copy (confirmed, mandatory) to the tier's TTL queue via the default exchange, *then* `basic.ack` |
-//! | `dead_letter` | publish the copy (confirmed, mandatory) to the dead-letter stream, *then* `basic.ack` |
+//! | `dead_letter` | publish the copy (confirmed, mandatory) to the dead-letter stream, *then* `basic.ack`; every append to a stream (dead letters, ledger records, read fences) goes out on a channel of that stream's own, because RabbitMQ before 4.0 drops and still confirms stream appends on a channel that also publishes elsewhere after the stream's leader changes (see `Inner::publish_to`) |
 //! | `release` | `basic.nack(requeue=true)`, after the requested delay (the delivery stays unacked meanwhile) |
 //! | drop / `close` | the channel is closed: RabbitMQ requeues every unacked delivery |
 //! | attempt | the `reliq-attempt` header (never `x-death`) |

@@ -1,5 +1,6 @@
 //! A receiver: one channel per receiver, `basic.qos(prefetch)`, `basic.consume` with
-//! manual ack; retry and dead-letter copies go out on the broker's confirmed publisher.
+//! manual ack; retry and dead-letter copies go out on the broker's confirmed publishers
+//! (dead letters on the dead-letter stream's own channel).
 
 use reliq_core::{
     BrokerError, Delivery, Message, Origin, Subscription,
@@ -297,7 +298,7 @@ impl Receiver for RabbitReceiver {
                 "",
                 parking,
                 &dead,
-                Target::Queue("dead-letter stream", parking),
+                Target::Stream("dead-letter stream", parking),
             )
             .await?;
         self.ack_on(&ch, delivery).await
