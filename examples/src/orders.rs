@@ -235,6 +235,20 @@ pub fn subscription(topic: &str) -> Subscription {
     Subscription::new(CONSUMER, topic)
 }
 
+/// How long [`Db::open`] waits for an unreachable PostgreSQL.
+pub const DATABASE_WAIT: Duration = Duration::from_secs(120);
+
+/// The database could not be reached (a refused or timed-out connection), as opposed to
+/// refusing what was asked of it.
+fn unreachable(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<sqlx::Error>(),
+            Some(sqlx::Error::PoolTimedOut | sqlx::Error::Io(_))
+        )
+    })
+}
+
 /// The store of stock, inbox, orders and outbox. Cheap to clone.
 #[derive(Clone, Debug)]
 pub enum Db {
@@ -317,7 +331,9 @@ impl Db {
     }
 
     /// Open `url`: `sqlite://file.db` (created if missing) or `postgres://…`, where
-    /// `schema` (created if missing) holds the tables.
+    /// `schema` (created if missing) holds the tables. An unreachable PostgreSQL is
+    /// waited for, up to [`DATABASE_WAIT`], with a warning per attempt: a service
+    /// (re)started during a database outage waits it out instead of exiting.
     pub async fn open(url: &str, schema: Option<&str>) -> anyhow::Result<Self> {
         if url.starts_with("sqlite:") {
             let pool = reliq::sqlite::connect(url).await?;
@@ -327,6 +343,21 @@ impl Db {
                 pool,
             });
         }
+        let started = tokio::time::Instant::now();
+        let mut pause = Duration::from_millis(500);
+        loop {
+            match Self::open_postgres(url, schema).await {
+                Err(e) if unreachable(&e) && started.elapsed() < DATABASE_WAIT => {
+                    tracing::warn!(error = %format!("{e:#}"), retry_in = ?pause, "PostgreSQL unreachable; waiting for it");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(5));
+                }
+                result => return result,
+            }
+        }
+    }
+
+    async fn open_postgres(url: &str, schema: Option<&str>) -> anyhow::Result<Self> {
         let mut options = PgConnectOptions::from_str(url)
             .with_context(|| format!("not a sqlite:// or postgres:// URL: {url}"))?;
         if let Some(schema) = schema {

@@ -611,7 +611,13 @@ async fn held_both_ways(
     held: Duration,
 ) -> anyhow::Result<String> {
     tokio::time::sleep_until(t0 + at).await;
-    let open: usize = proxies.iter().map(|p| p.connections()).sum();
+    // As a partition does: a consumer between connections gets a moment to hold one.
+    let open = || proxies.iter().map(|p| p.connections()).sum::<usize>();
+    let connected_by = Instant::now() + CONNECTED_WAIT;
+    while open() == 0 && Instant::now() < connected_by {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let open = open();
     ensure!(
         open > 0,
         "no consumer connection {what} goes through its fault proxy at +{} s",
@@ -1321,6 +1327,119 @@ async fn rabbit_stream_on_a_channel_shared_with_a_quorum_queue_loses_confirmed_a
             version.trim()
         );
     }
+    Ok(())
+}
+
+/// reliq's dead letters are all in the dead-letter stream after the stream's leader
+/// restarts mid-run, with retry copies (to quorum queues) published between them — the
+/// mix that lost round S's dead letters on one shared channel (see the test above). The
+/// stream is declared on rabbit-1 (its leader); the consumer connects through rabbit-2,
+/// so its connection survives rabbit-1's restart and its channels see the leader
+/// change. Even messages fail permanently (dead-lettered), odd ones transiently once
+/// (retried after 200 ms). Fails with a shared publishing channel: dead letters acked
+/// at the source and missing from the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_dead_letters_are_all_in_the_stream_after_its_leader_restarts() -> anyhow::Result<()>
+{
+    use reliq_core::{
+        BoxError, Broker, Consumer, Cursor, Delivery, Destination, Message, Permanent, RetryPolicy,
+        Transient,
+    };
+    use std::collections::BTreeSet;
+    const TOTAL: u64 = 8_000;
+    let nodes = node_urls("RELIQ_RABBIT_URL")?;
+    let topic = reliq_conformance::support::unique("dlqleader");
+    let sub = reliq_examples::orders::subscription(&topic);
+    let on_first = reliq_rabbit::RabbitBroker::connect(&nodes[0]).await?;
+    on_first.declare_dead_letter_queue(&sub).await?;
+    let parking = reliq_rabbit::Names::of(&sub).parking;
+    let leader = cluster(&["leader", "rabbitmq", &parking]).await?;
+    ensure!(
+        leader == "rabbit-1",
+        "the DLQ stream's leader is {leader}, not rabbit-1"
+    );
+
+    let broker: Arc<dyn Broker> = Arc::new(
+        reliq_rabbit::RabbitBroker::connect(&cluster_url_from("RELIQ_RABBIT_URL", 1)?).await?,
+    );
+    let handle = Consumer::builder(broker.clone(), &sub.consumer)
+        .subscribe(topic.clone())
+        .retry(RetryPolicy::tiers([Duration::from_millis(200)]))
+        .max_in_flight(64)
+        .start(move |delivery: Delivery| async move {
+            let n: u64 = std::str::from_utf8(delivery.payload())?.parse()?;
+            if n.is_multiple_of(2) {
+                Err::<(), BoxError>(Permanent::msg(format!("{n} is even")).into())
+            } else if delivery.attempt() <= 1 {
+                Err(Transient::msg(format!("{n}: not yet")).into())
+            } else {
+                Ok(())
+            }
+        })
+        .await?;
+    let publisher = {
+        let (broker, dest) = (broker.clone(), Destination::new(topic.clone()));
+        tokio::spawn(async move {
+            for n in 0..TOTAL {
+                // Paced, so the run spans the restart: ~16 s in all.
+                if n.is_multiple_of(100) {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                let message = Message::new(n.to_string()).with_id(format!("dlqleader-{n}"));
+                while let Err(e) = broker.publish(&dest, message.clone()).await {
+                    tracing::warn!(error = %e, "publishing again");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let started = Instant::now();
+    cluster(&["restart", "rabbit-1"]).await?;
+    println!(
+        "rabbit-1 restarted in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    publisher.await?;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while handle.stats().dead_lettered < TOTAL / 2 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let stats = handle.stats();
+    handle.shutdown().await;
+    println!(
+        "the DLQ stream's leader is now {}; {stats:?}",
+        cluster(&["leader", "rabbitmq", &parking]).await?
+    );
+    ensure!(
+        stats.dead_lettered >= TOTAL / 2,
+        "{} of {} dead letters confirmed within 90 s",
+        stats.dead_lettered,
+        TOTAL / 2
+    );
+
+    let reader = broker.dead_letters(&sub).await?;
+    let mut stored = BTreeSet::new();
+    let mut cursor = Cursor::start();
+    loop {
+        let page = reader.browse(&cursor, 512).await?;
+        stored.extend(page.entries.iter().map(|e| e.id().as_str().to_owned()));
+        if page.at_end {
+            break;
+        }
+        cursor = page.next;
+    }
+    let missing: Vec<String> = (0..TOTAL)
+        .step_by(2)
+        .map(|n| format!("dlqleader-{n}"))
+        .filter(|id| !stored.contains(id))
+        .collect();
+    ensure!(
+        missing.is_empty(),
+        "{} dead letters confirmed to reliq (their sources acked) are not in {parking}: {:?}…",
+        missing.len(),
+        &missing[..missing.len().min(5)]
+    );
     Ok(())
 }
 
