@@ -892,7 +892,7 @@ async fn suspend_rabbit_stream_replication(
 /// answered with the first 100 entries only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbit_dead_letters_read_on_a_lagging_replica() -> anyhow::Result<()> {
-    use reliq_core::{Broker, Cursor};
+    use reliq_core::Broker;
     let nodes = node_urls("RELIQ_RABBIT_URL")?;
     let sub = reliq_examples::orders::subscription(&reliq_conformance::support::unique("fence"));
     // Declared through rabbit-1: the stream's leader is there (client-local), rabbit-2
@@ -916,16 +916,7 @@ async fn rabbit_dead_letters_read_on_a_lagging_replica() -> anyhow::Result<()> {
     // Confirmed by rabbit-1 and rabbit-3: a quorum without rabbit-2.
     publish_raw(&nodes[0], &parking, &ids[100..]).await?;
     let started = Instant::now();
-    let mut seen = Vec::new();
-    let mut cursor = Cursor::start();
-    loop {
-        let page = reader.browse(&cursor, 250).await?;
-        seen.extend(page.entries.iter().map(|e| e.id().as_str().to_owned()));
-        if page.at_end {
-            break;
-        }
-        cursor = page.next;
-    }
+    let seen = browse_ids(reader.as_ref(), 250).await?;
     println!(
         "read {} entries through rabbit-2 in {:.1} s",
         seen.len(),
@@ -967,7 +958,7 @@ async fn rabbit_dead_letters_read_through_another_node_when_the_first_holds_no_m
 -> anyhow::Result<()> {
     use lapin::options::BasicConsumeOptions;
     use lapin::types::{AMQPValue, FieldTable};
-    use reliq_core::{Broker, Cursor, MessageId};
+    use reliq_core::{Broker, MessageId};
     let nodes = node_urls("RELIQ_RABBIT_URL")?;
     let sub = reliq_examples::orders::subscription(&reliq_conformance::support::unique("nomember"));
     let on_first = reliq_rabbit::RabbitBroker::connect(&nodes[0]).await?;
@@ -1022,16 +1013,7 @@ async fn rabbit_dead_letters_read_through_another_node_when_the_first_holds_no_m
         .await?
         .dead_letters(&sub)
         .await?;
-    let mut seen = Vec::new();
-    let mut cursor = Cursor::start();
-    loop {
-        let page = reader.browse(&cursor, 128).await?;
-        seen.extend(page.entries.iter().map(|e| e.id().as_str().to_owned()));
-        if page.at_end {
-            break;
-        }
-        cursor = page.next;
-    }
+    let seen = browse_ids(reader.as_ref(), 128).await?;
     ensure!(
         seen == ids,
         "browsed {} entries through the URL that starts at rabbit-2, expected {} in order",
@@ -1051,6 +1033,23 @@ async fn rabbit_dead_letters_read_through_another_node_when_the_first_holds_no_m
         ids.len()
     );
     Ok(())
+}
+
+/// The ids of every entry of a DLQ, in order, browsed `page` at a time.
+async fn browse_ids(
+    reader: &dyn reliq_core::DeadLetters,
+    page: usize,
+) -> anyhow::Result<Vec<String>> {
+    let mut ids = Vec::new();
+    let mut cursor = reliq_core::Cursor::start();
+    loop {
+        let read = reader.browse(&cursor, page).await?;
+        ids.extend(read.entries.iter().map(|e| e.id().as_str().to_owned()));
+        if read.at_end {
+            return Ok(ids);
+        }
+        cursor = read.next;
+    }
 }
 
 /// How the raw publisher of the stream-leader tests uses its one channel.
@@ -1342,7 +1341,7 @@ async fn rabbit_stream_on_a_channel_shared_with_a_quorum_queue_loses_confirmed_a
 async fn rabbit_dead_letters_are_all_in_the_stream_after_its_leader_restarts() -> anyhow::Result<()>
 {
     use reliq_core::{
-        BoxError, Broker, Consumer, Cursor, Delivery, Destination, Message, Permanent, RetryPolicy,
+        BoxError, Broker, Consumer, Delivery, Destination, Message, Permanent, RetryPolicy,
         Transient,
     };
     use std::collections::BTreeSet;
@@ -1419,16 +1418,10 @@ async fn rabbit_dead_letters_are_all_in_the_stream_after_its_leader_restarts() -
     );
 
     let reader = broker.dead_letters(&sub).await?;
-    let mut stored = BTreeSet::new();
-    let mut cursor = Cursor::start();
-    loop {
-        let page = reader.browse(&cursor, 512).await?;
-        stored.extend(page.entries.iter().map(|e| e.id().as_str().to_owned()));
-        if page.at_end {
-            break;
-        }
-        cursor = page.next;
-    }
+    let stored: BTreeSet<String> = browse_ids(reader.as_ref(), 512)
+        .await?
+        .into_iter()
+        .collect();
     let missing: Vec<String> = (0..TOTAL)
         .step_by(2)
         .map(|n| format!("dlqleader-{n}"))
