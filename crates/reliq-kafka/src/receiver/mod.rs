@@ -50,6 +50,29 @@ use crate::stale_tiers::stale_tiers;
 /// How long `subscribe` waits for the source consumer's first partition assignment.
 const ASSIGN_WAIT: Duration = Duration::from_secs(10);
 
+/// How long a subscribe keeps asking for the old retry tiers through a lost connection
+/// or a metadata request that timed out (a node down or electing: chaos round W's
+/// consumer, restarted during a node loss, exited on one such timeout).
+const STALE_TIERS_WAIT: Duration = Duration::from_secs(60);
+
+/// [`stale_tiers`], asked again after connection errors for up to [`STALE_TIERS_WAIT`].
+async fn stale_tiers_through_outage(
+    inner: &Arc<Inner>,
+    sub: &Subscription,
+    current: &[String],
+) -> Result<Vec<crate::stale_tiers::StaleTier>, BrokerError> {
+    let started = tokio::time::Instant::now();
+    loop {
+        match stale_tiers(inner, sub, current).await {
+            Err(e @ BrokerError::Connection { .. }) if started.elapsed() < STALE_TIERS_WAIT => {
+                tracing::warn!(consumer = %sub.consumer, error = %e, "listing old retry tiers failed; asking again");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            result => return result,
+        }
+    }
+}
+
 /// A [`Receiver`] over one or more Kafka consumers.
 pub(crate) struct KafkaReceiver {
     shared: Arc<Shared>,
@@ -92,7 +115,7 @@ impl KafkaReceiver {
         }
         if inner.config.retry_mode == RetryMode::Topics {
             let current: Vec<String> = clients.iter().map(|c| c.topic.clone()).collect();
-            for stale in stale_tiers(&inner, sub, &current).await? {
+            for stale in stale_tiers_through_outage(&inner, sub, &current).await? {
                 tracing::info!(consumer = %sub.consumer, topic = %stale.topic, lag = stale.lag,
                     "a retry tier the policy no longer has still holds records; draining it");
                 clients.push(Client {
