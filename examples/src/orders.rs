@@ -21,6 +21,7 @@ use anyhow::Context;
 use reliq::postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use reliq::postgres::sqlx::{self, PgPool, SqlitePool};
 use reliq::postgres::{PgInbox, PgOutbox};
+use reliq::secrets::redact_url;
 use reliq::sqlite::{SqliteInbox, SqliteOutbox};
 use reliq::{
     BoxError, Broker, Classifier, Consumer, ConsumerBuilder, DeadLetterReason, Delivery,
@@ -359,11 +360,11 @@ impl Db {
 
     async fn open_postgres(url: &str, schema: Option<&str>) -> anyhow::Result<Self> {
         let mut options = PgConnectOptions::from_str(url)
-            .with_context(|| format!("not a sqlite:// or postgres:// URL: {url}"))?;
+            .with_context(|| format!("not a sqlite:// or postgres:// URL: {}", redact_url(url)))?;
         if let Some(schema) = schema {
             let admin = PgPool::connect_with(options.clone())
                 .await
-                .with_context(|| format!("connecting to {url}"))?;
+                .with_context(|| format!("connecting to {}", redact_url(url)))?;
             sqlx::query(sqlx::AssertSqlSafe(format!(
                 "CREATE SCHEMA IF NOT EXISTS {}",
                 quote_ident(schema)
@@ -377,7 +378,7 @@ impl Db {
             .max_connections(16)
             .connect_with(options)
             .await
-            .with_context(|| format!("connecting to {url}"))?;
+            .with_context(|| format!("connecting to {}", redact_url(url)))?;
         Ok(Self::Postgres {
             inbox: PgInbox::new(pool.clone()),
             outbox: PgOutbox::new(pool.clone()),

@@ -895,16 +895,9 @@ async fn rabbit_dead_letters_read_on_a_lagging_replica() -> anyhow::Result<()> {
     use reliq_core::Broker;
     let nodes = node_urls("RELIQ_RABBIT_URL")?;
     let sub = reliq_examples::orders::subscription(&reliq_conformance::support::unique("fence"));
-    // Declared through rabbit-1: the stream's leader is there (client-local), rabbit-2
-    // and rabbit-3 hold replicas.
-    let on_first = reliq_rabbit::RabbitBroker::connect(&nodes[0]).await?;
-    on_first.declare_dead_letter_queue(&sub).await?;
-    let parking = reliq_rabbit::Names::of(&sub).parking;
-    let leader = cluster(&["leader", "rabbitmq", &parking]).await?;
-    ensure!(
-        leader == "rabbit-1",
-        "the stream's leader is {leader}, not rabbit-1"
-    );
+    // Declared through rabbit-1: the stream's leader is there, rabbit-2 and rabbit-3
+    // hold replicas.
+    let parking = dlq_stream_led_by_rabbit_1(&nodes, &sub).await?;
     let ids: Vec<String> = (0..600).map(|i| format!("fence-{i}")).collect();
     publish_raw(&nodes[0], &parking, &ids[..100]).await?;
     let reader = reliq_rabbit::RabbitBroker::connect(&nodes[1])
@@ -961,9 +954,7 @@ async fn rabbit_dead_letters_read_through_another_node_when_the_first_holds_no_m
     use reliq_core::{Broker, MessageId};
     let nodes = node_urls("RELIQ_RABBIT_URL")?;
     let sub = reliq_examples::orders::subscription(&reliq_conformance::support::unique("nomember"));
-    let on_first = reliq_rabbit::RabbitBroker::connect(&nodes[0]).await?;
-    on_first.declare_dead_letter_queue(&sub).await?;
-    let parking = reliq_rabbit::Names::of(&sub).parking;
+    let parking = dlq_stream_led_by_rabbit_1(&nodes, &sub).await?;
     let ids: Vec<String> = (0..300).map(|i| format!("nomember-{i}")).collect();
     publish_raw(&nodes[0], &parking, &ids).await?;
     let removed = cluster(&[
@@ -1033,6 +1024,26 @@ async fn rabbit_dead_letters_read_through_another_node_when_the_first_holds_no_m
         ids.len()
     );
     Ok(())
+}
+
+/// Declare `sub`'s dead-letter objects through rabbit-1 (`nodes[0]`), which then leads
+/// the dead-letter stream (a stream's leader is the declaring client's node), checked;
+/// the stream's name.
+async fn dlq_stream_led_by_rabbit_1(
+    nodes: &[String],
+    sub: &reliq_core::Subscription,
+) -> anyhow::Result<String> {
+    reliq_rabbit::RabbitBroker::connect(&nodes[0])
+        .await?
+        .declare_dead_letter_queue(sub)
+        .await?;
+    let parking = reliq_rabbit::Names::of(sub).parking;
+    let leader = cluster(&["leader", "rabbitmq", &parking]).await?;
+    ensure!(
+        leader == "rabbit-1",
+        "the dead-letter stream's leader is {leader}, not rabbit-1"
+    );
+    Ok(parking)
 }
 
 /// The ids of every entry of a DLQ, in order, browsed `page` at a time.
@@ -1349,14 +1360,7 @@ async fn rabbit_dead_letters_are_all_in_the_stream_after_its_leader_restarts() -
     let nodes = node_urls("RELIQ_RABBIT_URL")?;
     let topic = reliq_conformance::support::unique("dlqleader");
     let sub = reliq_examples::orders::subscription(&topic);
-    let on_first = reliq_rabbit::RabbitBroker::connect(&nodes[0]).await?;
-    on_first.declare_dead_letter_queue(&sub).await?;
-    let parking = reliq_rabbit::Names::of(&sub).parking;
-    let leader = cluster(&["leader", "rabbitmq", &parking]).await?;
-    ensure!(
-        leader == "rabbit-1",
-        "the DLQ stream's leader is {leader}, not rabbit-1"
-    );
+    let parking = dlq_stream_led_by_rabbit_1(&nodes, &sub).await?;
 
     let broker: Arc<dyn Broker> = Arc::new(
         reliq_rabbit::RabbitBroker::connect(&cluster_url_from("RELIQ_RABBIT_URL", 1)?).await?,
