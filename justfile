@@ -74,6 +74,8 @@ test:
     # Headless Chromium and its driver for the web console's browser tests; promtool.
     scripts/brokers browser || exit 1
     scripts/brokers promtool || exit 1
+    # nftables: the packet loss of the lossy-link tests.
+    scripts/brokers nft || exit 1
     # The OpenID provider the console's single sign-on test starts (npm's oidc-provider).
     scripts/brokers oidc || exit 1
     rc=0
@@ -134,7 +136,8 @@ crash-harness backend="rabbit" orders="10000" db="sqlite":
 # SIGKILLed and restarted, its DLQ unavailable for 30 s, its connections stalled for 10 s
 # by a fault proxy, the consumer cut off from that leader both ways and then one way,
 # the consumer cut off from its inbox database (PostgreSQL) for 30 s, the leader frozen
-# (SIGSTOP) for 20 s, then every node restarted in turn
+# (SIGSTOP) for 20 s, 20 % of the consumer's packets dropped for 60 s (nftables: needs
+# root), then every node restarted in turn
 # (integration/tests/chaos.rs; the faults are timed for the busy time of 10,000
 # orders; RELIQ_CHAOS_FAULTS picks some). Starts the clusters (and stops them after,
 # if it started them); 2-4 min per broker once they are up. Not part of `just test`.
@@ -147,6 +150,7 @@ chaos orders="10000" filter="all()":
     # The consumer's inbox and outbox are on PostgreSQL (cut off from it in one fault).
     BROKERS_ONLY=postgres scripts/brokers status >/dev/null 2>&1 || stop+=("env BROKERS_ONLY=postgres scripts/brokers down")
     trap 'for s in "${stop[@]}"; do $s >/dev/null 2>&1 || true; done' EXIT
+    scripts/brokers nft || exit 1
     BROKERS_ONLY=postgres scripts/brokers up || exit 1
     scripts/brokers cluster up || exit 1
     env_of() { grep "^$1=" brokers.env | cut -d= -f2-; }

@@ -24,6 +24,7 @@ use std::collections::{HashMap, HashSet};
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -217,7 +218,7 @@ pub fn handler(
         Box::pin(async move {
             match db.reserve(CONSUMER, &d).await {
                 Ok(()) => {
-                    let n = commits.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                    let n = commits.fetch_add(1, Ordering::SeqCst) + 1;
                     if crash_after_commit == Some(n) {
                         emit(Event::CommitAck(d.id().clone()));
                         std::future::pending::<()>().await;
@@ -453,7 +454,16 @@ struct ChildRunner {
     env: Vec<(String, String)>,
     events: Events,
     run: usize,
-    child: Option<(Child, ChildStdin)>,
+    child: Option<RunningChild>,
+    /// Where a child that exits on its own says so (shared with the driver's [`Until`]).
+    exited: Arc<Mutex<Option<String>>>,
+}
+
+struct RunningChild {
+    child: Child,
+    stdin: ChildStdin,
+    /// Set before the driver kills or stops it: its end is then expected.
+    ending: Arc<AtomicBool>,
 }
 
 #[async_trait]
@@ -474,6 +484,8 @@ impl Runner for ChildRunner {
         let stdout = child.stdout.take().context("child stdout")?;
         let stdin = child.stdin.take().context("child stdin")?;
         let events = self.events.clone();
+        let ending = Arc::new(AtomicBool::new(false));
+        let (ended, exited) = (ending.clone(), self.exited.clone());
         tokio::spawn(async move {
             let mut lines = BufReader::new(stdout).lines();
             while let Ok(Some(line)) = lines.next_line().await {
@@ -482,8 +494,17 @@ impl Runner for ChildRunner {
                     None => tracing::warn!(%line, "unexpected line from the child"),
                 }
             }
+            // Its output closes when it exits: unless the driver ended it, the run can
+            // no longer make progress, and waiting for it would only end at the deadline.
+            if !ended.load(Ordering::SeqCst) {
+                lock(&exited).get_or_insert(format!("consumer run {run} exited on its own"));
+            }
         });
-        self.child = Some((child, stdin));
+        self.child = Some(RunningChild {
+            child,
+            stdin,
+            ending,
+        });
         self.run = run;
         Ok(())
     }
@@ -493,11 +514,14 @@ impl Runner for ChildRunner {
     }
 
     async fn kill(&mut self) -> anyhow::Result<&'static str> {
-        let (mut child, _stdin) = self.child.take().context("no child to kill")?;
+        let RunningChild {
+            mut child, ending, ..
+        } = self.child.take().context("no child to kill")?;
         ensure!(
             child.try_wait()?.is_none(),
             "the child died before the kill"
         );
+        ending.store(true, Ordering::SeqCst);
         child.start_kill()?;
         let status = child.wait().await?;
         ensure!(
@@ -508,7 +532,12 @@ impl Runner for ChildRunner {
     }
 
     async fn stop(&mut self) -> anyhow::Result<()> {
-        let (mut child, stdin) = self.child.take().context("no child to stop")?;
+        let RunningChild {
+            mut child,
+            stdin,
+            ending,
+        } = self.child.take().context("no child to stop")?;
+        ending.store(true, Ordering::SeqCst);
         drop(stdin); // EOF on stdin: the child shuts down gracefully
         let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
             .await
@@ -518,7 +547,7 @@ impl Runner for ChildRunner {
     }
 
     async fn freeze(&mut self, pause: Duration) -> anyhow::Result<String> {
-        let (child, _) = self.child.as_mut().context("no child to freeze")?;
+        let RunningChild { child, .. } = self.child.as_mut().context("no child to freeze")?;
         let pid = child.id().context("the child has exited")?;
         signal(pid, "STOP").await?;
         let frozen = Instant::now();
@@ -541,6 +570,7 @@ impl Runner for ChildRunner {
             events: self.events.clone(),
             run: 0,
             child: None,
+            exited: self.exited.clone(),
         }))
     }
 }
@@ -684,12 +714,18 @@ async fn publish_through_outages(
 struct Until {
     deadline: Instant,
     fault_failed: Arc<Mutex<Option<String>>>,
+    /// Set by a consumer child that exited on its own (not killed or stopped by the
+    /// driver): nothing it was waited for can come any more.
+    consumer_exited: Arc<Mutex<Option<String>>>,
 }
 
 impl Until {
     fn check(&self, what: &str) -> anyhow::Result<()> {
         if let Some(e) = lock(&self.fault_failed).as_ref() {
             bail!("an injected fault failed while waiting for {what}: {e}");
+        }
+        if let Some(e) = lock(&self.consumer_exited).as_ref() {
+            bail!("{e} while the driver waited for {what} (its error is in its stderr above)");
         }
         ensure!(
             Instant::now() < self.deadline,
@@ -725,6 +761,7 @@ async fn drive(
     let until = Until {
         deadline,
         fault_failed: Arc::default(),
+        consumer_exited: Arc::default(),
     };
     let mut rng = fastrand::Rng::with_seed(s.seed);
     let topic = reliq_conformance::support::unique("crash");
@@ -769,6 +806,7 @@ async fn drive(
                 events: events.clone(),
                 run: 0,
                 child: None,
+                exited: until.consumer_exited.clone(),
             };
             (connect(backend, &group_prefix).await?, Box::new(runner))
         }
@@ -1351,5 +1389,60 @@ mod tests {
                 tail: 3
             }
         );
+    }
+
+    fn shell_runner(script: &str, until: &Until) -> ChildRunner {
+        ChildRunner {
+            exe: "/bin/sh".into(),
+            args: vec!["-c".into(), script.into()],
+            env: Vec::new(),
+            events: Events::default(),
+            run: 0,
+            child: None,
+            exited: until.consumer_exited.clone(),
+        }
+    }
+
+    fn until_in(secs: u64) -> Until {
+        Until {
+            deadline: Instant::now() + Duration::from_secs(secs),
+            fault_failed: Arc::default(),
+            consumer_exited: Arc::default(),
+        }
+    }
+
+    /// A restarted consumer that exits (a failed subscribe) ends the driver's wait at once
+    /// with what happened, instead of at the run's deadline.
+    #[tokio::test]
+    async fn a_consumer_that_exits_on_its_own_ends_the_wait() -> anyhow::Result<()> {
+        let until = until_in(60);
+        let mut runner = shell_runner("exit 3", &until);
+        runner.start(2, None).await?;
+        let started = Instant::now();
+        let err = wait_for("a restarted consumer", &until, async || Ok(None::<()>))
+            .await
+            .expect_err("the wait must fail");
+        assert!(
+            format!("{err:#}").contains("consumer run 2 exited on its own"),
+            "{err:#}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(10));
+        Ok(())
+    }
+
+    /// Killed or stopped by the driver, a consumer's end is expected.
+    #[tokio::test]
+    async fn a_consumer_the_driver_ends_is_not_reported() -> anyhow::Result<()> {
+        let until = until_in(60);
+        let mut runner = shell_runner("sleep 30", &until);
+        runner.start(0, None).await?;
+        assert_eq!(runner.kill().await?, "SIGKILL");
+        let mut runner = shell_runner("cat >/dev/null", &until);
+        runner.start(1, None).await?;
+        runner.stop().await?;
+        // The output readers have seen both ends by now.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        until.check("nothing")?;
+        Ok(())
     }
 }

@@ -6,6 +6,7 @@ pub mod crash;
 pub mod kafka;
 pub mod memory;
 pub mod nats;
+pub mod packet_loss;
 pub mod proxy;
 pub mod rabbit;
 pub mod secure;

@@ -18,7 +18,7 @@
 use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -50,6 +50,7 @@ pub struct FaultProxy {
     upstream: SocketAddr,
     faults: watch::Sender<Faults>,
     open: Arc<AtomicUsize>,
+    moved: Arc<AtomicU64>,
     accept: JoinHandle<()>,
 }
 
@@ -74,17 +75,20 @@ impl FaultProxy {
         let addr = listener.local_addr()?;
         let (faults, _) = watch::channel(Faults::default());
         let open = Arc::new(AtomicUsize::new(0));
+        let moved = Arc::new(AtomicU64::new(0));
         let accept = tokio::spawn(accept_loop(
             listener,
             upstream,
             faults.clone(),
             open.clone(),
+            moved.clone(),
         ));
         Ok(Self {
             addr,
             upstream,
             faults,
             open,
+            moved,
             accept,
         })
     }
@@ -102,6 +106,12 @@ impl FaultProxy {
     /// Connections open through the proxy now.
     pub fn connections(&self) -> usize {
         self.open.load(Ordering::SeqCst)
+    }
+
+    /// Bytes forwarded so far, both ways, over every connection (how busy the links
+    /// were during a fault).
+    pub fn bytes_moved(&self) -> u64 {
+        self.moved.load(Ordering::SeqCst)
     }
 
     /// Deliver every chunk `latency` after it was read (zero: no added latency).
@@ -147,6 +157,7 @@ async fn accept_loop(
     upstream: SocketAddr,
     faults: watch::Sender<Faults>,
     open: Arc<AtomicUsize>,
+    moved: Arc<AtomicU64>,
 ) {
     loop {
         let (client, peer) = match listener.accept().await {
@@ -157,7 +168,7 @@ async fn accept_loop(
                 continue;
             }
         };
-        let (faults, open) = (faults.subscribe(), open.clone());
+        let (faults, open, moved) = (faults.subscribe(), open.clone(), moved.clone());
         tokio::spawn(async move {
             let server = match TcpStream::connect(upstream).await {
                 Ok(s) => s,
@@ -168,14 +179,19 @@ async fn accept_loop(
                 }
             };
             open.fetch_add(1, Ordering::SeqCst);
-            serve(client, server, faults).await;
+            serve(client, server, faults, &moved).await;
             open.fetch_sub(1, Ordering::SeqCst);
         });
     }
 }
 
 /// Forward both ways until both sides have closed or the connection is cut.
-async fn serve(mut client: TcpStream, mut server: TcpStream, mut faults: watch::Receiver<Faults>) {
+async fn serve(
+    mut client: TcpStream,
+    mut server: TcpStream,
+    mut faults: watch::Receiver<Faults>,
+    moved: &AtomicU64,
+) {
     let cuts_at_start = faults.borrow_and_update().cuts;
     for s in [&client, &server] {
         let _ = s.set_nodelay(true);
@@ -189,12 +205,14 @@ async fn serve(mut client: TcpStream, mut server: TcpStream, mut faults: watch::
                 server_write,
                 faults.clone(),
                 Direction::Requests,
+                moved,
             ),
             pump(
                 server_read,
                 client_write,
                 faults.clone(),
                 Direction::Answers,
+                moved,
             ),
         );
         let cut = faults.wait_for(|f| f.cuts != cuts_at_start);
@@ -234,6 +252,7 @@ async fn pump(
     mut to: WriteHalf<'_>,
     mut faults: watch::Receiver<Faults>,
     direction: Direction,
+    moved: &AtomicU64,
 ) {
     let (tx, mut rx) = mpsc::channel::<(Instant, Vec<u8>)>(CHUNKS_IN_FLIGHT);
     let read = async move {
@@ -259,6 +278,7 @@ async fn pump(
             {
                 return;
             }
+            moved.fetch_add(chunk.len() as u64, Ordering::Relaxed);
         }
         let _ = to.shutdown().await;
     };

@@ -1,7 +1,7 @@
 //! Chaos on three-node clusters (`scripts/brokers cluster up`): the crash harness
 //! (`reliq_integration::crash::run_with_faults`: orders through the outbox, the inventory
 //! consumer with its durable inbox SIGKILLed 5 times, two of them between COMMIT and ack)
-//! with eight faults injected meanwhile, timed from the moment the orders are in the
+//! with nine faults injected meanwhile, timed from the moment the orders are in the
 //! outbox:
 //!
 //! - **node loss** (+3 s): the leader of the consumer's queue / partition / stream
@@ -23,7 +23,9 @@
 //!   hears nothing of — the ambiguous acknowledgement (see [`one_way_partition`]);
 //! - **node pause** (+86 s, 20 s): the leader of the consumer's data frozen (SIGSTOP),
 //!   then thawed (see [`node_pause`]);
-//! - **rolling restart** (+110 s): every node stopped gracefully and started again, one
+//! - **packet loss** (+110 s, 60 s): 20 % of the packets between the consumer and every
+//!   node dropped by the kernel (nftables; see [`lossy_links`]);
+//! - **rolling restart** (+175 s): every node stopped gracefully and started again, one
 //!   after the other, each back in the cluster before the next goes.
 //!
 //! The harness's checker then fails on any lost order, any double reservation, any DLQ
@@ -37,7 +39,7 @@
 //!
 //! `RELIQ_CHAOS_ORDERS` (default 10,000, which keeps the consumer
 //! busy through every fault), `RELIQ_CRASH_SEED` as in the crash harness,
-//! `RELIQ_CHAOS_FAULTS=node,dlq,dbcut,stall,leadercut,oneway,nodepause,rolling` to
+//! `RELIQ_CHAOS_FAULTS=node,dlq,dbcut,stall,leadercut,oneway,nodepause,loss,rolling` to
 //! inject only some. The inbox and outbox are on PostgreSQL (`RELIQ_POSTGRES_URL`; `just
 //! chaos` starts it).
 
@@ -49,6 +51,7 @@ use std::time::Duration;
 use anyhow::{Context, bail, ensure};
 use futures::FutureExt;
 use reliq_integration::crash::{self, Backend, Scenario, Store};
+use reliq_integration::packet_loss::PacketLoss;
 use reliq_integration::proxy::FaultProxy;
 use reliq_integration::settings;
 use tokio::process::Command;
@@ -104,10 +107,13 @@ const ONE_WAY_AT: Duration = Duration::from_secs(72);
 const ONE_WAY: Duration = Duration::from_secs(12);
 const NODE_PAUSE_AT: Duration = Duration::from_secs(86);
 const NODE_PAUSE: Duration = Duration::from_secs(20);
-const ROLLING_AT: Duration = Duration::from_secs(110);
+const LOSS_AT: Duration = Duration::from_secs(110);
+const LOSS: Duration = Duration::from_secs(60);
+const LOSS_PERCENT: u8 = 20;
+const ROLLING_AT: Duration = Duration::from_secs(175);
 
 /// Every fault a round injects, by its `RELIQ_CHAOS_FAULTS` name.
-const FAULTS: [&str; 8] = [
+const FAULTS: [&str; 9] = [
     "node",
     "dlq",
     "dbcut",
@@ -115,13 +121,15 @@ const FAULTS: [&str; 8] = [
     "leadercut",
     "oneway",
     "nodepause",
+    "loss",
     "rolling",
 ];
 
 /// The faults of one run, side by side: the leader killed and restarted, the DLQ
 /// unavailable, the consumer cut off from its database, the consumer's connections
 /// stalled, the consumer cut off from the leader
-/// both ways and then one way, the leader frozen, every node restarted in turn.
+/// both ways and then one way, the leader frozen, the consumer's links lossy, every node
+/// restarted in turn.
 fn faults(backend: Backend, proxies: Arc<Proxies>, database: Arc<FaultProxy>) -> crash::Faults {
     Box::new(move |topic: String| {
         async move {
@@ -133,7 +141,7 @@ fn faults(backend: Backend, proxies: Arc<Proxies>, database: Arc<FaultProxy>) ->
                 .filter(|v| !v.is_empty())
                 .unwrap_or_else(|| FAULTS.join(","));
             let on = |name: &str| picked.split(',').any(|p| p.trim() == name);
-            let (node, dlq, db_cut, stall, leader_cut, one_way, node_pause, rolling) = tokio::try_join!(
+            let (node, dlq, db_cut, stall, leader_cut, one_way, node_pause, loss, rolling) = tokio::try_join!(
                 injected("node", on("node"), node_loss(backend, &topic, t0)),
                 injected("dlq", on("dlq"), dlq_outage(backend, &topic, t0)),
                 injected("dbcut", on("dbcut"), database_partition(&database, t0)),
@@ -153,10 +161,11 @@ fn faults(backend: Backend, proxies: Arc<Proxies>, database: Arc<FaultProxy>) ->
                     on("nodepause"),
                     node_pause(backend, &topic, t0)
                 ),
+                injected("loss", on("loss"), lossy_links(&proxies, t0)),
                 injected("rolling", on("rolling"), rolling_restart(backend, t0)),
             )?;
             Ok(vec![
-                node, dlq, db_cut, stall, leader_cut, one_way, node_pause, rolling,
+                node, dlq, db_cut, stall, leader_cut, one_way, node_pause, loss, rolling,
             ])
         }
         .boxed()
@@ -631,6 +640,29 @@ async fn held_both_ways(
         "the consumer's {open} connection(s) {what} held both ways at +{:.1} s, moving again at +{:.1} s",
         from.as_secs_f64(),
         t0.elapsed().as_secs_f64()
+    ))
+}
+
+/// From [`LOSS_AT`] for [`LOSS`], the kernel drops [`LOSS_PERCENT`] % of the packets
+/// between the consumer and its fault proxies (every node; the nodes' own links and the
+/// database's are whole): TCP retransmits, so requests and answers come late, some after
+/// the clients gave up on them.
+async fn lossy_links(proxies: &Proxies, t0: Instant) -> anyhow::Result<String> {
+    tokio::time::sleep_until(t0 + LOSS_AT).await;
+    let ports: Vec<u16> = proxies.0.iter().map(|p| p.addr().port()).collect();
+    let moved = || proxies.0.iter().map(FaultProxy::bytes_moved).sum::<u64>();
+    let before = moved();
+    let loss = PacketLoss::start(&ports, LOSS_PERCENT)?;
+    let from = t0.elapsed();
+    tokio::time::sleep(LOSS).await;
+    let counts = loss.stop()?;
+    Ok(format!(
+        "{LOSS_PERCENT} % of the packets to and from the brokers dropped +{:.1} → +{:.1} s: {} of {}, {:.1} MB moved meanwhile",
+        from.as_secs_f64(),
+        t0.elapsed().as_secs_f64(),
+        counts.dropped,
+        counts.seen,
+        (moved() - before) as f64 / 1e6
     ))
 }
 

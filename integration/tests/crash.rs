@@ -15,8 +15,19 @@
 use std::time::Duration;
 
 use reliq_integration::crash::{self, Backend, Scenario, Store};
+use reliq_integration::packet_loss::PacketLoss;
+use reliq_integration::proxy::FaultProxy;
 
 async fn scenario(backend: Backend, store: Store) -> anyhow::Result<()> {
+    scenario_with(backend, store, Vec::new()).await
+}
+
+/// [`scenario`] with `child_env` for the consumer child (its broker URL through a proxy).
+async fn scenario_with(
+    backend: Backend,
+    store: Store,
+    child_env: Vec<(String, String)>,
+) -> anyhow::Result<()> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let orders = env("RELIQ_CRASH_ORDERS").map_or(Ok(400), |v| v.parse())?;
     let store = env("RELIQ_CRASH_DB").map_or(Ok(store), |v| Store::parse(&v))?;
@@ -30,13 +41,61 @@ async fn scenario(backend: Backend, store: Store) -> anyhow::Result<()> {
         seed,
         child: env!("CARGO_BIN_EXE_crash-consumer").into(),
         timeout: Duration::from_secs(120 + u64::from(orders) / 10),
-        child_env: Vec::new(),
+        child_env,
         pause: None,
         child_db_host: None,
     })
     .await?;
     println!("{report}");
     Ok(())
+}
+
+/// The whole run, kills included, with the consumer's link to the broker lossy: it
+/// reaches the broker through a [`FaultProxy`] and the kernel drops 20 % of the packets
+/// to and from the proxy's port (nftables, [`PacketLoss`]) — the driver's own connections
+/// and the other tests' are whole. Publishes, acks and confirms come late or time out
+/// after the broker acted on them; every check of the harness still holds. `url_key`'s
+/// URL is pointed at the proxy, with `params` added.
+async fn through_a_lossy_link(backend: Backend, url_key: &str, params: &str) -> anyhow::Result<()> {
+    let url = reliq_integration::settings::get(url_key);
+    let node = reliq_integration::settings::authority(&url).parse()?;
+    let proxy = FaultProxy::start(node).await?;
+    let mut via = reliq_integration::settings::with_hosts(&url, &proxy.addr().to_string());
+    if !params.is_empty() {
+        via.push(if via.contains('?') { '&' } else { '?' });
+        via.push_str(params);
+    }
+    let loss = PacketLoss::start(&[proxy.addr().port()], 20)?;
+    let run = scenario_with(backend, Store::Sqlite, vec![(url_key.to_owned(), via)]).await;
+    let counts = loss.stop()?;
+    println!(
+        "{} of {} packets dropped, {} bytes through the proxy",
+        counts.dropped,
+        counts.seen,
+        proxy.bytes_moved()
+    );
+    run?;
+    anyhow::ensure!(
+        counts.dropped > 0,
+        "no packet was dropped: the consumer's link was not lossy"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_through_a_lossy_link() -> anyhow::Result<()> {
+    through_a_lossy_link(Backend::Rabbit, "RELIQ_RABBIT_URL", "").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_through_a_lossy_link() -> anyhow::Result<()> {
+    // Stay behind the proxy after a reconnect (the server advertises its own address).
+    through_a_lossy_link(
+        Backend::Nats,
+        "RELIQ_NATS_URL",
+        "reliq.ignore_discovered_servers=true",
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,4 @@
-# scripts/brokers.d/tools.sh - `scripts/brokers browser`, `promtool` and `oidc`: what the
+# scripts/brokers.d/tools.sh - `scripts/brokers browser`, `promtool`, `nft` and `oidc`: what the
 # tests need besides the brokers; sourced by scripts/brokers (not run).
 
 cmd_browser() {
@@ -11,16 +11,24 @@ cmd_browser() {
   log "browser: $(chromium --version 2>/dev/null | head -n 1) installed"
 }
 
-cmd_promtool() {
-  if command -v promtool >/dev/null 2>&1; then
-    log "promtool: $(promtool --version 2>&1 | head -n 1)"
+# `apt_tool COMMAND PACKAGE`: COMMAND from Debian's PACKAGE, installed when missing.
+apt_tool() {
+  local cmd=$1 package=$2
+  if command -v "$cmd" >/dev/null 2>&1; then
+    log "$cmd: $("$cmd" --version 2>&1 | head -n 1)"
     return 0
   fi
-  # Debian's prometheus package ships promtool (its service is not started: policy-rc.d).
-  apt_install prometheus || return 1
-  command -v promtool >/dev/null 2>&1 || { err "promtool missing after installing prometheus"; return 1; }
-  log "promtool: $(promtool --version 2>&1 | head -n 1) installed"
+  apt_install "$package" || return 1
+  command -v "$cmd" >/dev/null 2>&1 || { err "$cmd missing after installing $package"; return 1; }
+  log "$cmd: $("$cmd" --version 2>&1 | head -n 1) installed"
 }
+
+# Debian's prometheus package ships promtool (its service is not started: policy-rc.d).
+cmd_promtool() { apt_tool promtool prometheus; }
+
+# The chaos tests' packet loss (integration/src/packet_loss.rs) is an nftables table:
+# Debian's nftables package for `nft` (root is needed to load the rules).
+cmd_nft() { apt_tool nft nftables; }
 
 # The console's single sign-on tests start a real OpenID provider (scripts/oidc/provider.mjs,
 # npm's oidc-provider) on a free port of their own; this puts it and its locked packages in

@@ -42,6 +42,7 @@ async fn forwards_bytes_unchanged_both_ways() {
     let receive = async { r.read_exact(&mut back).await.unwrap() };
     tokio::join!(send, receive);
     assert!(back == payload, "3 MiB came back changed");
+    assert_eq!(proxy.bytes_moved(), 2 * payload.len() as u64);
     assert_eq!(proxy.connections(), 1);
     drop(s);
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -203,4 +204,42 @@ async fn a_refused_upstream_closes_the_client() {
         .await
         .expect("closed at once");
     assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+}
+
+/// 20 % of the packets to and from the proxy's port dropped by the kernel: TCP
+/// retransmits, the bytes arrive unchanged, and the counters show the loss.
+#[tokio::test]
+async fn a_lossy_link_drops_packets_and_tcp_still_delivers_every_byte() {
+    let proxy = FaultProxy::start(echo().await).await.unwrap();
+    let loss = crate::packet_loss::PacketLoss::start(&[proxy.addr().port()], 20).unwrap();
+    let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
+    let mut rng = fastrand::Rng::with_seed(11);
+    // Small writes, one round trip each: many packets, so the share dropped is near 20 %.
+    let started = Instant::now();
+    const ROUNDS: usize = 80;
+    for _ in 0..ROUNDS {
+        let chunk: Vec<u8> = (0..512).map(|_| rng.u8(..)).collect();
+        let back = tokio::time::timeout(Duration::from_secs(30), round_trip(&mut s, &chunk))
+            .await
+            .expect("a round trip through the lossy link took more than 30 s");
+        assert!(back == chunk, "a chunk came back changed");
+    }
+    let counts = loss.stop().unwrap();
+    // Each round trip is at least a packet each way (the answer carries the ack).
+    assert!(
+        counts.seen >= 2 * ROUNDS as u64,
+        "{counts:?}: too few packets"
+    );
+    let share = counts.dropped as f64 / counts.seen as f64;
+    assert!(
+        (0.1..=0.3).contains(&share),
+        "{counts:?}: dropped {share:.2}, not about 0.2"
+    );
+    // Retransmission timeouts (≥ 200 ms each on loopback) make the link slow.
+    assert!(
+        started.elapsed() > Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(proxy.bytes_moved(), 2 * ROUNDS as u64 * 512);
 }
