@@ -1006,6 +1006,29 @@ async fn drive(
     Ok(report)
 }
 
+/// The DLQ entries of `ids`, one line each: position and headers.
+async fn parked_copies(
+    broker: &Arc<dyn Broker>,
+    topic: &str,
+    ids: &HashSet<&MessageId>,
+) -> anyhow::Result<String> {
+    let reader = broker.dead_letters(&orders::subscription(topic)).await?;
+    let mut out = String::new();
+    let mut cursor = reliq_core::Cursor::start();
+    loop {
+        let page = reader.browse(&cursor, 500).await?;
+        for e in page.entries.iter().filter(|e| ids.contains(e.id())) {
+            let mut headers: Vec<_> = e.headers().iter().collect();
+            headers.sort();
+            out.push_str(&format!("\n  {} at {}: {headers:?}", e.id(), e.position));
+        }
+        if page.at_end {
+            return Ok(out);
+        }
+        cursor = page.next;
+    }
+}
+
 async fn check(
     s: &Scenario,
     db: &Db,
@@ -1065,11 +1088,18 @@ async fn check(
         // Publishes (second copies) and dead letters (one per stream message) are
         // deduplicated: each order is parked exactly once, whatever was redelivered.
         let twice: Vec<_> = dlq.iter().filter(|(_, r)| r.len() != 1).collect();
-        ensure!(
-            twice.is_empty(),
-            "DLQ: {} orders parked more than once on a broker that deduplicates: {twice:?}",
-            twice.len()
-        );
+        if !twice.is_empty() {
+            // Each copy's position and headers (when, at which attempt, from which
+            // delivery): what tells a lost deduplication from a late second parking.
+            let ids: HashSet<&MessageId> = twice.iter().map(|(id, _)| *id).collect();
+            let copies = parked_copies(broker, topic, &ids)
+                .await
+                .unwrap_or_else(|e| format!("\n  (reading the copies failed: {e:#})"));
+            bail!(
+                "DLQ: {} orders parked more than once on a broker that deduplicates: {twice:?}; the copies:{copies}",
+                twice.len()
+            );
+        }
     }
 
     let parked_once: Vec<_> = expected

@@ -8,10 +8,17 @@
 //! Memory: the broker cannot outlive its process, so the consumer runs in-process and is
 //! stopped with `ConsumerHandle::crash()` instead.
 //!
+//! The faulty-link runs (`*_through_a_lossy_link`, `*_through_a_flapping_link`,
+//! `*_with_its_answers_held_now_and_then`) put the consumer behind a fault proxy that
+//! degrades its link for the whole run (RabbitMQ and NATS; a single Kafka node advertises
+//! its own address, so its clients would bypass the proxy — the chaos rounds cover Kafka).
+//!
 //! `RELIQ_CRASH_ORDERS` (default 400) sets the order count, `RELIQ_CRASH_DB`
 //! (`sqlite | postgres`) overrides each test's store, `RELIQ_CRASH_SEED` the kill moments;
 //! `just crash-harness <backend> [orders]` runs one of them big.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use reliq_integration::crash::{self, Backend, Scenario, Store};
@@ -50,50 +57,142 @@ async fn scenario_with(
     Ok(())
 }
 
-/// The whole run, kills included, with the consumer's link to the broker lossy: it
-/// reaches the broker through a [`FaultProxy`] and the kernel drops 20 % of the packets
-/// to and from the proxy's port (nftables, [`PacketLoss`]) — the driver's own connections
-/// and the other tests' are whole. Publishes, acks and confirms come late or time out
-/// after the broker acted on them; every check of the harness still holds. `url_key`'s
-/// URL is pointed at the proxy, with `params` added.
-async fn through_a_lossy_link(backend: Backend, url_key: &str, params: &str) -> anyhow::Result<()> {
+/// What [`through_a_faulty_link`] does to the consumer's link for the whole run.
+#[derive(Clone, Copy, Debug)]
+enum LinkFault {
+    /// The kernel drops this share (%) of the packets to and from the proxy's port
+    /// (nftables, [`PacketLoss`]): TCP retransmits, so everything comes late.
+    Loss(u8),
+    /// Every byte held both ways for `held`, every `every` (a flapping partition: the
+    /// peers see silence, no error).
+    Flapping { held: Duration, every: Duration },
+    /// Only the broker's answers held for `held`, every `every` (an asymmetric partition:
+    /// the broker acts on acks and publishes the consumer hears nothing of).
+    AnswersHeld { held: Duration, every: Duration },
+}
+
+/// The whole run, kills included, with the consumer's link to the broker faulty: it
+/// reaches the broker through a [`FaultProxy`] whose link `fault` degrades — the
+/// driver's own connections and the other tests' are whole. Every check of the harness
+/// still holds: nothing lost, nothing done twice, every poison parked. `url_key`'s URL is
+/// pointed at the proxy, with `params` added.
+async fn through_a_faulty_link(
+    backend: Backend,
+    url_key: &str,
+    params: &str,
+    fault: LinkFault,
+) -> anyhow::Result<()> {
     let url = reliq_integration::settings::get(url_key);
     let node = reliq_integration::settings::authority(&url).parse()?;
-    let proxy = FaultProxy::start(node).await?;
+    let proxy = Arc::new(FaultProxy::start(node).await?);
     let mut via = reliq_integration::settings::with_hosts(&url, &proxy.addr().to_string());
     if !params.is_empty() {
         via.push(if via.contains('?') { '&' } else { '?' });
         via.push_str(params);
     }
-    let loss = PacketLoss::start(&[proxy.addr().port()], 20)?;
-    let run = scenario_with(backend, Store::Sqlite, vec![(url_key.to_owned(), via)]).await;
-    let counts = loss.stop()?;
+    let child_env = vec![(url_key.to_owned(), via)];
+    let (run, injected) = match fault {
+        LinkFault::Loss(percent) => {
+            let loss = PacketLoss::start(&[proxy.addr().port()], percent)?;
+            let run = scenario_with(backend, Store::Sqlite, child_env).await;
+            let counts = loss.stop()?;
+            let injected = (counts.dropped > 0)
+                .then(|| format!("{} of {} packets dropped", counts.dropped, counts.seen));
+            (run, injected)
+        }
+        LinkFault::Flapping { held, every } | LinkFault::AnswersHeld { held, every } => {
+            let answers_only = matches!(fault, LinkFault::AnswersHeld { .. });
+            let flaps = Arc::new(AtomicU64::new(0));
+            let flapping = tokio::spawn({
+                let (proxy, flaps) = (proxy.clone(), flaps.clone());
+                async move {
+                    loop {
+                        tokio::time::sleep(every - held).await;
+                        if answers_only {
+                            proxy.stall_answers();
+                        } else {
+                            proxy.stall();
+                        }
+                        tokio::time::sleep(held).await;
+                        proxy.resume();
+                        flaps.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            });
+            let run = scenario_with(backend, Store::Sqlite, child_env).await;
+            flapping.abort();
+            proxy.resume();
+            let flaps = flaps.load(Ordering::SeqCst);
+            // Several holds, or the run hardly went through the fault.
+            (run, (flaps >= 2).then(|| format!("held {flaps} times")))
+        }
+    };
     println!(
-        "{} of {} packets dropped, {} bytes through the proxy",
-        counts.dropped,
-        counts.seen,
+        "{fault:?}: {}, {} bytes through the proxy",
+        injected.as_deref().unwrap_or("never injected"),
         proxy.bytes_moved()
     );
     run?;
     anyhow::ensure!(
-        counts.dropped > 0,
-        "no packet was dropped: the consumer's link was not lossy"
+        injected.is_some(),
+        "{fault:?} was not injected (enough): the run did not go through a faulty link"
     );
     Ok(())
 }
 
+/// Stay behind the proxy after a reconnect (the NATS server advertises its own address).
+const NATS_BEHIND_PROXY: &str = "reliq.ignore_discovered_servers=true";
+
+// Dense enough that a 400-order run (10-20 s) goes through several: each hold is
+// longer than a confirm takes, shorter than the clients' timeouts.
+const FLAPPING: LinkFault = LinkFault::Flapping {
+    held: Duration::from_millis(1_500),
+    every: Duration::from_millis(3_000),
+};
+
+const ANSWERS_HELD: LinkFault = LinkFault::AnswersHeld {
+    held: Duration::from_secs(2),
+    every: Duration::from_secs(4),
+};
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbit_through_a_lossy_link() -> anyhow::Result<()> {
-    through_a_lossy_link(Backend::Rabbit, "RELIQ_RABBIT_URL", "").await
+    through_a_faulty_link(Backend::Rabbit, "RELIQ_RABBIT_URL", "", LinkFault::Loss(20)).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_through_a_lossy_link() -> anyhow::Result<()> {
-    // Stay behind the proxy after a reconnect (the server advertises its own address).
-    through_a_lossy_link(
+    through_a_faulty_link(
         Backend::Nats,
         "RELIQ_NATS_URL",
-        "reliq.ignore_discovered_servers=true",
+        NATS_BEHIND_PROXY,
+        LinkFault::Loss(20),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_through_a_flapping_link() -> anyhow::Result<()> {
+    through_a_faulty_link(Backend::Rabbit, "RELIQ_RABBIT_URL", "", FLAPPING).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_through_a_flapping_link() -> anyhow::Result<()> {
+    through_a_faulty_link(Backend::Nats, "RELIQ_NATS_URL", NATS_BEHIND_PROXY, FLAPPING).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_with_its_answers_held_now_and_then() -> anyhow::Result<()> {
+    through_a_faulty_link(Backend::Rabbit, "RELIQ_RABBIT_URL", "", ANSWERS_HELD).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_with_its_answers_held_now_and_then() -> anyhow::Result<()> {
+    through_a_faulty_link(
+        Backend::Nats,
+        "RELIQ_NATS_URL",
+        NATS_BEHIND_PROXY,
+        ANSWERS_HELD,
     )
     .await
 }
