@@ -116,6 +116,43 @@ pub async fn connect(backend: Backend, group_prefix: &str) -> anyhow::Result<Arc
     })
 }
 
+/// How long a consumer child keeps trying to reach its broker at startup.
+const CONNECT_WAIT: Duration = Duration::from_secs(60);
+
+/// [`connect`], tried again after connection errors and timeouts for up to a minute
+/// (a warning per attempt), as a service does at startup: a consumer
+/// restarted while its link is lossy or its node is down waits for the broker instead of
+/// exiting (a lossy-link run's child timed out in the NATS handshake). Any other error
+/// (a bad URL, refused credentials) ends it at once.
+pub async fn connect_through_outages(
+    backend: Backend,
+    group_prefix: &str,
+) -> anyhow::Result<Arc<dyn Broker>> {
+    let give_up = Instant::now() + CONNECT_WAIT;
+    let mut pause = Duration::from_millis(250);
+    loop {
+        match connect(backend, group_prefix).await {
+            Ok(broker) => return Ok(broker),
+            Err(e)
+                if Instant::now() + pause < give_up
+                    && e.downcast_ref::<reliq_core::BrokerError>()
+                        .is_some_and(|b| {
+                            matches!(
+                                b,
+                                reliq_core::BrokerError::Connection { .. }
+                                    | reliq_core::BrokerError::Timeout(_)
+                            )
+                        }) =>
+            {
+                tracing::warn!(error = %format!("{e:#}"), retry_in = ?pause, "the broker is unreachable; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// The inventory consumer as the harness runs it: the example's settings, plus a short
 /// lease (fast redelivery on NATS after a kill) and a delivery limit far above what five
 /// kills can add to a message's deliveries.
@@ -1464,7 +1501,7 @@ mod tests {
     #[tokio::test]
     async fn a_consumer_the_driver_ends_is_not_reported() -> anyhow::Result<()> {
         let until = until_in(60);
-        let mut runner = shell_runner("sleep 30", &until);
+        let mut runner = shell_runner("exec sleep 30", &until);
         runner.start(0, None).await?;
         assert_eq!(runner.kill().await?, "SIGKILL");
         let mut runner = shell_runner("cat >/dev/null", &until);

@@ -26,7 +26,13 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn,reliq=error".into()),
+                // reliq's own crates at error level (a run's faults make many warnings);
+                // the example's and the harness's warnings (waiting for the database or
+                // the broker at startup) are shown. A target matches by prefix: the
+                // longer directives win over `reliq`.
+                .unwrap_or_else(|_| {
+                    "warn,reliq=error,reliq_examples=warn,reliq_integration=warn".into()
+                }),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -40,7 +46,7 @@ async fn main() -> anyhow::Result<()> {
         .context("--crash-after-commit takes a number")?;
     let group_prefix = settings::arg("--group-prefix").unwrap_or_default();
 
-    let broker = crash::connect(backend, &group_prefix).await?;
+    let broker = crash::connect_through_outages(backend, &group_prefix).await?;
     let db = Db::open(&db_url, settings::arg("--schema").as_deref()).await?;
     let emit: Emit = Arc::new(|e: Event| println!("{}", e.line()));
     let consumer = crash::consumer(broker, &topic, &db)
