@@ -26,7 +26,7 @@ use reliq_integration::packet_loss::PacketLoss;
 use reliq_integration::proxy::FaultProxy;
 
 async fn scenario(backend: Backend, store: Store) -> anyhow::Result<()> {
-    scenario_with(backend, store, Vec::new()).await
+    scenario_with(backend, store, Vec::new(), Duration::ZERO).await
 }
 
 /// [`scenario`] with `child_env` for the consumer child (its broker URL through a proxy).
@@ -34,6 +34,7 @@ async fn scenario_with(
     backend: Backend,
     store: Store,
     child_env: Vec<(String, String)>,
+    slack: Duration,
 ) -> anyhow::Result<()> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let orders = env("RELIQ_CRASH_ORDERS").map_or(Ok(400), |v| v.parse())?;
@@ -47,7 +48,7 @@ async fn scenario_with(
         kills: 5,
         seed,
         child: env!("CARGO_BIN_EXE_crash-consumer").into(),
-        timeout: Duration::from_secs(120 + u64::from(orders) / 10),
+        timeout: Duration::from_secs(120 + u64::from(orders) / 10) + slack,
         child_env,
         pause: None,
         child_db_host: None,
@@ -102,7 +103,7 @@ async fn through_a_faulty_link(
     let (run, injected) = match fault {
         LinkFault::Loss(percent) => {
             let loss = PacketLoss::start(&[proxy.addr().port()], percent)?;
-            let run = scenario_with(backend, store, child_env).await;
+            let run = scenario_with(backend, store, child_env, FAULTY_LINK_SLACK).await;
             let counts = loss.stop()?;
             let injected = (counts.dropped > 0)
                 .then(|| format!("{} of {} packets dropped", counts.dropped, counts.seen));
@@ -127,7 +128,7 @@ async fn through_a_faulty_link(
                     }
                 }
             });
-            let run = scenario_with(backend, store, child_env).await;
+            let run = scenario_with(backend, store, child_env, FAULTY_LINK_SLACK).await;
             flapping.abort();
             proxy.resume();
             let flaps = flaps.load(Ordering::SeqCst);
@@ -147,6 +148,10 @@ async fn through_a_faulty_link(
     );
     Ok(())
 }
+
+/// More time for a run through a faulty link: each dropped packet costs a retransmission
+/// timeout, each hold its length (a loaded fresh-clone run took 144 s of the usual 160).
+const FAULTY_LINK_SLACK: Duration = Duration::from_secs(120);
 
 /// Stay behind the proxy after a reconnect (the NATS server advertises its own address).
 const NATS_BEHIND_PROXY: &str = "reliq.ignore_discovered_servers=true";
