@@ -344,18 +344,16 @@ impl Db {
                 pool,
             });
         }
-        let started = tokio::time::Instant::now();
-        let mut pause = Duration::from_millis(500);
-        loop {
-            match Self::open_postgres(url, schema).await {
-                Err(e) if unreachable(&e) && started.elapsed() < DATABASE_WAIT => {
-                    tracing::warn!(error = %format!("{e:#}"), retry_in = ?pause, "PostgreSQL unreachable; waiting for it");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(5));
-                }
-                result => return result,
-            }
-        }
+        reliq::through_outage(
+            "opening the PostgreSQL store",
+            reliq::OutageWait {
+                first: Duration::from_millis(500),
+                ..reliq::OutageWait::up_to(DATABASE_WAIT)
+            },
+            unreachable,
+            || Self::open_postgres(url, schema),
+        )
+        .await
     }
 
     async fn open_postgres(url: &str, schema: Option<&str>) -> anyhow::Result<Self> {

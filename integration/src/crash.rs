@@ -128,29 +128,16 @@ pub async fn connect_through_outages(
     backend: Backend,
     group_prefix: &str,
 ) -> anyhow::Result<Arc<dyn Broker>> {
-    let give_up = Instant::now() + CONNECT_WAIT;
-    let mut pause = Duration::from_millis(250);
-    loop {
-        match connect(backend, group_prefix).await {
-            Ok(broker) => return Ok(broker),
-            Err(e)
-                if Instant::now() + pause < give_up
-                    && e.downcast_ref::<reliq_core::BrokerError>()
-                        .is_some_and(|b| {
-                            matches!(
-                                b,
-                                reliq_core::BrokerError::Connection { .. }
-                                    | reliq_core::BrokerError::Timeout(_)
-                            )
-                        }) =>
-            {
-                tracing::warn!(error = %format!("{e:#}"), retry_in = ?pause, "the broker is unreachable; trying again");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(5));
-            }
-            Err(e) => return Err(e),
-        }
-    }
+    reliq_core::through_outage(
+        "connecting to the broker",
+        reliq_core::OutageWait::up_to(CONNECT_WAIT),
+        |e: &anyhow::Error| {
+            e.downcast_ref::<reliq_core::BrokerError>()
+                .is_some_and(reliq_core::BrokerError::is_unreachable)
+        },
+        || connect(backend, group_prefix),
+    )
+    .await
 }
 
 /// The inventory consumer as the harness runs it: the example's settings, plus a short
@@ -729,20 +716,22 @@ async fn publish_through_outages(
     message: &reliq_core::Message,
     deadline: Instant,
 ) -> anyhow::Result<()> {
-    loop {
-        match broker.publish(destination, message.clone()).await {
-            Ok(()) => return Ok(()),
-            Err(
-                e @ (reliq_core::BrokerError::Connection { .. }
-                | reliq_core::BrokerError::Timeout(_)
-                | reliq_core::BrokerError::Closed),
-            ) if Instant::now() < deadline => {
-                tracing::warn!(error = %e, "publishing a second copy failed; again in 500 ms");
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
+    let every = Duration::from_millis(500);
+    let wait = reliq_core::OutageWait {
+        within: deadline.saturating_duration_since(Instant::now()),
+        first: every,
+        longest: every,
+    };
+    reliq_core::through_outage(
+        "publishing a second copy",
+        wait,
+        |e: &reliq_core::BrokerError| {
+            e.is_unreachable() || matches!(e, reliq_core::BrokerError::Closed)
+        },
+        || broker.publish(destination, message.clone()),
+    )
+    .await?;
+    Ok(())
 }
 
 /// Where the run's waits stop: its deadline, or at once when an injected fault failed

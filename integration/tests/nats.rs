@@ -156,6 +156,59 @@ async fn foreign_terminations_are_parked_and_reliq_ones_not_doubled() -> anyhow:
     Ok(())
 }
 
+/// One message stored twice in the source stream (as a cluster can around a leader
+/// change, or a publish repeated after the duplicate window) and failing permanently both
+/// times is parked once: the DLQ is keyed by message id, not by stream sequence. Before,
+/// a chaos round parked such an order twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_stored_twice_is_parked_once() -> anyhow::Result<()> {
+    use reliq_core::Permanent;
+
+    let backend = NatsBackend::new();
+    let nats = backend.connect_nats().await?;
+    let topic = unique("nats-twice");
+    nats.declare_source(&topic).await?;
+    let message = Message::new("unknown sku");
+    let id = message.id().clone();
+    // Two stream messages of one reliq message: the second under another Nats-Msg-Id,
+    // so the source stream keeps both.
+    let js = async_nats::jetstream::new(
+        async_nats::connect(reliq_integration::settings::get("RELIQ_NATS_URL")).await?,
+    );
+    for copy in ["first", "second"] {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert(reliq_core::seam::headers::MESSAGE_ID, id.as_str());
+        h.insert("Nats-Msg-Id", format!("{id}:{copy}").as_str());
+        let ack = js
+            .publish_with_headers(topic.clone(), h, "unknown sku".into())
+            .await?
+            .await?;
+        ensure!(!ack.duplicate, "the {copy} copy was not stored");
+    }
+    let broker: Arc<dyn Broker> = Arc::new(nats);
+    let sub = Subscription::new("parks", topic.clone());
+    let h = Consumer::builder(broker.clone(), "parks")
+        .subscribe(topic)
+        .start(|_d: Delivery| async { Err::<(), BoxError>(Permanent::msg("unknown sku").into()) })
+        .await?;
+    reliq_conformance::support::wait_until(
+        "both copies dead-lettered",
+        Duration::from_secs(20),
+        || h.stats().dead_lettered >= 2,
+    )
+    .await?;
+    h.shutdown().await;
+    let dlq = broker.dead_letters(&sub).await?;
+    let dead = only_dead_letter(dlq.as_ref()).await?;
+    ensure!(dead.id() == &id, "{dead:?}");
+    ensure!(
+        dead.record()?.origin.sequence == Some(1),
+        "the entry is not the first copy's: {:?}",
+        dead.record()?.origin
+    );
+    Ok(())
+}
+
 /// Waits (10 s at most) for the DLQ to hold an entry, then checks for 2 s that it stays the
 /// only one (a second relay or a doubled termination would add another); returns it.
 async fn only_dead_letter(dlq: &dyn DeadLetters) -> anyhow::Result<DeadLetterEntry> {

@@ -48,7 +48,17 @@ launch() {
   local b=$1 logf=$2
   shift 2
   (cd "$DIR/$b" && exec setsid "$@" > "$logf" 2>&1 < /dev/null) &
-  echo $! > "$DIR/$b/pid"
+  local pid=$! i
+  echo "$pid" > "$DIR/$b/pid"
+  # Until the subshell has exec'd, its command line is this script's: a liveness check
+  # by pattern (pid_alive) in that moment calls a starting broker dead. On a loaded
+  # machine that moment was long enough: a chaos round's node restart failed with
+  # "exited before listening" and an empty log.
+  for ((i = 0; i < 100; i++)); do
+    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$1" && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+  done
 }
 
 # stop_pid NAME PIDFILE PATTERN [GRACE_SECONDS]: TERM, wait, then KILL

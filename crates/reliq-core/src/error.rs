@@ -101,6 +101,12 @@ impl BrokerError {
         }
     }
 
+    /// The broker could not be reached or did not answer in time ([`BrokerError::Connection`],
+    /// [`BrokerError::Timeout`]): asking again later may succeed (see [`crate::through_outage`]).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, Self::Connection { .. } | Self::Timeout(_))
+    }
+
     /// [`BrokerError::Rejected`] without a client error behind it.
     pub fn rejected(reason: impl Into<String>) -> Self {
         Self::Rejected {

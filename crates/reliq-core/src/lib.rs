@@ -79,6 +79,7 @@ mod lease;
 mod message;
 mod metered;
 pub mod metrics;
+mod outage;
 mod outbox;
 mod permissions;
 mod replay;
@@ -113,6 +114,7 @@ pub use headers::{DeadLetter, DeadLetterReason, HeaderError, Headers, Origin};
 pub use inbox::{Claim, Duplicate, Inbox, InboxError, MemoryInbox};
 pub use message::{Message, MessageId};
 pub use metered::MeteredBroker;
+pub use outage::{OutageWait, through_outage};
 pub use outbox::{
     OutboxBacklog, OutboxError, OutboxRecord, OutboxStore, Relay, RelayBuilder, RelayConfigError,
     RelayError, RelayHandle, RelayStats,

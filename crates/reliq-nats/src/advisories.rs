@@ -6,9 +6,9 @@ use futures::StreamExt;
 use reliq_core::{BrokerError, DeadLetter, DeadLetterReason, Origin, Subscription, seam::headers};
 
 use crate::client::NatsBroker;
-use crate::codec::{MSG_ID, copy_origin, from_nats, route_of, to_nats_headers};
+use crate::codec::{copy_origin, from_nats, route_of};
 use crate::error::api;
-use crate::names::{consumer_name, dead_letter_subject, stream_name};
+use crate::names::{consumer_name, stream_name};
 
 /// Turns `MAX_DELIVERIES` advisories of one consumer into DLQ entries.
 pub(crate) struct AdvisoryWatcher {
@@ -120,8 +120,8 @@ impl AdvisoryWatcher {
             0
         };
         let attempts = u32::try_from(before + advisory.deliveries).unwrap_or(u32::MAX);
-        let (reason, error, id_prefix) = match kind {
-            Advisory::MaxDeliveries => (DeadLetterReason::MaxDeliveries, None, "maxdel"),
+        let (reason, error) = match kind {
+            Advisory::MaxDeliveries => (DeadLetterReason::MaxDeliveries, None),
             // Terminated by a client outside reliq: parked so it is not lost.
             Advisory::Terminated => (
                 DeadLetterReason::Permanent,
@@ -129,7 +129,6 @@ impl AdvisoryWatcher {
                     "terminated outside reliq (reason `{}`)",
                     advisory.reason
                 )),
-                "term",
             ),
         };
         DeadLetter {
@@ -148,16 +147,8 @@ impl AdvisoryWatcher {
             },
         }
         .write(message.headers_mut());
-        let mut h = to_nats_headers(&message);
-        // One entry per message first consumed, as the receiver's dead letters.
-        h.insert(
-            MSG_ID,
-            format!("{id_prefix}:{}:{origin_seq}", stream_name(&self.sub.source)),
-        );
-        let (_, _, payload, _) = message.into_parts();
-        self.broker
-            .publish_raw(dead_letter_subject(&self.sub), h, payload)
-            .await?;
+        // One entry per message, whichever path parks it: the receiver's and this one.
+        self.broker.publish_dead_letter(&self.sub, message).await?;
         tracing::warn!(seq = advisory.stream_seq, consumer = %self.sub.consumer, %reason,
             "the consumer gave up on a message; moved to the DLQ");
         Ok(())

@@ -1,7 +1,7 @@
 //! The connection: publishing and topology. The [`Broker`](reliq_core::Broker)
 //! implementation is in `broker`.
 
-use reliq_core::{BrokerError, Subscription, seam::lock};
+use reliq_core::{BrokerError, Message, Subscription, seam::lock};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -10,6 +10,7 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 use tokio::task::JoinHandle;
 
 use crate::clock::ServerClock;
+use crate::codec::{MSG_ID, publish_id, to_nats_headers};
 use crate::error::{api, connection};
 use crate::names::{
     consumer_name, dead_letter_stream, dead_letter_subject, retry_subjects, stream_name,
@@ -392,6 +393,27 @@ impl NatsBroker {
         Ok(reliq_core::Backlog::waiting(info.num_pending)
             .with_in_flight(Some(info.num_ack_pending as u64))
             .with_retries(retries as u64))
+    }
+
+    /// Park `dead` in the subscription's DLQ stream, confirmed, once per message: the
+    /// `Nats-Msg-Id` is the message's own publish id (its id, and its replay count for a
+    /// replayed copy), so its redeliveries, its retry copies, the advisory watcher's
+    /// entry for it *and* a second stream message of it (a publish the cluster stored
+    /// twice around a leader change, or one published again after the source's
+    /// duplicate window) make one entry within the DLQ's duplicate window (2 min).
+    /// A repeat of an entry an operator removed meanwhile (replayed or purged) is
+    /// dropped too: it is of a message already handled; a replay fails under its own id.
+    pub(crate) async fn publish_dead_letter(
+        &self,
+        sub: &Subscription,
+        dead: Message,
+    ) -> Result<(), BrokerError> {
+        let mut headers = to_nats_headers(&dead);
+        let msg_id = format!("dl:{}:{}", stream_name(&sub.source), publish_id(&dead));
+        headers.insert(MSG_ID, msg_id);
+        let (_, _, payload, _) = dead.into_parts();
+        self.publish_raw(dead_letter_subject(sub), headers, payload)
+            .await
     }
 
     pub(crate) async fn publish_raw(

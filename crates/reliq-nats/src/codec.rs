@@ -33,16 +33,20 @@ pub(crate) fn to_nats_headers(message: &Message) -> async_nats::HeaderMap {
     if let Some(key) = message.key() {
         h.insert(KEY_HEADER, key);
     }
-    // A replayed copy must not be dropped as a duplicate of the original publish, nor of
-    // another replay of the same id: the replay count and time make each replay distinct.
-    let h_ = message.headers();
-    let msg_id = match (h_.get(headers::REPLAY_COUNT), h_.get(headers::REPLAYED_AT)) {
+    h.insert(MSG_ID, publish_id(message));
+    h
+}
+
+/// The `Nats-Msg-Id` a message is published with: its id — and, for a replayed copy, the
+/// replay count and time, so that a replay is not dropped as a duplicate of the original
+/// publish, nor of another replay of the same id.
+pub(crate) fn publish_id(message: &Message) -> String {
+    let h = message.headers();
+    match (h.get(headers::REPLAY_COUNT), h.get(headers::REPLAYED_AT)) {
         (Some(n), Some(at)) => format!("{}:replay:{n}:{at}", message.id()),
         (Some(n), None) => format!("{}:replay:{n}", message.id()),
         _ => message.id().to_string(),
-    };
-    h.insert(MSG_ID, msg_id);
-    h
+    }
 }
 
 /// NATS headers + payload → a reliq message (`fallback_id` when no id header is present,

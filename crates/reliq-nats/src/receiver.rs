@@ -20,7 +20,7 @@ use crate::codec::{
     to_nats_headers,
 };
 use crate::error::connection;
-use crate::names::{dead_letter_subject, retry_due_subject, retry_schedule_subject, stream_name};
+use crate::names::{retry_due_subject, retry_schedule_subject, stream_name};
 
 /// The ack reliq sends after dead-lettering; its reason marks the termination as reliq's.
 const TERM_BY_RELIQ: &[u8] = b"+TERM reliq";
@@ -420,22 +420,12 @@ impl Receiver for NatsReceiver {
     }
 
     async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {
-        let origin = self.token(delivery)?.origin.0;
-        let mut h = to_nats_headers(&dead);
-        // Idempotent per message, within the DLQ's duplicate window: keyed by the stream
-        // message first consumed, so a redelivery of it *and* a retry copy of it dead-letter
-        // to one entry. (Keyed by the delivered copy's sequence, a message whose lease ran
-        // out while its dead letter was held — a stalled link — was delivered again,
-        // retried after a transient failure and parked a second time from the copy: two
-        // entries for one id in a chaos round.)
-        h.insert(
-            MSG_ID,
-            format!("dl:{}:{origin}", stream_name(&self.sub.source)),
-        );
-        let (_, _, payload, _) = dead.into_parts();
-        self.broker
-            .publish_raw(dead_letter_subject(&self.sub), h, payload)
-            .await?;
+        // One entry per message (see `publish_dead_letter`). (Keyed by the delivered
+        // copy's sequence, a message whose lease ran out while its dead letter was held —
+        // a stalled link — was retried and parked again from the copy; keyed by the
+        // message first consumed, an order the cluster stored twice around a leader
+        // kill was parked twice: both in chaos rounds.)
+        self.broker.publish_dead_letter(&self.sub, dead).await?;
         self.term_dead_lettered(delivery).await
     }
 

@@ -66,18 +66,13 @@ impl RabbitReceiver {
         // A node lost while the topology is declared closes the connection under the
         // declare: wait for the reconnect (to another node of the URL) and declare again,
         // as a running receiver does, rather than fail the consumer's start.
-        let deadline = tokio::time::Instant::now() + START_THROUGH_NODE_LOSS;
-        let live = loop {
-            match rx.open().await {
-                Err(e @ BrokerError::Connection { .. })
-                    if tokio::time::Instant::now() < deadline =>
-                {
-                    tracing::warn!(queue = rx.queue(), error = %reliq_core::ErrorChain(&e), "connection lost while subscribing (a node lost?); again in 1 s");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-                opened => break opened?,
-            }
-        };
+        let live = reliq_core::through_outage(
+            &format!("subscribing to queue `{}` (a node lost?)", rx.queue()),
+            reliq_core::OutageWait::up_to(START_THROUGH_NODE_LOSS),
+            |e| matches!(e, BrokerError::Connection { .. }),
+            || rx.open(),
+        )
+        .await?;
         *rx.live.lock().await = Some(live);
         *lock(&rx.relay) = Some(crate::dead_letters::spawn_relay(
             rx.inner.clone(),

@@ -59,11 +59,11 @@ pub use reliq_core::{
     DeadLetterCount, DeadLetterEntry, DeadLetterFilter, DeadLetterPage, DeadLetterReason,
     DeadLetters, DecodeError, Delivery, DeliveryOrder, Destination, Duplicate, Envelope,
     ErrorChain, ErrorClass, FinalRoute, Fingerprint, Grant, HeaderError, Headers, Inbox,
-    InboxError, MemoryInbox, Message, MessageId, MeteredBroker, NamePattern, Origin, OutboxError,
-    OutboxRecord, OutboxStore, PanicAction, Permanent, Permissions, Poison, PolicyError, Progress,
-    PurgeReport, Relay, RelayHandle, RelayStats, Replay, ReplayEntry, ReplayGuard, ReplayReport,
-    ReplayTarget, RetryPolicy, Schedule, ShutdownReport, StartupCheck, Stats, StatsSnapshot,
-    Subscription, TierBacklog, Transient,
+    InboxError, MemoryInbox, Message, MessageId, MeteredBroker, NamePattern, Origin, OutageWait,
+    OutboxError, OutboxRecord, OutboxStore, PanicAction, Permanent, Permissions, Poison,
+    PolicyError, Progress, PurgeReport, Relay, RelayHandle, RelayStats, Replay, ReplayEntry,
+    ReplayGuard, ReplayReport, ReplayTarget, RetryPolicy, Schedule, ShutdownReport, StartupCheck,
+    Stats, StatsSnapshot, Subscription, TierBacklog, Transient, through_outage,
 };
 
 /// A consumer's topology as data: the plan ([`Broker::plan`]), the broker's objects

@@ -55,22 +55,20 @@ const ASSIGN_WAIT: Duration = Duration::from_secs(10);
 /// consumer, restarted during a node loss, exited on one such timeout).
 const STALE_TIERS_WAIT: Duration = Duration::from_secs(60);
 
-/// [`stale_tiers`], asked again after connection errors for up to [`STALE_TIERS_WAIT`].
+/// [`stale_tiers`], asked again after connection errors and timeouts for up to
+/// [`STALE_TIERS_WAIT`].
 async fn stale_tiers_through_outage(
     inner: &Arc<Inner>,
     sub: &Subscription,
     current: &[String],
 ) -> Result<Vec<crate::stale_tiers::StaleTier>, BrokerError> {
-    let started = tokio::time::Instant::now();
-    loop {
-        match stale_tiers(inner, sub, current).await {
-            Err(e @ BrokerError::Connection { .. }) if started.elapsed() < STALE_TIERS_WAIT => {
-                tracing::warn!(consumer = %sub.consumer, error = %e, "listing old retry tiers failed; asking again");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            result => return result,
-        }
-    }
+    reliq_core::through_outage(
+        &format!("listing the old retry tiers of `{}`", sub.consumer),
+        reliq_core::OutageWait::up_to(STALE_TIERS_WAIT),
+        BrokerError::is_unreachable,
+        || stale_tiers(inner, sub, current),
+    )
+    .await
 }
 
 /// A [`Receiver`] over one or more Kafka consumers.
