@@ -161,6 +161,10 @@ pub enum Event {
     Duplicate(MessageId),
     /// Counters (every 200 ms, and `final` at a graceful stop).
     Stats(StatsSnapshot),
+    /// The child's wall clock at startup, in ms since the Unix epoch, as it prints it;
+    /// the driver keeps, instead, its offset from the driver's own clock on arrival (ms):
+    /// what a skewed child's clock is off by.
+    Clock(i64),
 }
 
 impl Event {
@@ -168,6 +172,7 @@ impl Event {
     pub fn line(&self) -> String {
         match self {
             Self::Ready => "ready".into(),
+            Self::Clock(ms) => format!("clock {ms}"),
             Self::CommitAck(id) => format!("commit-ack {id}"),
             Self::Duplicate(id) => format!("duplicate {id}"),
             Self::Stats(s) => format!(
@@ -189,6 +194,7 @@ impl Event {
         let (kind, rest) = line.split_once(' ').unwrap_or((line, ""));
         Some(match kind {
             "ready" => Self::Ready,
+            "clock" => Self::Clock(rest.parse().ok()?),
             "commit-ack" => Self::CommitAck(MessageId::from(rest.to_owned())),
             "duplicate" => Self::Duplicate(MessageId::from(rest.to_owned())),
             "stats" => {
@@ -365,6 +371,10 @@ pub struct Report {
     /// Deliveries the frozen consumer held when it was frozen (0 without a pause): what
     /// it can settle again as a zombie once thawed.
     pub held_when_frozen: u64,
+    /// How far each consumer process's wall clock was off the driver's at its start (ms),
+    /// in the order they started: about 0, unless the run skews them
+    /// ([`crate::skew::child_env`]).
+    pub clock_offsets_ms: Vec<i64>,
 }
 
 impl std::fmt::Display for Report {
@@ -391,6 +401,14 @@ impl std::fmt::Display for Report {
             self.outcomes,
             self.elapsed.as_secs_f64()
         )?;
+        if self.clock_offsets_ms.iter().any(|ms| ms.abs() >= 1_000) {
+            let offsets: Vec<String> = self
+                .clock_offsets_ms
+                .iter()
+                .map(|ms| format!("{:+.1} s", *ms as f64 / 1000.0))
+                .collect();
+            write!(f, "\n  consumer clocks off by: {}", offsets.join(", "))?;
+        }
         for fault in &self.faults {
             write!(f, "\n  fault: {fault}")?;
         }
@@ -514,6 +532,9 @@ impl Runner for ChildRunner {
             let mut lines = BufReader::new(stdout).lines();
             while let Ok(Some(line)) = lines.next_line().await {
                 match Event::parse(line.trim()) {
+                    Some(Event::Clock(child_ms)) => {
+                        events.push(run, Event::Clock(child_ms - crate::skew::unix_ms_now()));
+                    }
                     Some(e) => events.push(run, e),
                     None => tracing::warn!(%line, "unexpected line from the child"),
                 }
@@ -1205,6 +1226,14 @@ async fn check(
         faults: Vec::new(),
         pause: None,
         held_when_frozen: 0,
+        clock_offsets_ms: events
+            .all()
+            .into_iter()
+            .filter_map(|(_, e)| match e {
+                Event::Clock(offset) => Some(offset),
+                _ => None,
+            })
+            .collect(),
     })
 }
 
@@ -1378,6 +1407,7 @@ mod tests {
         };
         for e in [
             Event::Ready,
+            Event::Clock(-1_765_000_000_000),
             Event::CommitAck(MessageId::from("m-1".to_owned())),
             Event::Duplicate(MessageId::from("m-2".to_owned())),
             Event::Stats(stats),

@@ -11,6 +11,7 @@ pub mod proxy;
 pub mod rabbit;
 pub mod secure;
 pub mod settings;
+pub mod skew;
 pub mod sqs;
 pub mod stores;
 

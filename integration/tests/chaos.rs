@@ -28,6 +28,13 @@
 //! - **rolling restart** (+175 s): every node stopped gracefully and started again, one
 //!   after the other, each back in the cluster before the next goes.
 //!
+//! Every consumer process of a round runs with its wall clock **skewed** 5 minutes ahead
+//! (even seed) or behind (odd seed), as on a host whose NTP is off
+//! ([`reliq_integration::skew`]); the round checks each process's clock was off by that.
+//! Retry delays, leases and the NATS schedules must not depend on it; `max_age` (10 min in
+//! the example) reads the consumer's clock against the producer's, so ahead it runs 5
+//! minutes short — still beyond a round's length.
+//!
 //! The harness's checker then fails on any lost order, any double reservation, any DLQ
 //! entry other than the injected poison or with another reason than its injected one, and
 //! (NATS, which deduplicates) any order parked more than once.
@@ -40,11 +47,12 @@
 //! `RELIQ_CHAOS_ORDERS` (default 10,000, which keeps the consumer
 //! busy through every fault), `RELIQ_CRASH_SEED` as in the crash harness,
 //! `RELIQ_CHAOS_FAULTS=node,dlq,dbcut,stall,leadercut,oneway,nodepause,loss,rolling` to
-//! inject only some. The inbox and outbox are on PostgreSQL (`RELIQ_POSTGRES_URL`; `just
+//! inject only some, `RELIQ_CHAOS_SKEW_MS` for another skew (0: none). The inbox and outbox are on PostgreSQL (`RELIQ_POSTGRES_URL`; `just
 //! chaos` starts it).
 
 use reliq_core::seam::lock;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -441,10 +449,24 @@ async fn dlq_outage(backend: Backend, topic: &str, t0: Instant) -> anyhow::Resul
             configs(&["--add-config", "max.message.bytes=1"]).await?;
             let blocked = t0.elapsed();
             // The change reaches every broker through the metadata log, and a produce
-            // sent before it may still be appended: counted once it is in force.
+            // sent before it may still be appended: counted once it is in force — and
+            // once two counts 1 s apart agree. A count reads each partition's high
+            // watermark, which a partition's new leader reports behind its log until its
+            // followers fetch again: a round whose node loss came just before read 17 at
+            // the start and 18 at the end, with nothing to append it (suspected; the
+            // grown entry was not kept).
             tokio::time::sleep(Duration::from_secs(3)).await;
-            let start = count().await;
-            tokio::time::sleep(DLQ_OUTAGE - Duration::from_secs(3)).await;
+            let mut start = count().await;
+            for _ in 0..5 {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let again = count().await;
+                if again == start {
+                    break;
+                }
+                eprintln!("the DLQ's count moved from {start:?} to {again:?} as the outage began");
+                start = again;
+            }
+            tokio::time::sleep_until(t0 + blocked + DLQ_OUTAGE).await;
             let end = count().await;
             configs(&["--delete-config", "max.message.bytes"]).await?;
             (
@@ -504,10 +526,30 @@ async fn dlq_outage(backend: Backend, topic: &str, t0: Instant) -> anyhow::Resul
     let back = t0.elapsed();
     // Nothing was parked while the route was down (where the DLQ could be counted then);
     // what was held back lands once it is up again.
-    if let (Some(start), Some(end)) = (start, end) {
-        ensure!(
-            start == end,
-            "the DLQ grew from {start} to {end} entries while unavailable"
+    if let (Some(start), Some(end)) = (start, end)
+        && start != end
+    {
+        // Which entries: the latest by their dead-letter time (the consumer's clock, off
+        // by the round's skew), to tell a late count from a real append.
+        let mut entries = Vec::new();
+        let mut cursor = reliq_core::Cursor::start();
+        loop {
+            let page = reader.browse(&cursor, 5_000).await?;
+            entries.extend(page.entries.iter().map(|e| {
+                let at = e.record().map(|r| r.dead_lettered_at).ok();
+                (at, format!("{} at {}", e.id(), e.position))
+            }));
+            if page.at_end {
+                break;
+            }
+            cursor = page.next;
+        }
+        entries.sort();
+        let latest: Vec<_> = entries.iter().rev().take(3).collect();
+        bail!(
+            "the DLQ grew from {start} to {end} entries while unavailable (until +{:.1} s); \
+             the latest entries by dead-letter time: {latest:?}",
+            back.as_secs_f64()
         );
     }
     // How soon the held-back dead letters land (the checker then requires every one of
@@ -773,6 +815,21 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
         .parse()
         .with_context(|| format!("the host of RELIQ_POSTGRES_URL={db_url}"))?;
     let database = Arc::new(FaultProxy::start(db_node).await?);
+    let skew_ms: i64 = match env("RELIQ_CHAOS_SKEW_MS") {
+        Some(ms) => ms
+            .parse()
+            .context("RELIQ_CHAOS_SKEW_MS takes milliseconds")?,
+        None if seed % 2 == 0 => 300_000,
+        None => -300_000,
+    };
+    println!("the consumers' clocks skewed by {:+} s", skew_ms / 1000);
+    let mut child_env = vec![(url_key.to_owned(), via)];
+    if skew_ms != 0 {
+        child_env.extend(reliq_integration::skew::child_env(
+            Path::new(env!("CARGO_TARGET_TMPDIR")),
+            skew_ms,
+        )?);
+    }
     let scenario = Scenario {
         backend,
         store: Store::Postgres,
@@ -781,7 +838,7 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
         seed,
         child: env!("CARGO_BIN_EXE_crash-consumer").into(),
         timeout: Duration::from_secs(300 + u64::from(orders) / 10),
-        child_env: vec![(url_key.to_owned(), via)],
+        child_env,
         pause: None,
         child_db_host: Some(database.addr().to_string()),
     };
@@ -795,6 +852,11 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
         report.faults.len() == FAULTS.len(),
         "faults: {:?}",
         report.faults
+    );
+    let offsets = &report.clock_offsets_ms;
+    ensure!(
+        offsets.len() == report.runs && offsets.iter().all(|ms| (ms - skew_ms).abs() < 20_000),
+        "the consumers' clocks were off by {offsets:?} ms, not {skew_ms}: the skew did not take"
     );
     Ok(())
 }

@@ -16,9 +16,9 @@
 //! retried every message at once, and the one ahead held each retry 5 minutes.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use reliq_conformance::support::unique;
@@ -39,33 +39,8 @@ const LATE: Duration = Duration::from_secs(4);
 /// timed through a pipe): far above what a retry fired at once would leave.
 const EARLY: Duration = Duration::from_millis(300);
 
-/// The skewing library, built for this test process (`$CC`, else `cc`): a fresh name,
-/// then renamed into place, so concurrent test processes never load a half-written one.
-fn skew_library() -> anyhow::Result<PathBuf> {
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("skew/skew_clock.c");
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let library = dir.join("libreliq_skew_clock.so");
-    let building = dir.join(format!("libreliq_skew_clock.{}.so", std::process::id()));
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let out = std::process::Command::new(&cc)
-        .args(["-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o"])
-        .arg(&building)
-        .arg(&source)
-        .arg("-ldl")
-        .output()
-        .with_context(|| format!("running the C compiler `{cc}`"))?;
-    ensure!(
-        out.status.success(),
-        "{cc} {}: {}",
-        source.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    std::fs::rename(&building, &library)?;
-    Ok(library)
-}
-
 async fn retried_after_its_delay(backend: Backend, skew_minutes: i64) -> anyhow::Result<()> {
-    let lib = skew_library()?;
+    let lib = reliq_integration::skew::library(Path::new(env!("CARGO_TARGET_TMPDIR")))?;
     let topic = unique("skew");
     let prefix = unique("skew");
     let mut child = Command::new(env!("CARGO_BIN_EXE_skewed-consumer"))
@@ -73,7 +48,10 @@ async fn retried_after_its_delay(backend: Backend, skew_minutes: i64) -> anyhow:
         .args(["--group-prefix", &prefix])
         .args(["--delay-ms", &DELAY.as_millis().to_string()])
         .env("LD_PRELOAD", &lib)
-        .env("RELIQ_CLOCK_SKEW_MS", (skew_minutes * 60_000).to_string())
+        .env(
+            reliq_integration::skew::SKEW_MS,
+            (skew_minutes * 60_000).to_string(),
+        )
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .kill_on_drop(true)
@@ -110,12 +88,7 @@ async fn retried_after_its_delay(backend: Backend, skew_minutes: i64) -> anyhow:
         .strip_prefix("clock ")
         .context("first line")?
         .parse()?;
-    let our_ms = i64::try_from(
-        SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)?
-            .as_millis(),
-    )?;
-    let skew_ms = child_ms - our_ms;
+    let skew_ms = child_ms - reliq_integration::skew::unix_ms_now();
     ensure!(
         (skew_ms - skew_minutes * 60_000).abs() < 10_000,
         "the child's clock is {skew_ms} ms off ours, not {skew_minutes} min: the skew did not take"

@@ -17,6 +17,14 @@ use crate::names::{
 };
 use crate::options::{ExistingConsumer, NatsOptions};
 
+/// How long a DLQ stream remembers the `Nats-Msg-Id`s of its entries (the server's
+/// default is 2 min): a message's dead letter repeated within it — a redelivery, a retry
+/// copy, the advisory watcher's — is dropped. A dead letter held through a long outage
+/// (its copy sent again until confirmed) can land minutes after another delivery of the
+/// same message parked it: a chaos round parked one 155 s after the first. The server
+/// keeps one id per entry in memory for the window.
+pub(crate) const DEAD_LETTER_DUPLICATE_WINDOW: Duration = Duration::from_secs(600);
+
 /// A connection to NATS JetStream. Cheap to clone.
 #[derive(Clone)]
 pub struct NatsBroker {
@@ -264,13 +272,15 @@ impl NatsBroker {
     /// Declare the subscription's DLQ stream (idempotent). A dead letter stays until an
     /// operator tool (replay, purge) removes it through [`Broker::dead_letters`](reliq_core::Broker::dead_letters).
     pub async fn declare_dead_letters(&self, sub: &Subscription) -> Result<(), BrokerError> {
-        self.inner
+        let stream = self
+            .inner
             .js
             .get_or_create_stream(stream::Config {
                 name: dead_letter_stream(sub),
                 subjects: vec![dead_letter_subject(sub)],
                 allow_direct: true,
                 num_replicas: self.inner.options.replicas,
+                duplicate_window: DEAD_LETTER_DUPLICATE_WINDOW,
                 ..Default::default()
             })
             .await
@@ -278,6 +288,22 @@ impl NatsBroker {
                 "declaring DLQ stream `{}`",
                 dead_letter_stream(sub)
             )))?;
+        // A DLQ stream made before the window was set (or by hand) gets it: a longer
+        // window only drops more repeats.
+        let mut config = stream.cached_info().config.clone();
+        if config.duplicate_window < DEAD_LETTER_DUPLICATE_WINDOW {
+            tracing::info!(stream = %config.name, from = ?config.duplicate_window,
+                to = ?DEAD_LETTER_DUPLICATE_WINDOW, "lengthening the DLQ stream's duplicate window");
+            config.duplicate_window = DEAD_LETTER_DUPLICATE_WINDOW;
+            self.inner
+                .js
+                .update_stream(config)
+                .await
+                .map_err(api(format!(
+                    "setting the duplicate window of DLQ stream `{}`",
+                    dead_letter_stream(sub)
+                )))?;
+        }
         Ok(())
     }
 
@@ -400,7 +426,7 @@ impl NatsBroker {
     /// replayed copy), so its redeliveries, its retry copies, the advisory watcher's
     /// entry for it *and* a second stream message of it (a publish the cluster stored
     /// twice around a leader change, or one published again after the source's
-    /// duplicate window) make one entry within the DLQ's duplicate window (2 min).
+    /// duplicate window) make one entry within the DLQ's duplicate window ([`DEAD_LETTER_DUPLICATE_WINDOW`]).
     /// A repeat of an entry an operator removed meanwhile (replayed or purged) is
     /// dropped too: it is of a message already handled; a replay fails under its own id.
     pub(crate) async fn publish_dead_letter(

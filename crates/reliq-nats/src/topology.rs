@@ -11,6 +11,7 @@ use reliq_core::{
     Subscription, Wanted, seam::duration_text as text,
 };
 
+use crate::client::DEAD_LETTER_DUPLICATE_WINDOW;
 use crate::error::{api, stream_not_found};
 use crate::names::{
     consumer_name, dead_letter_stream, dead_letter_subject, filter_subjects, retry_subjects,
@@ -84,12 +85,20 @@ pub(crate) fn plan(sub: &Subscription, options: &NatsOptions) -> Plan {
         "unconsumed messages",
     );
     let dlq = keeps_everything(
-        PlannedObject::new(ObjectKind::Stream, dead_letter_stream(sub), "the DLQ").with(
-            "subjects",
-            Wanted::includes([dead_letter_subject(sub)]),
-            Severity::Breaking,
-            "dead-lettering is refused",
-        ),
+        PlannedObject::new(ObjectKind::Stream, dead_letter_stream(sub), "the DLQ")
+            .with(
+                "subjects",
+                Wanted::includes([dead_letter_subject(sub)]),
+                Severity::Breaking,
+                "dead-lettering is refused",
+            )
+            .with(
+                "duplicate_window",
+                Wanted::equals(text(DEAD_LETTER_DUPLICATE_WINDOW)),
+                Severity::Cosmetic,
+                "a message parked again after the window (a dead letter held through a long \
+                 outage) is a second entry",
+            ),
         "dead letters",
     );
     let consumer = PlannedObject::new(
@@ -161,6 +170,7 @@ fn live_stream(c: &stream::Config) -> LiveObject {
         .with("max_msgs", Found::own(c.max_messages))
         .with("max_bytes", Found::own(c.max_bytes))
         .with("storage", Found::own(storage))
+        .with("duplicate_window", Found::own(text(c.duplicate_window)))
 }
 
 fn live_consumer(c: &pull::Config) -> LiveObject {
@@ -262,6 +272,7 @@ mod tests {
                     subjects: vec!["dlq.orders.billing".into()],
                     max_messages: -1,
                     max_bytes: -1,
+                    duplicate_window: DEAD_LETTER_DUPLICATE_WINDOW,
                     ..Default::default()
                 }),
             );

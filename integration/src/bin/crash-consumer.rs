@@ -49,6 +49,8 @@ async fn main() -> anyhow::Result<()> {
     let broker = crash::connect_through_outages(backend, &group_prefix).await?;
     let db = Db::open(&db_url, settings::arg("--schema").as_deref()).await?;
     let emit: Emit = Arc::new(|e: Event| println!("{}", e.line()));
+    // What the driver reads this process's clock skew from.
+    emit(Event::Clock(reliq_integration::skew::unix_ms_now()));
     let consumer = crash::consumer(broker, &topic, &db)
         .start(crash::handler(db.clone(), crash_after_commit, emit.clone()))
         .await?;

@@ -10,7 +10,7 @@
 //! sees it), `ready`, and `call <id> <attempt>` as each handler call starts. It consumes
 //! until its stdin closes, then shuts down gracefully.
 
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::Context;
 use reliq_core::{BoxError, Consumer, Delivery, RetryPolicy, Transient};
@@ -35,8 +35,7 @@ async fn main() -> anyhow::Result<()> {
             .parse()
             .context("--delay-ms takes a number")?,
     );
-    let clock = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH)?;
-    println!("clock {}", clock.as_millis());
+    println!("clock {}", reliq_integration::skew::unix_ms_now());
 
     let broker = crash::connect(backend, &group_prefix).await?;
     let consumer = Consumer::builder(broker, "skewed")

@@ -179,13 +179,26 @@ pub fn dlq(url: &str, consumer: &str, source: &str, args: &[&str]) -> std::proce
     cmd
 }
 
-/// Run `cmd` to its end; (exit code, stdout, stderr).
+/// Run `cmd` to its end; (exit code, stdout, stderr). A process ended by a signal has
+/// code -1 and the signal at the end of its stderr.
 pub fn run(cmd: &mut std::process::Command) -> anyhow::Result<(i32, String, String)> {
+    use std::os::unix::process::ExitStatusExt as _;
     let out = cmd.output().context("running reliq")?;
+    let mut stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    if let Some(signal) = out.status.signal() {
+        stderr.push_str(&format!(
+            "\n(killed by signal {signal}{})",
+            if out.status.core_dumped() {
+                ", core dumped"
+            } else {
+                ""
+            }
+        ));
+    }
     Ok((
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
+        stderr,
     ))
 }
 
