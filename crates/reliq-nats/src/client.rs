@@ -558,10 +558,13 @@ impl NatsBroker {
     }
 }
 
-/// How long subscribing (and opening the DLQ) keeps trying while JetStream answers as a cluster does during a
-/// leader election (a server lost: meta or stream leader moving), seconds on a healthy
-/// cluster. Other errors (a bad configuration) fail at once.
-const ELECTION_WAIT: Duration = Duration::from_secs(30);
+/// How long subscribing (and opening the DLQ) keeps trying while JetStream answers as a
+/// cluster does during a leader election (a server lost: meta or stream leader moving),
+/// seconds on a healthy cluster — or does not answer in time. Other errors (a bad
+/// configuration) fail at once. A minute, as the other backends' subscribes: a consumer
+/// restarted during a chaos round's node pause and lossy link timed out declaring its
+/// stream after 30 s and exited.
+const ELECTION_WAIT: Duration = Duration::from_secs(60);
 
 /// Whether `e` is JetStream unable to answer for now — the API request timed out, or the
 /// cluster says it is not available, not active, not the leader or incomplete — rather
@@ -612,25 +615,23 @@ fn electing(e: &BrokerError) -> bool {
     false
 }
 
-/// `attempt`, made again every second for up to [`ELECTION_WAIT`] while JetStream is
-/// electing a leader (see [`electing`]); any other error at once.
+/// `attempt`, made again (backing off to 5 s) for up to [`ELECTION_WAIT`] while
+/// JetStream is electing a leader or not answering (see [`electing`]), or the connection
+/// is lost; any other error at once.
 pub(crate) async fn through_election<T, F>(
     doing: &str,
-    mut attempt: impl FnMut() -> F,
+    attempt: impl FnMut() -> F,
 ) -> Result<T, BrokerError>
 where
     F: std::future::Future<Output = Result<T, BrokerError>>,
 {
-    let deadline = tokio::time::Instant::now() + ELECTION_WAIT;
-    loop {
-        match attempt().await {
-            Err(e) if electing(&e) && tokio::time::Instant::now() < deadline => {
-                tracing::warn!(error = %reliq_core::ErrorChain(&e), doing, "JetStream is electing a leader (a server lost?); again in 1 s");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-            done => return done,
-        }
-    }
+    reliq_core::through_outage(
+        &format!("{doing} (JetStream electing a leader, a server lost?)"),
+        reliq_core::OutageWait::up_to(ELECTION_WAIT),
+        |e| e.is_unreachable() || electing(e),
+        attempt,
+    )
+    .await
 }
 
 /// What the server tells the client outside any request's answer. A permissions
