@@ -16,14 +16,7 @@ use crate::names::{
     consumer_name, dead_letter_stream, dead_letter_subject, retry_subjects, stream_name,
 };
 use crate::options::{ExistingConsumer, NatsOptions};
-
-/// How long a DLQ stream remembers the `Nats-Msg-Id`s of its entries (the server's
-/// default is 2 min): a message's dead letter repeated within it — a redelivery, a retry
-/// copy, the advisory watcher's — is dropped. A dead letter held through a long outage
-/// (its copy sent again until confirmed) can land minutes after another delivery of the
-/// same message parked it: a chaos round parked one 155 s after the first. The server
-/// keeps one id per entry in memory for the window.
-pub(crate) const DEAD_LETTER_DUPLICATE_WINDOW: Duration = Duration::from_secs(600);
+use crate::topology::DEAD_LETTER_DUPLICATE_WINDOW;
 
 /// A connection to NATS JetStream. Cheap to clone.
 #[derive(Clone)]

@@ -5,13 +5,14 @@
 //! compared as text (`30s`). Retries wait as scheduled messages in the source stream, so
 //! there are no tier objects that an earlier policy could leave behind.
 
+use std::time::Duration;
+
 use async_nats::jetstream::{self, consumer::pull, stream};
 use reliq_core::{
     BrokerError, Found, LiveObject, LiveTopology, ObjectKind, Plan, PlannedObject, Severity,
     Subscription, Wanted, seam::duration_text as text,
 };
 
-use crate::client::DEAD_LETTER_DUPLICATE_WINDOW;
 use crate::error::{api, stream_not_found};
 use crate::names::{
     consumer_name, dead_letter_stream, dead_letter_subject, filter_subjects, retry_subjects,
@@ -40,6 +41,14 @@ fn consumer_object(sub: &Subscription) -> String {
         consumer_name(&sub.consumer)
     )
 }
+
+/// How long a DLQ stream remembers the `Nats-Msg-Id`s of its entries (the server's
+/// default is 2 min): a message's dead letter repeated within it — a redelivery, a retry
+/// copy, the advisory watcher's — is dropped. A dead letter held through a long outage
+/// (its copy sent again until confirmed) can land minutes after another delivery of the
+/// same message parked it: a chaos round parked one 155 s after the first. The server
+/// keeps one id per entry in memory for the window.
+pub(crate) const DEAD_LETTER_DUPLICATE_WINDOW: Duration = Duration::from_secs(600);
 
 /// The limits that delete stored messages whether they were consumed or not.
 fn keeps_everything(object: PlannedObject, what: &str) -> PlannedObject {
