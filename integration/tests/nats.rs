@@ -156,56 +156,113 @@ async fn foreign_terminations_are_parked_and_reliq_ones_not_doubled() -> anyhow:
     Ok(())
 }
 
-/// One message stored twice in the source stream (as a cluster can around a leader
-/// change, or a publish repeated after the duplicate window) and failing permanently both
-/// times is parked once: the DLQ is keyed by message id, not by stream sequence. Before,
-/// a chaos round parked such an order twice.
+/// Two stream messages carrying one reliq id — a producer outside reliq reusing ids, as
+/// the fuzz test's foreign messages do — failing permanently are each parked: the DLQ is
+/// deduplicated per source message (stream sequence), not per id. Keyed by id, the
+/// second was dropped by the DLQ's duplicate window and lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_stored_twice_is_parked_once() -> anyhow::Result<()> {
+async fn distinct_stream_messages_sharing_an_id_are_each_parked() -> anyhow::Result<()> {
     use reliq_core::Permanent;
 
     let backend = NatsBackend::new();
     let nats = backend.connect_nats().await?;
-    let topic = unique("nats-twice");
+    let topic = unique("nats-same-id");
     nats.declare_source(&topic).await?;
-    let message = Message::new("unknown sku");
-    let id = message.id().clone();
-    // Two stream messages of one reliq message: the second under another Nats-Msg-Id,
-    // so the source stream keeps both.
     let js = async_nats::jetstream::new(
         async_nats::connect(reliq_integration::settings::get("RELIQ_NATS_URL")).await?,
     );
     for copy in ["first", "second"] {
         let mut h = async_nats::HeaderMap::new();
-        h.insert(reliq_core::seam::headers::MESSAGE_ID, id.as_str());
-        h.insert("Nats-Msg-Id", format!("{id}:{copy}").as_str());
+        h.insert(reliq_core::seam::headers::MESSAGE_ID, "poison");
+        h.insert("Nats-Msg-Id", copy);
         let ack = js
-            .publish_with_headers(topic.clone(), h, "unknown sku".into())
+            .publish_with_headers(topic.clone(), h, copy.into())
             .await?
             .await?;
-        ensure!(!ack.duplicate, "the {copy} copy was not stored");
+        ensure!(!ack.duplicate, "the {copy} message was not stored");
     }
     let broker: Arc<dyn Broker> = Arc::new(nats);
     let sub = Subscription::new("parks", topic.clone());
     let h = Consumer::builder(broker.clone(), "parks")
         .subscribe(topic)
-        .start(|_d: Delivery| async { Err::<(), BoxError>(Permanent::msg("unknown sku").into()) })
+        .start(|_d: Delivery| async { Err::<(), BoxError>(Permanent::msg("refused").into()) })
         .await?;
     reliq_conformance::support::wait_until(
-        "both copies dead-lettered",
+        "both messages dead-lettered",
         Duration::from_secs(20),
         || h.stats().dead_lettered >= 2,
     )
     .await?;
     h.shutdown().await;
     let dlq = broker.dead_letters(&sub).await?;
-    let dead = only_dead_letter(dlq.as_ref()).await?;
-    ensure!(dead.id() == &id, "{dead:?}");
+    let entries = reliq_conformance::support::browse_all(dlq.as_ref()).await?;
+    let mut payloads: Vec<_> = entries
+        .iter()
+        .map(|e| String::from_utf8_lossy(e.payload()).into_owned())
+        .collect();
+    payloads.sort();
     ensure!(
-        dead.record()?.origin.sequence == Some(1),
-        "the entry is not the first copy's: {:?}",
-        dead.record()?.origin
+        payloads == ["first", "second"],
+        "DLQ payloads: {payloads:?}"
     );
+    Ok(())
+}
+
+/// The DLQ stream remembers its entries' ids for 10 minutes (the server's default is 2):
+/// a dead letter held through a long outage and confirmed late is still a duplicate of
+/// its message's entry. A DLQ stream made with a shorter window gets the longer one when
+/// the subscription declares it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dlq_stream_remembers_ids_for_ten_minutes() -> anyhow::Result<()> {
+    use async_nats::jetstream::stream;
+
+    let backend = NatsBackend::new();
+    let nats = backend.connect_nats().await?;
+    let js = async_nats::jetstream::new(
+        async_nats::connect(reliq_integration::settings::get("RELIQ_NATS_URL")).await?,
+    );
+    let ten_minutes = Duration::from_secs(600);
+    // Fresh.
+    let sub = Subscription::new("window", unique("nats-window"));
+    nats.declare_dead_letters(&sub).await?;
+    let name = reliq_nats::dead_letter_stream(&sub);
+    let window = js
+        .get_stream(&name)
+        .await?
+        .cached_info()
+        .config
+        .duplicate_window;
+    ensure!(
+        window == ten_minutes,
+        "a new DLQ stream's window: {window:?}"
+    );
+    // Made before, with the server's default.
+    let old = Subscription::new("window", unique("nats-window-old"));
+    let old_name = reliq_nats::dead_letter_stream(&old);
+    js.create_stream(stream::Config {
+        name: old_name.clone(),
+        subjects: vec![reliq_nats::dead_letter_subject(&old)],
+        ..Default::default()
+    })
+    .await?;
+    let before = js
+        .get_stream(&old_name)
+        .await?
+        .cached_info()
+        .config
+        .duplicate_window;
+    ensure!(
+        before < ten_minutes,
+        "the server's default window: {before:?}"
+    );
+    nats.declare_dead_letters(&old).await?;
+    let after = js
+        .get_stream(&old_name)
+        .await?
+        .cached_info()
+        .config
+        .duplicate_window;
+    ensure!(after == ten_minutes, "after declaring: {after:?}");
     Ok(())
 }
 

@@ -148,7 +148,9 @@ impl AdvisoryWatcher {
         }
         .write(message.headers_mut());
         // One entry per message, whichever path parks it: the receiver's and this one.
-        self.broker.publish_dead_letter(&self.sub, message).await?;
+        self.broker
+            .publish_dead_letter(&self.sub, origin_seq, message)
+            .await?;
         tracing::warn!(seq = advisory.stream_seq, consumer = %self.sub.consumer, %reason,
             "the consumer gave up on a message; moved to the DLQ");
         Ok(())

@@ -10,7 +10,7 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 use tokio::task::JoinHandle;
 
 use crate::clock::ServerClock;
-use crate::codec::{MSG_ID, publish_id, to_nats_headers};
+use crate::codec::{MSG_ID, to_nats_headers};
 use crate::error::{api, connection};
 use crate::names::{
     consumer_name, dead_letter_stream, dead_letter_subject, retry_subjects, stream_name,
@@ -414,21 +414,21 @@ impl NatsBroker {
             .with_retries(retries as u64))
     }
 
-    /// Park `dead` in the subscription's DLQ stream, confirmed, once per message: the
-    /// `Nats-Msg-Id` is the message's own publish id (its id, and its replay count for a
-    /// replayed copy), so its redeliveries, its retry copies, the advisory watcher's
-    /// entry for it *and* a second stream message of it (a publish the cluster stored
-    /// twice around a leader change, or one published again after the source's
-    /// duplicate window) make one entry within the DLQ's duplicate window ([`DEAD_LETTER_DUPLICATE_WINDOW`]).
-    /// A repeat of an entry an operator removed meanwhile (replayed or purged) is
-    /// dropped too: it is of a message already handled; a replay fails under its own id.
+    /// Park `dead` in the subscription's DLQ stream, confirmed, once per source message:
+    /// the `Nats-Msg-Id` names the stream message first consumed (`origin_seq`: the
+    /// message itself, or the one a retry copy was made from), so its redeliveries, its
+    /// retry copies and the advisory watcher's entry for it make one entry within the
+    /// DLQ's duplicate window ([`DEAD_LETTER_DUPLICATE_WINDOW`]). Not keyed by message id:
+    /// a producer outside reliq may give distinct messages one id (the fuzz test's foreign
+    /// messages do: keyed by id, all but one of them were dropped as duplicates — lost).
     pub(crate) async fn publish_dead_letter(
         &self,
         sub: &Subscription,
+        origin_seq: u64,
         dead: Message,
     ) -> Result<(), BrokerError> {
         let mut headers = to_nats_headers(&dead);
-        let msg_id = format!("dl:{}:{}", stream_name(&sub.source), publish_id(&dead));
+        let msg_id = format!("dl:{}:{origin_seq}", stream_name(&sub.source));
         headers.insert(MSG_ID, msg_id);
         let (_, _, payload, _) = dead.into_parts();
         self.publish_raw(dead_letter_subject(sub), headers, payload)

@@ -40,7 +40,7 @@ pub(crate) fn to_nats_headers(message: &Message) -> async_nats::HeaderMap {
 /// The `Nats-Msg-Id` a message is published with: its id — and, for a replayed copy, the
 /// replay count and time, so that a replay is not dropped as a duplicate of the original
 /// publish, nor of another replay of the same id.
-pub(crate) fn publish_id(message: &Message) -> String {
+fn publish_id(message: &Message) -> String {
     let h = message.headers();
     match (h.get(headers::REPLAY_COUNT), h.get(headers::REPLAYED_AT)) {
         (Some(n), Some(at)) => format!("{}:replay:{n}:{at}", message.id()),

@@ -420,12 +420,15 @@ impl Receiver for NatsReceiver {
     }
 
     async fn dead_letter(&self, delivery: &Delivery, dead: Message) -> Result<(), BrokerError> {
-        // One entry per message (see `publish_dead_letter`). (Keyed by the delivered
-        // copy's sequence, a message whose lease ran out while its dead letter was held —
-        // a stalled link — was retried and parked again from the copy; keyed by the
-        // message first consumed, an order the cluster stored twice around a leader
-        // kill was parked twice: both in chaos rounds.)
-        self.broker.publish_dead_letter(&self.sub, dead).await?;
+        // One entry per source message (see `publish_dead_letter`): keyed by the stream
+        // message first consumed, so a redelivery of it *and* a retry copy of it
+        // dead-letter to one entry. (Keyed by the delivered copy's sequence, a message
+        // whose lease ran out while its dead letter was held — a stalled link — was
+        // delivered again, retried and parked a second time from the copy.)
+        let origin = self.token(delivery)?.origin.0;
+        self.broker
+            .publish_dead_letter(&self.sub, origin, dead)
+            .await?;
         self.term_dead_lettered(delivery).await
     }
 
