@@ -116,7 +116,7 @@ pattern_of() {
     rabbitmq) echo "beam.smp" ;;
     nats) echo "$DIR/nats/nats.conf" ;;
     kafka) echo "$DIR/kafka/server.properties" ;;
-    sqs) echo "moto.server" ;;
+    sqs) echo "moto" ;;    # moto_server.py, or `-m moto.server` as started before
     rabbit-[1-3]) echo "-home $CDIR/$1 " ;;   # beam.smp -home <the node's HOME>
     kafka-[1-3]) echo "$CDIR/$1/server.properties" ;;
     nats-[1-3]) echo "$CDIR/$1/nats.conf" ;;
