@@ -94,7 +94,7 @@ impl Backend {
 /// killed consumer's deliveries come back after it. Not shorter on SQS: the dead
 /// consumer's last long poll (half a lease) must end before its messages are visible
 /// again (see the SQS conformance factory's `crash_lease`).
-const LEASE: Duration = Duration::from_secs(3);
+pub const LEASE: Duration = Duration::from_secs(3);
 
 /// How long closing the run's store and dropping its schema may take.
 const TEARDOWN: Duration = Duration::from_secs(30);

@@ -26,7 +26,13 @@
 //! - **packet loss** (+110 s, 60 s): 20 % of the packets between the consumer and every
 //!   node dropped by the kernel (nftables; see [`lossy_links`]);
 //! - **rolling restart** (+175 s): every node stopped gracefully and started again, one
-//!   after the other, each back in the cluster before the next goes.
+//!   after the other, each back in the cluster before the next goes;
+//! - **consumer pause**: a standby member of the consumer's group runs through the
+//!   round, and the last consumer run is frozen (SIGSTOP) as it starts, for twice what
+//!   the broker waits on a silent consumer ([`silence_limit`]: the Kafka session, the
+//!   RabbitMQ heartbeat timeout, the NATS `ack_wait`), then thawed — a zombie, whose
+//!   deliveries went to the standby meanwhile. The crash harness does it, between the
+//!   kills and the end of the work, so its moment follows the kills, not the clock.
 //!
 //! Every consumer process of a round runs with its wall clock **skewed** 5 minutes ahead
 //! (even seed) or behind (odd seed), as on a host whose NTP is off
@@ -46,7 +52,7 @@
 //!
 //! `RELIQ_CHAOS_ORDERS` (default 10,000, which keeps the consumer
 //! busy through every fault), `RELIQ_CRASH_SEED` as in the crash harness,
-//! `RELIQ_CHAOS_FAULTS=node,dlq,dbcut,stall,leadercut,oneway,nodepause,loss,rolling` to
+//! `RELIQ_CHAOS_FAULTS=node,dlq,dbcut,stall,leadercut,oneway,nodepause,loss,rolling,consumerpause` to
 //! inject only some, `RELIQ_CHAOS_SKEW_MS` for another skew (0: none). The inbox and outbox are on PostgreSQL (`RELIQ_POSTGRES_URL`; `just
 //! chaos` starts it).
 
@@ -120,7 +126,39 @@ const LOSS: Duration = Duration::from_secs(60);
 const LOSS_PERCENT: u8 = 20;
 const ROLLING_AT: Duration = Duration::from_secs(175);
 
-/// Every fault a round injects, by its `RELIQ_CHAOS_FAULTS` name.
+/// The consumer pause's `RELIQ_CHAOS_FAULTS` name: the crash harness freezes the
+/// consumer ([`Scenario::pause`]), not the fault task.
+const CONSUMER_PAUSE: &str = "consumerpause";
+
+/// The heartbeat timeout the round's RabbitMQ consumers ask for (`heartbeat=20`). With
+/// the server's 60 s a consumer pause of twice that would freeze the last run for two
+/// minutes, and a round could outlast what `max_age` (10 min) leaves a consumer whose
+/// clock is 5 minutes ahead; longer than the 10 s stall and the 12 s partitions, which
+/// then do not close the connection by themselves.
+const RABBIT_HEARTBEAT: Duration = Duration::from_secs(20);
+
+/// How long the broker waits on a silent consumer before it hands that consumer's
+/// deliveries to another: the Kafka session (reliq's `session.timeout.ms`, 6 s), the
+/// RabbitMQ heartbeat timeout ([`RABBIT_HEARTBEAT`]), the NATS `ack_wait` (the crash
+/// harness's lease). A consumer frozen longer comes back a zombie.
+fn silence_limit(backend: Backend) -> Duration {
+    match backend {
+        Backend::Kafka => Duration::from_secs(6),
+        Backend::Rabbit => RABBIT_HEARTBEAT,
+        _ => crash::LEASE,
+    }
+}
+
+/// Whether the round injects the fault `name`: `RELIQ_CHAOS_FAULTS=node,stall` picks
+/// some, to look into one; unset or empty, every one.
+fn fault_on(name: &str) -> bool {
+    match std::env::var("RELIQ_CHAOS_FAULTS") {
+        Ok(picked) if !picked.trim().is_empty() => picked.split(',').any(|p| p.trim() == name),
+        _ => true,
+    }
+}
+
+/// Every fault the fault task injects, by its `RELIQ_CHAOS_FAULTS` name.
 const FAULTS: [&str; 9] = [
     "node",
     "dlq",
@@ -142,13 +180,7 @@ fn faults(backend: Backend, proxies: Arc<Proxies>, database: Arc<FaultProxy>) ->
     Box::new(move |topic: String| {
         async move {
             let t0 = Instant::now();
-            // `RELIQ_CHAOS_FAULTS=node,stall` (the default: all) picks some, to look
-            // into one.
-            let picked = std::env::var("RELIQ_CHAOS_FAULTS")
-                .ok()
-                .filter(|v| !v.is_empty())
-                .unwrap_or_else(|| FAULTS.join(","));
-            let on = |name: &str| picked.split(',').any(|p| p.trim() == name);
+            let on = fault_on;
             let (node, dlq, db_cut, stall, leader_cut, one_way, node_pause, loss, rolling) = tokio::try_join!(
                 injected("node", on("node"), node_loss(backend, &topic, t0)),
                 injected("dlq", on("dlq"), dlq_outage(backend, &topic, t0)),
@@ -823,6 +855,17 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
         None => -300_000,
     };
     println!("the consumers' clocks skewed by {:+} s", skew_ms / 1000);
+    let pause = fault_on(CONSUMER_PAUSE).then(|| silence_limit(backend) * 2);
+    if let Some(pause) = pause {
+        println!("the last consumer run frozen for {pause:?}, a standby beside it");
+    }
+    let via = match backend {
+        Backend::Rabbit => {
+            let sep = if via.contains('?') { '&' } else { '?' };
+            format!("{via}{sep}heartbeat={}", RABBIT_HEARTBEAT.as_secs())
+        }
+        _ => via,
+    };
     let mut child_env = vec![(url_key.to_owned(), via)];
     if skew_ms != 0 {
         child_env.extend(reliq_integration::skew::child_env(
@@ -837,9 +880,9 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
         kills: 5,
         seed,
         child: env!("CARGO_BIN_EXE_crash-consumer").into(),
-        timeout: Duration::from_secs(300 + u64::from(orders) / 10),
+        timeout: Duration::from_secs(300 + u64::from(orders) / 10) + pause.unwrap_or_default(),
         child_env,
-        pause: None,
+        pause,
         child_db_host: Some(database.addr().to_string()),
     };
     // The proxies live until the run is over, whatever becomes of the fault task.
@@ -852,6 +895,11 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
         report.faults.len() == FAULTS.len(),
         "faults: {:?}",
         report.faults
+    );
+    ensure!(
+        report.pause.is_some() == pause.is_some(),
+        "consumer pause asked: {pause:?}, done: {:?}",
+        report.pause
     );
     let offsets = &report.clock_offsets_ms;
     ensure!(
