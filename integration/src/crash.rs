@@ -894,6 +894,8 @@ async fn drive(
     let messages: Vec<_> = stream.iter().map(|o| o.message.clone()).collect();
     ensure!(db.place(&destination, &messages).await? == stream.len());
     let relay = db.relay(broker.clone())?;
+    // The moment the faults are timed from.
+    let in_outbox = Instant::now();
     let faults = during.map(|inject| {
         let (injected, failed) = (inject(topic.clone()), until.fault_failed.clone());
         tokio::spawn(async move {
@@ -974,11 +976,19 @@ async fn drive(
             Ok((db.reserved_orders().await? >= target).then_some(()))
         })
         .await?;
+        // A zombie is only one while it holds something: wait (a while) until the run
+        // holds deliveries. A Kafka member that has just joined holds none until the
+        // group has rebalanced.
+        let holding_by = Instant::now() + Duration::from_secs(30);
+        while runner.stats().is_none_or(|st| st.in_flight == 0) && Instant::now() < holding_by {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         // What it held: its last counters before the freeze (up to 200 ms old) and its
         // first after the thaw, which it reports before a held delivery can be settled
         // (that takes a round trip to the broker).
         let before = runner.stats().map_or(0, |st| st.in_flight);
         let mark = events.len();
+        let frozen_at = in_outbox.elapsed();
         let how = runner.freeze(length).await?;
         let after = wait_for("the thawed consumer's counters", &until, async || {
             Ok(events.first_stats_after(last, mark))
@@ -986,7 +996,10 @@ async fn drive(
         .await?;
         let held = before.max(after.in_flight);
         pause = Some((
-            format!("{how}, holding {held} deliveries when frozen"),
+            format!(
+                "{how}, holding {held} deliveries when frozen (at +{:.1} s from the orders in the outbox)",
+                frozen_at.as_secs_f64()
+            ),
             held,
         ));
     }
