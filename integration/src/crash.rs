@@ -879,16 +879,20 @@ async fn drive(
     // The first run subscribes before anything is published (it declares the topology).
     runner.start(0, plan.first().copied().flatten()).await?;
     wait_for("the first consumer", &until, ready(0)).await?;
-    // A pause's standby joins the group before the orders come, and stays to the end.
+    // A pause's standby stays to the end. Without kills it joins the group before the
+    // orders come; with kills, after the last one, so that each killed run does the work
+    // alone: beside a standby a killed run waited for progress the standby had already
+    // made (round AJ), and a commit-ack kill may wait for a commit that never comes.
     let standby_run = kills_planned + 1;
+    let join_standby = async |runner: &dyn Runner| -> anyhow::Result<Box<dyn Runner>> {
+        let mut second = runner.standby()?;
+        second.start(standby_run, None).await?;
+        wait_for("the standby consumer", &until, ready(standby_run)).await?;
+        Ok(second)
+    };
     let mut standby = match s.pause {
-        Some(_) => {
-            let mut second = runner.standby()?;
-            second.start(standby_run, None).await?;
-            wait_for("the standby consumer", &until, ready(standby_run)).await?;
-            Some(second)
-        }
-        None => None,
+        Some(_) if kills_planned == 0 => Some(join_standby(&*runner).await?),
+        _ => None,
     };
     let destination = orders::destination(&topic);
     let messages: Vec<_> = stream.iter().map(|o| o.message.clone()).collect();
@@ -961,6 +965,9 @@ async fn drive(
 
     // The last run finishes the work; it is stopped once everything is reserved and it
     // has been idle for longer than a killed run's deliveries take to come back.
+    if s.pause.is_some() && standby.is_none() {
+        standby = Some(join_standby(&*runner).await?);
+    }
     let last = kills.len();
     if last > 0 {
         // (Without kills the first run is the last.)

@@ -27,8 +27,8 @@
 //!   node dropped by the kernel (nftables; see [`lossy_links`]);
 //! - **rolling restart** (+175 s): every node stopped gracefully and started again, one
 //!   after the other, each back in the cluster before the next goes;
-//! - **consumer pause**: a standby member of the consumer's group runs through the
-//!   round, and the last consumer run is frozen (SIGSTOP) as it starts, for twice what
+//! - **consumer pause**: after the kills a standby member joins the consumer's group,
+//!   and the last consumer run is frozen (SIGSTOP) once it holds deliveries, for twice what
 //!   the broker waits on a silent consumer ([`silence_limit`]: the Kafka session, the
 //!   RabbitMQ heartbeat timeout, the NATS `ack_wait`), then thawed — a zombie, whose
 //!   deliveries went to the standby meanwhile. The crash harness does it, between the
