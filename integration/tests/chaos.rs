@@ -180,29 +180,28 @@ fn faults(backend: Backend, proxies: Arc<Proxies>, database: Arc<FaultProxy>) ->
     Box::new(move |topic: String| {
         async move {
             let t0 = Instant::now();
-            let on = fault_on;
             let (node, dlq, db_cut, stall, leader_cut, one_way, node_pause, loss, rolling) = tokio::try_join!(
-                injected("node", on("node"), node_loss(backend, &topic, t0)),
-                injected("dlq", on("dlq"), dlq_outage(backend, &topic, t0)),
-                injected("dbcut", on("dbcut"), database_partition(&database, t0)),
-                injected("stall", on("stall"), stall(&proxies, t0)),
+                injected("node", fault_on("node"), node_loss(backend, &topic, t0)),
+                injected("dlq", fault_on("dlq"), dlq_outage(backend, &topic, t0)),
+                injected("dbcut", fault_on("dbcut"), database_partition(&database, t0)),
+                injected("stall", fault_on("stall"), stall(&proxies, t0)),
                 injected(
                     "leadercut",
-                    on("leadercut"),
+                    fault_on("leadercut"),
                     leader_partition(backend, &topic, &proxies, t0)
                 ),
                 injected(
                     "oneway",
-                    on("oneway"),
+                    fault_on("oneway"),
                     one_way_partition(backend, &topic, &proxies, t0)
                 ),
                 injected(
                     "nodepause",
-                    on("nodepause"),
+                    fault_on("nodepause"),
                     node_pause(backend, &topic, t0)
                 ),
-                injected("loss", on("loss"), lossy_links(&proxies, t0)),
-                injected("rolling", on("rolling"), rolling_restart(backend, t0)),
+                injected("loss", fault_on("loss"), lossy_links(&proxies, t0)),
+                injected("rolling", fault_on("rolling"), rolling_restart(backend, t0)),
             )?;
             Ok(vec![
                 node, dlq, db_cut, stall, leader_cut, one_way, node_pause, loss, rolling,
@@ -857,7 +856,7 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
     println!("the consumers' clocks skewed by {:+} s", skew_ms / 1000);
     let pause = fault_on(CONSUMER_PAUSE).then(|| silence_limit(backend) * 2);
     if let Some(pause) = pause {
-        println!("the last consumer run frozen for {pause:?}, a standby beside it");
+        println!("the last consumer run frozen for {pause:?}, a standby joining after the kills");
     }
     let via = match backend {
         Backend::Rabbit => {
@@ -899,6 +898,12 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
     ensure!(
         report.pause.is_some() == pause.is_some(),
         "consumer pause asked: {pause:?}, done: {:?}",
+        report.pause
+    );
+    // A consumer frozen while holding nothing is no zombie: that pause tested nothing.
+    ensure!(
+        pause.is_none() || report.held_when_frozen > 0,
+        "the frozen consumer held no deliveries: {:?}",
         report.pause
     );
     let offsets = &report.clock_offsets_ms;
