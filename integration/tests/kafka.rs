@@ -1035,11 +1035,16 @@ mod kafka_dead_letters {
         let d = Dlq::new("dlq-remove")?;
         let dlq = d.reader().await?;
         let mut published = d.fill(30).await?;
-        // One id dead-lettered twice (an entry replayed and dead-lettered again).
+        // One id dead-lettered twice (an entry replayed and dead-lettered again: its replay
+        // count tells the two dead letters apart; identical copies would be one).
         let twice = Message::new("twice").with_key("k-twice");
         let twice_id = twice.id().clone();
         d.park(twice.clone(), 50).await?;
-        d.park(twice, 60).await?;
+        d.park(
+            twice.with_header(reliq_core::seam::headers::REPLAY_COUNT, "1"),
+            60,
+        )
+        .await?;
         published.push(twice_id.clone());
         let all = browse_all(dlq.as_ref()).await?;
         ensure!(all.len() == 32, "{} entries", all.len());

@@ -195,6 +195,96 @@ pub async fn dead_letter_get_and_remove_by_id(b: &dyn Backend) -> anyhow::Result
     ctx.assert_no_dead_letters("c").await
 }
 
+/// A message dead-lettered twice — published twice (a producer's retry after a lost
+/// confirm), as a DLQ copy sent again after its confirm was lost, or parked again after a
+/// crash does — is one dead letter: browsed once, counted once, removed with every copy.
+/// The same id parked again after a replay (its replay count differs) is a second dead
+/// letter, which outlives the removal of the first.
+pub async fn dead_letter_copies_count_once(b: &dyn Backend) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "dlq-copies").await?;
+    let h = ctx
+        .consumer("c")
+        .start(|_d: Delivery| async move {
+            Err::<(), BoxError>(Permanent::msg("order 7 refers to a missing sku").into())
+        })
+        .await?;
+    let order = Message::new("order 7");
+    let id = order.id().clone();
+    let replayed = order
+        .clone()
+        .with_header(reliq_core::seam::headers::REPLAY_COUNT, "1");
+    // Where the broker deduplicates publishes by id, the second copy never reaches the
+    // consumer: the DLQ then holds one entry of it, which must read the same.
+    let twice = !ctx.broker.capabilities().deduplicates_publishes;
+    let publishes = [
+        (order.clone(), true),
+        (order, twice),
+        (Message::new("order 8"), true),
+        (replayed, true),
+    ];
+    let mut parked = 0;
+    for (message, parks) in publishes {
+        ctx.publish(message).await?;
+        parked += u64::from(parks);
+        // One at a time: each copy is parked before the next arrives.
+        wait_until("dead-lettered", soon(b), || {
+            h.stats().dead_lettered == parked
+        })
+        .await?;
+    }
+    h.shutdown().await;
+
+    let dlq = ctx.broker.dead_letters(&ctx.subscription("c")).await?;
+    let count = dlq.count().await?;
+    ensure!(count.count == 3, "3 dead letters, {count:?}");
+    let entries = browse_all(dlq.as_ref()).await?;
+    let replay_counts = |entries: &[DeadLetterEntry]| -> Vec<Option<String>> {
+        let mut of_id: Vec<Option<String>> = entries
+            .iter()
+            .filter(|e| e.id() == &id)
+            .map(|e| {
+                e.headers()
+                    .get(reliq_core::seam::headers::REPLAY_COUNT)
+                    .map(str::to_owned)
+            })
+            .collect();
+        of_id.sort();
+        of_id
+    };
+    ensure!(
+        entries.len() == 3 && replay_counts(&entries) == vec![None, Some("1".into())],
+        "browse shows each dead letter once: {:?}",
+        entries
+            .iter()
+            .map(|e| (e.id(), &e.position))
+            .collect::<Vec<_>>()
+    );
+    let plan = Replay::new(ctx.broker.clone(), ctx.subscription("c"))
+        .dry_run()
+        .await?;
+    ensure!(plan.matched.len() == 3, "a replay would send {plan:?}");
+
+    // The first dead letter goes with both its copies; the one parked after the replay stays.
+    ensure!(dlq.remove(std::slice::from_ref(&id)).await? == vec![id.clone()]);
+    ensure!(dlq.count().await?.count == 2, "after removing the first");
+    let reader = ctx.broker.dead_letters(&ctx.subscription("c")).await?;
+    let left = browse_all(reader.as_ref()).await?;
+    ensure!(
+        left.len() == 2 && replay_counts(&left) == vec![Some("1".into())],
+        "a new reader sees {:?}",
+        left.iter()
+            .map(|e| (e.id(), &e.position))
+            .collect::<Vec<_>>()
+    );
+    ensure!(reader.remove(std::slice::from_ref(&id)).await? == vec![id.clone()]);
+    ensure!(
+        reader.get(&id).await?.is_none(),
+        "a copy of a removed dead letter is found"
+    );
+    ensure!(reader.count().await?.count == 1);
+    Ok(())
+}
+
 /// `count` says how many entries there are and when the oldest was dead-lettered (its
 /// reliq record's time, not the broker's).
 pub async fn dead_letter_count_reports_the_oldest(b: &dyn Backend) -> anyhow::Result<()> {

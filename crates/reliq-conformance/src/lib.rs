@@ -83,6 +83,7 @@ macro_rules! conformance_suite {
             batch_handler_settles_each_delivery_by_its_outcome,
             batch_handler_gets_a_backlog_in_batches,
             dead_letter_get_and_remove_by_id,
+            dead_letter_copies_count_once,
             dead_letter_count_reports_the_oldest,
             shutdown_with_retries_pending_processes_them_after_restart,
             inbox_outage_then_recovery_is_not_held_back,

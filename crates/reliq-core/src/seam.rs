@@ -34,10 +34,14 @@
 //!   hands out or acknowledges without waiting (the embedded broker; Kafka's acks): the
 //!   runtime calls them first and builds the boxed `async` call only when they decline.
 //! - [`DeadLetters`]: `browse` from a [`Cursor`] without removing, reordering,
-//!   redelivering or counting an attempt; `get`, a confirmed `remove` (one entry per id,
-//!   the oldest), `count` with the oldest entry's `reliq-dead-lettered-at`
-//!   ([`DeadLetterCount::note`] reads it). Every method cancel safe: the cursor is an
-//!   input, never reader state. [`IdCounts`] does the one-entry-per-id bookkeeping.
+//!   redelivering or counting an attempt; `get`, a confirmed `remove` (one dead letter
+//!   per id, the oldest, with all its copies), `count` with the oldest entry's
+//!   `reliq-dead-lettered-at` ([`DeadLetterCount::note`] reads it). Every method cancel
+//!   safe: the cursor is an input, never reader state. A dead letter written twice (a
+//!   lost confirm, a crash before the source was settled) is one dead letter: browse
+//!   shows it once, count counts it once, remove takes every copy — [`CopyIndex`] does
+//!   that bookkeeping where the broker cannot deduplicate the writes, [`IdCounts`] the
+//!   one-per-id bookkeeping where it can.
 //! - Errors: return [`BrokerError`] and keep the client's error as the source
 //!   ([`BrokerError::connection`], [`BrokerError::rejected`], `.caused_by(e)`); the
 //!   classifier maps the variants to transient or permanent for handlers that publish.
@@ -72,7 +76,7 @@ use crate::{
     subscription::{Capabilities, Subscription},
 };
 
-pub use crate::dead_letters::IdCounts;
+pub use crate::dead_letters::{CopyIndex, IdCounts, Picked};
 pub use crate::delivery::{DeliveryPool, DeliveryToken, RawMessage, ReceiverId, RetryRequest};
 #[cfg(feature = "test-util")]
 pub use crate::faults::Faults;

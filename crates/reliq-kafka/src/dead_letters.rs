@@ -14,23 +14,23 @@
 //!   new low watermark are the ledger's keys below it tombstoned (compaction drops them),
 //!   so neither the DLQ nor the ledger grows with removals, and an entry is never shown
 //!   again: until the truncation is confirmed its ledger record stays.
-//! - **count** is the sum of the partitions' watermark spans minus the ledger's entries
-//!   inside them (no read of the DLQ), and the oldest dead-lettered-at is read from each
-//!   partition's first entry not removed (one record per partition: a partition is
-//!   appended to in dead-lettering order).
-//! - **get** and **remove** look ids up in an index of the DLQ this reader builds as it
-//!   reads (every record from a partition's low watermark on, each read once per reader),
-//!   so repeated removals after a browse — the replay engine's pattern — read nothing
-//!   twice.
+//! - **Copies of one dead letter count once.** A DLQ copy whose confirm was lost (a
+//!   leader change, a DLQ outage) is produced again, and a consumer that crashed between
+//!   the copy and its offset commit parks the record again: the topic then holds two
+//!   records of one dead letter. Every call first brings an index of the DLQ up to the
+//!   high watermarks ([`CopyIndex`]: every record from a partition's low watermark on,
+//!   each read once per reader) — so a browse shows a dead letter at its oldest copy
+//!   only, **count** counts dead letters (and takes the oldest time from the index), and
+//!   **remove** records every copy of the dead letters it removes in the ledger. A
+//!   gauge's long-lived reader reads only what was dead-lettered since its last count;
+//!   the replay engine's browse-then-remove reads the DLQ once.
 //!
 //! The reader's caches (ledger, index) are copies of what the broker holds, brought up
 //! to date at the start of every call, never a position: a cancelled call skips nothing.
 //!
 //! Limits, stated honestly: a ledger record hides an entry only if its id matches the
-//! record at that position (browse, get, remove), so a DLQ topic deleted and created
-//! again is not hidden by the old ledger — but `count`, which reads no entries, trusts
-//! the ledger's positions, and may count such a DLQ short until its old ledger is
-//! deleted too. Two readers (processes) removing the same entry at the same time both
+//! record at that position, so a DLQ topic deleted and created again is not hidden by
+//! the old ledger. Two readers (processes) removing the same entry at the same time both
 //! record it and both report it removed; the entry goes once.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -50,7 +50,7 @@ use rdkafka::util::Timeout;
 use reliq_core::{
     BrokerError, Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, MessageId,
     Subscription,
-    seam::{IdCounts, lock},
+    seam::{CopyIndex, lock},
 };
 
 use crate::client::Inner;
@@ -93,9 +93,10 @@ type Slot = (i64, i32, i64);
 #[derive(Default)]
 struct Index {
     /// Per DLQ partition: every record from the low watermark up to this offset is in
-    /// `by_id`.
+    /// `copies`.
     next: HashMap<i32, i64>,
-    by_id: HashMap<MessageId, Vec<Slot>>,
+    /// Every record read, by slot: which are copies of one dead letter.
+    copies: CopyIndex<Slot>,
 }
 
 /// What the reader knows of the broker, brought up to date at the start of each call.
@@ -121,10 +122,19 @@ impl Cache {
     fn removed_here(&self, at: Position) -> bool {
         self.removed.get(&at).is_some_and(|id| {
             self.index
-                .by_id
-                .get(id)
-                .is_some_and(|slots| slots.iter().any(|(_, p, o)| (*p, *o) == at))
+                .copies
+                .positions(id)
+                .any(|(_, p, o)| (*p, *o) == at)
         })
+    }
+
+    /// The record with `id` at `slot` is still in the DLQ: inside the watermarks, not
+    /// removed.
+    fn live(&self, spans: &[Span], id: &MessageId, (_, p, o): Slot) -> bool {
+        spans
+            .iter()
+            .any(|s| s.partition == p && (s.low..s.high).contains(&o))
+            && !self.is_removed((p, o), id)
     }
 }
 
@@ -312,10 +322,10 @@ impl KafkaDeadLetters {
         };
         let below = move |r: &mut Reader| -> Vec<(String, Option<String>)> {
             // The index forgets what is gone.
-            for slots in r.cache.index.by_id.values_mut() {
-                slots.retain(|(_, p, o)| !truncated.iter().any(|(tp, low)| tp == p && o < low));
-            }
-            r.cache.index.by_id.retain(|_, slots| !slots.is_empty());
+            r.cache
+                .index
+                .copies
+                .retain(|(_, p, o)| !truncated.iter().any(|(tp, low)| tp == p && o < low));
             r.cache
                 .removed
                 .keys()
@@ -557,60 +567,34 @@ impl Reader {
             .collect();
         let (dlq, index) = (&self.dlq, &mut self.cache.index);
         let pos = scan(&self.consumer, dlq, &ranges, |m| {
-            let id = decode(m, dlq).message.id().clone();
+            let message = decode(m, dlq).message;
             index
-                .by_id
-                .entry(id)
-                .or_default()
-                .push((timestamp(m), m.partition(), m.offset()));
+                .copies
+                .add((timestamp(m), m.partition(), m.offset()), &message);
             Next::More
         })?;
         self.cache.index.next.extend(pos);
         Ok(())
     }
 
-    /// The live entries with `id`, oldest first.
-    fn live(&self, spans: &[Span], id: &MessageId) -> Vec<Slot> {
-        let mut slots: Vec<Slot> = self
-            .cache
-            .index
-            .by_id
-            .get(id)
-            .into_iter()
-            .flatten()
-            .copied()
-            .filter(|(_, p, o)| {
-                spans
-                    .iter()
-                    .any(|s| s.partition == *p && (s.low..s.high).contains(o))
-                    && !self.cache.is_removed((*p, *o), id)
-            })
-            .collect();
-        slots.sort_unstable();
-        slots
-    }
-
     /// A page: up to `max` live entries of each partition from the cursor are read, then
     /// merged oldest first (record timestamp, then partition and offset), so the same
-    /// cursor always gives the same page, whatever order librdkafka fetched in.
+    /// cursor always gives the same page, whatever order librdkafka fetched in. The index
+    /// is brought up to the high watermarks first, so a later copy of a dead letter is
+    /// known as one wherever its first copy is (an earlier page, another partition).
     fn browse(
         &mut self,
         from: &BTreeMap<i32, i64>,
         max: usize,
     ) -> Result<DeadLetterPage, BrokerError> {
         let spans = self.refresh()?;
+        self.extend_index(&spans)?;
         let ranges: Vec<(i32, i64, i64)> = spans
             .iter()
             .map(|s| {
                 let start = from.get(&s.partition).copied().unwrap_or(s.low).max(s.low);
                 (s.partition, start, s.high)
             })
-            .collect();
-        // Partitions read on from where the index ends feed it.
-        let feeds: Vec<i32> = ranges
-            .iter()
-            .filter(|(p, start, _)| self.cache.index.next.get(p) == Some(start))
-            .map(|(p, _, _)| *p)
             .collect();
         // Per partition, in offset order: the live entries read, with their timestamps.
         let mut read: HashMap<i32, VecDeque<(i64, i64, DeadLetterEntry)>> = HashMap::new();
@@ -626,11 +610,13 @@ impl Reader {
             scan(consumer, dlq, &ranges, |m| {
                 let (p, o, ts) = (m.partition(), m.offset(), timestamp(m));
                 let message = decode(m, dlq).message;
-                if feeds.contains(&p) {
-                    let slots = cache.index.by_id.entry(message.id().clone()).or_default();
-                    slots.push((ts, p, o));
-                }
-                if cache.is_removed((p, o), message.id()) {
+                let id = message.id();
+                if !cache.live(&spans, id, (ts, p, o))
+                    || !cache
+                        .index
+                        .copies
+                        .shows(id, &(ts, p, o), |id, slot| cache.live(&spans, id, *slot))
+                {
                     return Next::More;
                 }
                 let live = read.entry(p).or_default();
@@ -649,11 +635,6 @@ impl Reader {
                 }
             })?
         };
-        for p in &feeds {
-            if let Some(next) = pos.get(p) {
-                cache.index.next.insert(*p, *next);
-            }
-        }
         let mut entries = Vec::new();
         while entries.len() < max {
             let oldest = read
@@ -704,60 +685,40 @@ impl Reader {
         Ok(found)
     }
 
-    fn get(&mut self, id: &MessageId) -> Result<Option<DeadLetterEntry>, BrokerError> {
+    /// `f` of the index brought up to the high watermarks, with what is live in it.
+    fn with_index<T>(
+        &mut self,
+        f: impl FnOnce(&CopyIndex<Slot>, &dyn Fn(&MessageId, &Slot) -> bool) -> T,
+    ) -> Result<T, BrokerError> {
         let spans = self.refresh()?;
         self.extend_index(&spans)?;
-        match self.live(&spans, id).first() {
-            Some((_, p, o)) => self.read_one((*p, *o)),
+        let cache = &self.cache;
+        Ok(f(&cache.index.copies, &|id, slot| {
+            cache.live(&spans, id, *slot)
+        }))
+    }
+
+    fn get(&mut self, id: &MessageId) -> Result<Option<DeadLetterEntry>, BrokerError> {
+        match self.with_index(|index, live| index.first(id, live))? {
+            Some((_, p, o)) => self.read_one((p, o)),
             None => Ok(None),
         }
     }
 
-    /// The positions of the entries `ids` remove (each id its oldest live entries).
-    fn pick(&mut self, ids: &[MessageId]) -> Result<Vec<(Position, MessageId)>, BrokerError> {
-        let spans = self.refresh()?;
-        self.extend_index(&spans)?;
-        let mut wanted = IdCounts::new(ids);
-        let mut picked = Vec::new();
-        for id in ids {
-            if !wanted.take(id) {
-                continue;
-            }
-            let already = picked.iter().filter(|(_, i)| i == id).count();
-            if let Some((_, p, o)) = self.live(&spans, id).get(already) {
-                picked.push(((*p, *o), id.clone()));
-            }
-        }
-        Ok(picked)
+    /// The dead letters `ids` remove (each id its oldest live one), each with the
+    /// positions of all its copies.
+    fn pick(&mut self, ids: &[MessageId]) -> Result<Vec<(MessageId, Vec<Position>)>, BrokerError> {
+        let picked = self.with_index(|index, live| index.pick(ids, live))?;
+        Ok(picked
+            .into_iter()
+            .map(|p| (p.id, p.copies.iter().map(|(_, p, o)| (*p, *o)).collect()))
+            .collect())
     }
 
+    /// Every record is indexed once per reader (then only what came since), so the count
+    /// is of dead letters, copies folded, with the oldest one's time from the index.
     fn count(&mut self) -> Result<DeadLetterCount, BrokerError> {
-        self.sync_ledger()?;
-        let spans = partitions(&self.consumer, &self.dlq)?;
-        let removed = &self.cache.removed;
-        let inside = |s: &Span, (p, o): &Position| *p == s.partition && (s.low..s.high).contains(o);
-        let mut count = DeadLetterCount::default();
-        let mut heads = Vec::new();
-        for s in &spans {
-            let held = u64::try_from(s.high - s.low).unwrap_or(0);
-            let gone = removed.keys().filter(|at| inside(s, at)).count() as u64;
-            count.count += held.saturating_sub(gone);
-            let mut first = s.low;
-            while first < s.high && removed.contains_key(&(s.partition, first)) {
-                first += 1;
-            }
-            heads.push((s.partition, first, s.high));
-        }
-        let (consumer, dlq, cache) = (&self.consumer, &self.dlq, &self.cache);
-        scan(consumer, dlq, &heads, |m| {
-            let message = decode(m, dlq).message;
-            if cache.is_removed((m.partition(), m.offset()), message.id()) {
-                return Next::More;
-            }
-            count.note(message.headers());
-            Next::Done
-        })?;
-        Ok(count)
+        self.with_index(|index, live| index.count(live))
     }
 }
 
@@ -784,14 +745,24 @@ impl DeadLetters for KafkaDeadLetters {
         }
         let records: Vec<(String, Option<String>)> = picked
             .iter()
-            .map(|((p, o), id)| (format!("{p}:{o}"), Some(id.as_str().to_owned())))
+            .flat_map(|(id, copies)| {
+                copies
+                    .iter()
+                    .map(|(p, o)| (format!("{p}:{o}"), Some(id.as_str().to_owned())))
+            })
             .collect();
         let (confirmed, error) = self.produce_ledger(&ledger, &records).await;
-        let removed: Vec<(Position, MessageId)> = picked
-            .into_iter()
-            .filter(|((p, o), _)| confirmed.contains(&format!("{p}:{o}")))
-            .collect();
-        let ids: Vec<MessageId> = removed.iter().map(|(_, id)| id.clone()).collect();
+        let confirmed: std::collections::HashSet<String> = confirmed.into_iter().collect();
+        let mut removed: Vec<(Position, MessageId)> = Vec::new();
+        let mut ids: Vec<MessageId> = Vec::new();
+        for (id, copies) in picked {
+            let gone = |(p, o): &Position| confirmed.contains(&format!("{p}:{o}"));
+            // A dead letter is removed once every copy of it is (the rest: call again).
+            if copies.iter().all(gone) {
+                ids.push(id.clone());
+            }
+            removed.extend(copies.into_iter().filter(gone).map(|at| (at, id.clone())));
+        }
         self.with(move |r| {
             r.cache.removed.extend(removed);
             Ok(())

@@ -5,13 +5,15 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use reliq_core::{
     BrokerError, Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, MessageId,
-    seam::IdCounts,
+    seam::CopyIndex,
 };
 
 use crate::queue::{Entry, Queue};
 
 /// A consumer's dead-letter queue, read in place: entries stay in the queue in the order
-/// they arrived; the cursor is the position of the last entry read.
+/// they arrived; the cursor is the position of the last entry read. Copies of one dead
+/// letter (a message published twice, delivered again after a dropped consumer) are
+/// folded by a [`CopyIndex`] of the queue, built for each call.
 pub(crate) struct MemoryDeadLetters {
     pub(crate) dlq: Arc<Queue>,
 }
@@ -36,10 +38,15 @@ impl DeadLetters for MemoryDeadLetters {
             })?,
         };
         let s = self.dlq.lock();
+        let index = index_of(&s.ready);
         let mut entries = Vec::new();
         let mut last = after;
         let mut at_end = true;
-        for e in s.ready.iter().filter(|e| e.seq > after) {
+        let shown = s
+            .ready
+            .iter()
+            .filter(|e| e.seq > after && index.shows(e.message.id(), &e.seq, |_, _| true));
+        for e in shown {
             if entries.len() == max {
                 at_end = false;
                 break;
@@ -63,28 +70,27 @@ impl DeadLetters for MemoryDeadLetters {
     }
 
     async fn remove(&self, ids: &[MessageId]) -> Result<Vec<MessageId>, BrokerError> {
-        let mut wanted = IdCounts::new(ids);
         let mut s = self.dlq.lock();
-        let mut removed = Vec::new();
-        s.ready.retain(|e| {
-            let take = wanted.take(e.message.id());
-            if take {
-                removed.push(e.message.id().clone());
-            }
-            !take
-        });
-        Ok(removed)
+        let picked = index_of(&s.ready).pick(ids, |_, _| true);
+        let taken: std::collections::HashSet<u64> = picked
+            .iter()
+            .flat_map(|p| p.copies.iter().copied())
+            .collect();
+        s.ready.retain(|e| !taken.contains(&e.seq));
+        Ok(picked.into_iter().map(|p| p.id).collect())
     }
 
     async fn count(&self) -> Result<DeadLetterCount, BrokerError> {
         let s = self.dlq.lock();
-        let mut count = DeadLetterCount {
-            count: s.ready.len() as u64,
-            oldest_dead_lettered_at: None,
-        };
-        for e in &s.ready {
-            count.note(e.message.headers());
-        }
-        Ok(count)
+        Ok(index_of(&s.ready).count(|_, _| true))
     }
+}
+
+/// Every entry of the queue, by position.
+fn index_of<'a>(entries: impl IntoIterator<Item = &'a Entry>) -> CopyIndex<u64> {
+    let mut index = CopyIndex::new();
+    for e in entries {
+        index.add(e.seq, &e.message);
+    }
+    index
 }

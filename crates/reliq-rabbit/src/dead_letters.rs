@@ -14,7 +14,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel};
 use reliq_core::{
     BrokerError, Cursor, DeadLetterCount, DeadLetterEntry, DeadLetterPage, DeadLetters, Message,
-    MessageId, Subscription, seam::IdCounts,
+    MessageId, Subscription, seam::CopyIndex,
 };
 use tokio::sync::{Mutex, watch};
 
@@ -56,16 +56,24 @@ const RELAY_PREFETCH: u16 = 32;
 ///   The ledger is read the same way. Fences are skipped by every read, and cost one
 ///   small entry per read in each stream.
 /// - **Count** is the one read without a fence (gauges poll it: a fence per poll would
-///   grow the streams without end): it reads to the end of what the serving member holds
-///   — a consumer started at `last` names the first offset of its last chunk, the read
-///   waits (up to 15 s) for every offset up to it and past it treats a short quiet spell
-///   (300 ms) as the end. On a cluster it can trail a replica that is catching up.
+///   grow the streams without end): it reads on to the end of what the serving member
+///   holds — a consumer started at `last` names the first offset of its last chunk, the
+///   read waits (up to 15 s) for every offset up to it and past it treats a short quiet
+///   spell (300 ms) as the end. On a cluster it can trail a replica that is catching up.
+/// - **Copies of one dead letter count once.** A dead letter whose confirm was lost is
+///   published again (the hold rule), and a consumer that crashed between the copy and
+///   its ack parks the message again: the stream then holds two entries of one dead
+///   letter. Each reader keeps an index of the stream ([`CopyIndex`]: offset, id, replay
+///   count, payload), read once and then from where it was left, so a browse shows a
+///   dead letter at its oldest copy only, `count` counts dead letters, and `remove`
+///   takes every copy of the dead letter it removes.
 /// - **Removal** appends a record of `(offset, id)` pairs to the removal ledger
 ///   ([`Names::removed`], a stream), confirmed before `remove` returns: a stream cannot
 ///   delete one message. Browse, get and count skip an entry whose offset *and* id are in
 ///   the ledger (so a recreated stream, whose offsets start again at 0, hides nothing).
 ///   The ledger is read whole once per reader and then from where it was left; what a
-///   reader caches are facts that never change (a confirmed ledger record), never a cursor.
+///   reader caches are facts that never change (a confirmed ledger record, the entry at
+///   an offset), never a cursor.
 /// - **The landing queue** ([`Names::landing`]) is where the consumer queue dead-letters
 ///   on its own (delivery limit, at-least-once). Each landed message is given a reliq
 ///   record from its `x-death` (reason `max-deliveries`, time, queue, exchange, routing
@@ -102,31 +110,25 @@ struct Ledger {
     read_through_chunk: Option<u64>,
     /// Removed entries: (offset in the dead-letter stream, message id).
     removed: HashSet<(u64, MessageId)>,
-    /// Where this reader saw each id in the dead-letter stream (its oldest copy seen, by
-    /// browse): `remove` takes those entries there without reading the stream again.
-    seen_at: std::collections::HashMap<MessageId, u64>,
-}
-
-/// Most ids a reader keeps in [`Ledger::seen_at`]; past it the hints start again.
-const MAX_HINTS: usize = 500_000;
-
-impl Ledger {
-    fn saw(&mut self, id: &MessageId, offset: u64) {
-        if self.seen_at.len() >= MAX_HINTS {
-            self.seen_at.clear();
-        }
-        // The oldest copy of an id is the one `remove` takes first.
-        self.seen_at
-            .entry(id.clone())
-            .and_modify(|o| *o = (*o).min(offset))
-            .or_insert(offset);
-    }
+    /// Every entry of the dead-letter stream below `indexed_to`, by offset: which are
+    /// copies of one dead letter, and where each dead letter is — so `remove`, `get` and
+    /// `count` read only what was appended since, and a browse shows each dead letter
+    /// once. An entry at a stream offset never changes (only deleting and recreating the
+    /// stream could, and that deletes the dead letters with it).
+    index: CopyIndex<u64>,
+    indexed_to: u64,
 }
 
 impl Ledger {
     fn hides(&self, offset: u64, id: &MessageId) -> bool {
         // Probing with a clone is cheap next to the network read of the entry.
         self.removed.contains(&(offset, id.clone()))
+    }
+
+    /// The entry with `id` at `offset` is neither removed nor a later copy of a dead
+    /// letter shown at an earlier offset.
+    fn shows(&self, offset: u64, id: &MessageId) -> bool {
+        !self.hides(offset, id) && self.index.shows(id, &offset, |id, o| !self.hides(*o, id))
     }
 }
 
@@ -224,17 +226,30 @@ impl RabbitDeadLetters {
         Ok(ledger)
     }
 
+    /// Bring the ledger's index of the stream up to `to`.
+    async fn index(&self, ledger: &mut Ledger, to: ReadTo) -> Result<(), BrokerError> {
+        let index = &mut ledger.index;
+        let scan = scan(
+            &self.inner,
+            &self.names.parking,
+            ledger.indexed_to,
+            to,
+            |offset, d| {
+                index.add(offset, &codec::message(&d.properties, &d.data));
+                true
+            },
+        )
+        .await?;
+        ledger.indexed_to = ledger.indexed_to.max(scan.next);
+        Ok(())
+    }
+
     fn entry(offset: u64, message: Message) -> DeadLetterEntry {
         DeadLetterEntry {
             message,
             position: format!("stream offset {offset}"),
         }
     }
-}
-
-/// The offset in an entry's position text (`stream offset 17`), as [`RabbitDeadLetters::entry`] wrote it.
-fn offset_in(position: &str) -> Option<u64> {
-    position.strip_prefix("stream offset ")?.parse().ok()
 }
 
 fn parse_cursor(cursor: &Cursor) -> Result<u64, BrokerError> {
@@ -252,10 +267,15 @@ impl DeadLetters for RabbitDeadLetters {
     async fn browse(&self, from: &Cursor, max: usize) -> Result<DeadLetterPage, BrokerError> {
         let start = parse_cursor(from)?;
         let (mut ledger, to) = self.refresh(Completeness::Complete).await?;
+        let ledger = &mut *ledger;
+        // One read from where the index ends (or the cursor, if earlier): what lies before
+        // the cursor is only indexed, so a copy shown on an earlier page is known.
+        let first = ledger.indexed_to.min(start);
         let mut entries = Vec::new();
-        let scan = scan(&self.inner, &self.names.parking, start, to, |offset, d| {
+        let scan = scan(&self.inner, &self.names.parking, first, to, |offset, d| {
             let message = codec::message(&d.properties, &d.data);
-            if ledger.hides(offset, message.id()) {
+            ledger.index.add(offset, &message);
+            if offset < start || !ledger.shows(offset, message.id()) {
                 return true;
             }
             if entries.len() == max {
@@ -265,29 +285,55 @@ impl DeadLetters for RabbitDeadLetters {
             true
         })
         .await?;
-        for e in &entries {
-            if let Some(offset) = offset_in(&e.position) {
-                ledger.saw(e.id(), offset);
-            }
-        }
+        ledger.indexed_to = ledger.indexed_to.max(scan.next);
         Ok(DeadLetterPage {
             entries,
-            next: Cursor::from(scan.next.to_string()),
+            next: Cursor::from(scan.next.max(start).to_string()),
             at_end: scan.at_end,
         })
     }
 
     async fn get(&self, id: &MessageId) -> Result<Option<DeadLetterEntry>, BrokerError> {
-        let (ledger, to) = self.refresh(Completeness::Complete).await?;
+        let (mut ledger, to) = self.refresh(Completeness::Complete).await?;
+        let ledger = &mut *ledger;
+        let mut read = std::collections::BTreeMap::new();
+        let read_to = scan(
+            &self.inner,
+            &self.names.parking,
+            ledger.indexed_to,
+            to,
+            |offset, d| {
+                let message = codec::message(&d.properties, &d.data);
+                ledger.index.add(offset, &message);
+                if message.id() == id {
+                    read.insert(offset, message);
+                }
+                true
+            },
+        )
+        .await?
+        .next;
+        ledger.indexed_to = ledger.indexed_to.max(read_to);
+        let Some(offset) = ledger.index.first(id, |id, o| !ledger.hides(*o, id)) else {
+            return Ok(None);
+        };
+        if let Some(message) = read.remove(&offset) {
+            return Ok(Some(Self::entry(offset, message)));
+        }
+        // Indexed by an earlier call: read that one entry.
         let mut found = None;
-        scan(&self.inner, &self.names.parking, 0, to, |offset, d| {
-            let message = codec::message(&d.properties, &d.data);
-            if message.id() != id || ledger.hides(offset, id) {
-                return true;
-            }
-            found = Some(Self::entry(offset, message));
-            false
-        })
+        scan(
+            &self.inner,
+            &self.names.parking,
+            offset,
+            ReadTo::Fence,
+            |at, d| {
+                if at == offset {
+                    found = Some(Self::entry(at, codec::message(&d.properties, &d.data)));
+                }
+                false
+            },
+        )
         .await?;
         Ok(found)
     }
@@ -298,40 +344,16 @@ impl DeadLetters for RabbitDeadLetters {
         }
         let _serial = self.removing.lock().await;
         let (mut ledger, to) = self.refresh(Completeness::Complete).await?;
-        let mut wanted = IdCounts::new(ids);
-        let mut taken: Vec<(u64, MessageId)> = Vec::new();
-        // The entries this reader has seen are taken where it saw them, without reading
-        // the stream again: an entry at a stream offset never changes (only deleting and
-        // recreating the stream could, and that deletes the dead letters with it). A
-        // replay removes what it just browsed, so its removals cost one ledger append,
-        // not a read of the whole stream. Ids not seen (or seen only at a removed offset)
-        // are looked for from the start.
-        for id in ids {
-            if let Some(&offset) = ledger.seen_at.get(id)
-                && !ledger.hides(offset, id)
-                && !taken.iter().any(|(o, _)| *o == offset)
-                && wanted.take(id)
-            {
-                taken.push((offset, id.clone()));
-            }
-        }
-        if !wanted.is_done() {
-            let already: HashSet<u64> = taken.iter().map(|(o, _)| *o).collect();
-            scan(&self.inner, &self.names.parking, 0, to, |offset, d| {
-                let message = codec::message(&d.properties, &d.data);
-                if !already.contains(&offset)
-                    && !ledger.hides(offset, message.id())
-                    && wanted.take(message.id())
-                {
-                    taken.push((offset, message.id().clone()));
-                }
-                !wanted.is_done()
-            })
-            .await?;
-        }
-        if taken.is_empty() {
+        self.index(&mut ledger, to).await?;
+        // Each dead letter goes with every copy of it the stream holds.
+        let picked = ledger.index.pick(ids, |id, o| !ledger.hides(*o, id));
+        if picked.is_empty() {
             return Ok(Vec::new());
         }
+        let taken: Vec<(u64, MessageId)> = picked
+            .iter()
+            .flat_map(|p| p.copies.iter().map(|o| (*o, p.id.clone())))
+            .collect();
         let record = LedgerRecord {
             removed: taken
                 .iter()
@@ -339,24 +361,22 @@ impl DeadLetters for RabbitDeadLetters {
                 .collect(),
         };
         self.append_to_ledger(&record).await?;
-        let removed = taken.iter().map(|(_, id)| id.clone()).collect();
         ledger.removed.extend(taken);
-        Ok(removed)
+        Ok(picked.into_iter().map(|p| p.id).collect())
     }
 
     async fn count(&self) -> Result<DeadLetterCount, BrokerError> {
-        let (ledger, to) = self.refresh(Completeness::Served).await?;
-        let mut count = DeadLetterCount::default();
-        scan(&self.inner, &self.names.parking, 0, to, |offset, d| {
-            let message = codec::message(&d.properties, &d.data);
-            if !ledger.hides(offset, message.id()) {
-                count.count += 1;
-                count.note(message.headers());
-            }
-            true
-        })
-        .await?;
-        Ok(count)
+        let (refreshed, first) = tokio::join!(
+            self.refresh(Completeness::Served),
+            first_offset(&self.inner, &self.names.parking)
+        );
+        let (mut ledger, to) = refreshed?;
+        // A long-lived reader (the gauges') forgets what a retention policy dropped.
+        if let Some(first) = first? {
+            ledger.index.retain(|o| *o >= first);
+        }
+        self.index(&mut ledger, to).await?;
+        Ok(ledger.index.count(|id, o| !ledger.hides(*o, id)))
     }
 }
 
@@ -715,7 +735,23 @@ struct Scan {
 
 /// The first offset of `stream`'s last chunk, `None` when it is empty.
 async fn last_chunk_start(inner: &Inner, stream: &str) -> Result<Option<u64>, BrokerError> {
-    let (mut read, reported) = StreamRead::open(inner, stream, Start::Last, 1).await?;
+    first_delivered(inner, stream, Start::Last).await
+}
+
+/// The offset of `stream`'s first entry still held (retention drops whole segments),
+/// `None` when it is empty.
+async fn first_offset(inner: &Inner, stream: &str) -> Result<Option<u64>, BrokerError> {
+    first_delivered(inner, stream, Start::Offset(0)).await
+}
+
+/// The offset of the first entry a read of `stream` from `start` delivers, `None` when
+/// the stream is empty.
+async fn first_delivered(
+    inner: &Inner,
+    stream: &str,
+    start: Start,
+) -> Result<Option<u64>, BrokerError> {
+    let (mut read, reported) = StreamRead::open(inner, stream, start, 1).await?;
     let wait = if reported > 0 { STALL } else { EMPTY_PROBE };
     let first = read.next(wait).await;
     read.close().await;

@@ -10,7 +10,7 @@ use aws_sdk_sqs::types::{
 };
 use reliq_core::{
     BrokerError, Cursor, DeadLetter, DeadLetterCount, DeadLetterEntry, DeadLetterPage,
-    DeadLetterReason, DeadLetters, MessageId, Origin, Subscription, seam::IdCounts,
+    DeadLetterReason, DeadLetters, MessageId, Origin, Subscription, seam::CopyIndex,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -82,10 +82,14 @@ const SETTLE: Duration = Duration::from_secs(2);
 ///   `max-deliveries` with `attempts` = the delivery limit, and as dead-lettered-at its
 ///   `SentTimestamp` in the DLQ (SQS records no time of the move; on a standard queue it
 ///   is the original send, so the entry looks at most as old as the message is).
-/// - **Counts.** `count` is `ApproximateNumberOfMessages + ApproximateNumberOfMessagesNotVisible`
-///   — approximate, as SQS says (at least what the scan saw); the oldest dead-lettered-at
-///   needs a scan, which reads at most [`SqsOptions::dead_letter_count_scan_max`] entries:
-///   beyond that, it is the oldest of those read.
+/// - **Copies of one dead letter** (a DLQ copy sent again after a lost answer, a message
+///   parked again after a crash, a standard queue's own duplicate) are one entry: a page
+///   shows a dead letter at its oldest copy, `remove` deletes every copy the scan holds.
+/// - **Counts.** `count` scans up to [`SqsOptions::dead_letter_count_scan_max`] entries:
+///   a scan that sees the whole DLQ counts its dead letters, copies folded; beyond the
+///   limit it is `ApproximateNumberOfMessages + ApproximateNumberOfMessagesNotVisible` —
+///   approximate, as SQS says, copies included — and the oldest dead-lettered-at is the
+///   oldest of those read.
 ///
 /// [`SqsOptions::dead_letter_lease`]: crate::options::SqsOptions::dead_letter_lease
 /// [`SqsOptions::dead_letter_scan_max`]: crate::options::SqsOptions::dead_letter_scan_max
@@ -170,6 +174,23 @@ impl Scan {
         let mut all: Vec<&Scanned> = self.held.values().collect();
         all.sort_by(|a, b| a.key.cmp(&b.key));
         all
+    }
+
+    /// Which entries held are copies of one dead letter.
+    fn copies(&self) -> CopyIndex<Key> {
+        let mut index = CopyIndex::new();
+        for s in self.held.values() {
+            index.add(s.key.clone(), &s.entry.message);
+        }
+        index
+    }
+
+    /// Each dead letter held once (its oldest copy), oldest first.
+    fn shown(&self) -> Vec<&Scanned> {
+        let copies = self.copies();
+        let mut shown = self.sorted();
+        shown.retain(|s| copies.shows(s.entry.id(), &s.key, |_, _| true));
+        shown
     }
 
     /// Make everything still held visible again, now.
@@ -471,7 +492,7 @@ fn page_of(
     max: usize,
 ) -> (Vec<DeadLetterEntry>, Option<Key>, bool) {
     let rest: Vec<&Scanned> = scan
-        .sorted()
+        .shown()
         .into_iter()
         .filter(|s| after.is_none_or(|a| &s.key > a))
         .collect();
@@ -508,7 +529,7 @@ impl Reader {
     ) -> Result<Option<DeadLetterEntry>, BrokerError> {
         let scan = self.scan_all(&gone).await?;
         let found = scan
-            .sorted()
+            .shown()
             .into_iter()
             .find(|s| s.entry.id() == &id)
             .map(|s| s.entry.clone());
@@ -527,17 +548,14 @@ impl Reader {
             scan.give_back().await;
             return Ok(Vec::new());
         }
-        let mut wanted = IdCounts::new(&ids);
-        let chosen: Vec<(String, String, MessageId)> = scan
-            .sorted()
-            .into_iter()
-            .filter(|s| wanted.take(s.entry.id()))
-            .map(|s| {
-                (
-                    s.key.sqs_id.clone(),
-                    s.receipt.clone(),
-                    s.entry.id().clone(),
-                )
+        // Each dead letter with every copy of it the scan holds.
+        let picked = scan.copies().pick(&ids, |_, _| true);
+        let chosen: Vec<(String, String, MessageId)> = picked
+            .iter()
+            .flat_map(|p| p.copies.iter().map(|key| (key, &p.id)))
+            .filter_map(|(key, id)| {
+                let held = scan.held.get(&key.sqs_id)?;
+                Some((key.sqs_id.clone(), held.receipt.clone(), id.clone()))
             })
             .collect();
         // Deleted while this scan's lease still hides them, with the receipts of its
@@ -548,13 +566,11 @@ impl Reader {
                 .map(|(_, receipt, _)| self.broker.delete(&self.url, receipt)),
         )
         .await;
-        let mut removed = Vec::new();
         let mut failure = None;
         for ((sqs_id, _, id), result) in chosen.into_iter().zip(results) {
             match result {
                 Ok(()) => {
                     scan.held.remove(&sqs_id);
-                    removed.push(id);
                 }
                 Err(e) => {
                     tracing::warn!(message_id = %id, error = %e, "removing a dead letter failed; it stays in the DLQ");
@@ -562,6 +578,12 @@ impl Reader {
                 }
             }
         }
+        // A dead letter is removed once every copy of it is (the rest: call again).
+        let removed = picked
+            .into_iter()
+            .filter(|p| p.copies.iter().all(|k| !scan.held.contains_key(&k.sqs_id)))
+            .map(|p| p.id)
+            .collect();
         scan.give_back().await;
         match failure {
             None => Ok(removed),
@@ -581,12 +603,12 @@ impl Reader {
                 &gone,
             )
             .await?;
-        let mut count = DeadLetterCount {
-            count: counted.max(scan.held.len() as u64),
-            oldest_dead_lettered_at: None,
-        };
-        for s in scan.held.values() {
-            count.note(s.entry.headers());
+        let seen = scan.held.len() as u64;
+        let mut count = scan.copies().count(|_, _| true);
+        // A scan that saw the whole DLQ counts dead letters, copies folded; one cut short
+        // by the count-scan limit gives SQS's approximate depth, copies included.
+        if seen < counted {
+            count.count = counted;
         }
         scan.give_back().await;
         Ok(count)
