@@ -1,7 +1,7 @@
 //! Chaos on three-node clusters (`scripts/brokers cluster up`): the crash harness
 //! (`reliq_integration::crash::run_with_faults`: orders through the outbox, the inventory
 //! consumer with its durable inbox SIGKILLed 5 times, two of them between COMMIT and ack)
-//! with nine faults injected meanwhile, timed from the moment the orders are in the
+//! with eleven faults injected meanwhile, timed from the moment the orders are in the
 //! outbox:
 //!
 //! - **node loss** (+3 s): the leader of the consumer's queue / partition / stream
@@ -25,6 +25,9 @@
 //!   then thawed (see [`node_pause`]);
 //! - **packet loss** (+110 s, 60 s): 20 % of the packets between the consumer and every
 //!   node dropped by the kernel (nftables; see [`lossy_links`]);
+//! - **disk full** (+125 s, 20 s): the data filesystem of the node leading the consumer's
+//!   data (its own loop-mounted image) filled until writes fail, then freed and the node
+//!   brought back as an operator would (see [`disk_full`]);
 //! - **rolling restart** (+175 s): every node stopped gracefully and started again, one
 //!   after the other, each back in the cluster before the next goes;
 //! - **consumer pause**: after the kills a standby member joins the consumer's group,
@@ -42,8 +45,9 @@
 //! minutes short — still beyond a round's length.
 //!
 //! The harness's checker then fails on any lost order, any double reservation, any DLQ
-//! entry other than the injected poison or with another reason than its injected one, and
-//! (NATS, which deduplicates) any order parked more than once.
+//! entry other than the injected poison or with another reason than its injected one, any
+//! order shown more than once by the DLQ reader, and a DLQ count other than the orders
+//! parked.
 //!
 //! Not in `just test` (a cluster costs ~50 s to start and nine processes): `just chaos`
 //! starts the clusters, points the tests' URLs at them and runs this binary alone
@@ -52,7 +56,7 @@
 //!
 //! `RELIQ_CHAOS_ORDERS` (default 10,000, which keeps the consumer
 //! busy through every fault), `RELIQ_CRASH_SEED` as in the crash harness,
-//! `RELIQ_CHAOS_FAULTS=node,dlq,dbcut,stall,leadercut,oneway,nodepause,loss,rolling,consumerpause` to
+//! `RELIQ_CHAOS_FAULTS=node,dlq,dbcut,stall,leadercut,oneway,nodepause,loss,diskfull,rolling,consumerpause` to
 //! inject only some, `RELIQ_CHAOS_SKEW_MS` for another skew (0: none). The inbox and outbox are on PostgreSQL (`RELIQ_POSTGRES_URL`; `just
 //! chaos` starts it).
 
@@ -124,6 +128,8 @@ const NODE_PAUSE: Duration = Duration::from_secs(20);
 const LOSS_AT: Duration = Duration::from_secs(110);
 const LOSS: Duration = Duration::from_secs(60);
 const LOSS_PERCENT: u8 = 20;
+const DISK_FULL_AT: Duration = Duration::from_secs(125);
+const DISK_FULL: Duration = Duration::from_secs(20);
 const ROLLING_AT: Duration = Duration::from_secs(175);
 
 /// The consumer pause's `RELIQ_CHAOS_FAULTS` name: the crash harness freezes the
@@ -138,12 +144,12 @@ const CONSUMER_PAUSE: &str = "consumerpause";
 const RABBIT_HEARTBEAT: Duration = Duration::from_secs(20);
 
 /// How long the broker waits on a silent consumer before it hands that consumer's
-/// deliveries to another: the Kafka session (reliq's `session.timeout.ms`, 6 s), the
+/// deliveries to another: the Kafka session (reliq's default `session.timeout.ms`), the
 /// RabbitMQ heartbeat timeout ([`RABBIT_HEARTBEAT`]), the NATS `ack_wait` (the crash
 /// harness's lease). A consumer frozen longer comes back a zombie.
 fn silence_limit(backend: Backend) -> Duration {
     match backend {
-        Backend::Kafka => Duration::from_secs(6),
+        Backend::Kafka => reliq_kafka::DEFAULT_SESSION_TIMEOUT,
         Backend::Rabbit => RABBIT_HEARTBEAT,
         _ => crash::LEASE,
     }
@@ -159,7 +165,7 @@ fn fault_on(name: &str) -> bool {
 }
 
 /// Every fault the fault task injects, by its `RELIQ_CHAOS_FAULTS` name.
-const FAULTS: [&str; 9] = [
+const FAULTS: [&str; 10] = [
     "node",
     "dlq",
     "dbcut",
@@ -168,22 +174,38 @@ const FAULTS: [&str; 9] = [
     "oneway",
     "nodepause",
     "loss",
+    "diskfull",
     "rolling",
 ];
 
 /// The faults of one run, side by side: the leader killed and restarted, the DLQ
 /// unavailable, the consumer cut off from its database, the consumer's connections
 /// stalled, the consumer cut off from the leader
-/// both ways and then one way, the leader frozen, the consumer's links lossy, every node
-/// restarted in turn.
+/// both ways and then one way, the leader frozen, the consumer's links lossy, the
+/// leader's disk full, every node restarted in turn.
 fn faults(backend: Backend, proxies: Arc<Proxies>, database: Arc<FaultProxy>) -> crash::Faults {
     Box::new(move |topic: String| {
         async move {
             let t0 = Instant::now();
-            let (node, dlq, db_cut, stall, leader_cut, one_way, node_pause, loss, rolling) = tokio::try_join!(
+            let (
+                node,
+                dlq,
+                db_cut,
+                stall,
+                leader_cut,
+                one_way,
+                node_pause,
+                loss,
+                disk_full,
+                rolling,
+            ) = tokio::try_join!(
                 injected("node", fault_on("node"), node_loss(backend, &topic, t0)),
                 injected("dlq", fault_on("dlq"), dlq_outage(backend, &topic, t0)),
-                injected("dbcut", fault_on("dbcut"), database_partition(&database, t0)),
+                injected(
+                    "dbcut",
+                    fault_on("dbcut"),
+                    database_partition(&database, t0)
+                ),
                 injected("stall", fault_on("stall"), stall(&proxies, t0)),
                 injected(
                     "leadercut",
@@ -201,10 +223,15 @@ fn faults(backend: Backend, proxies: Arc<Proxies>, database: Arc<FaultProxy>) ->
                     node_pause(backend, &topic, t0)
                 ),
                 injected("loss", fault_on("loss"), lossy_links(&proxies, t0)),
+                injected(
+                    "diskfull",
+                    fault_on("diskfull"),
+                    disk_full(backend, &topic, t0)
+                ),
                 injected("rolling", fault_on("rolling"), rolling_restart(backend, t0)),
             )?;
             Ok(vec![
-                node, dlq, db_cut, stall, leader_cut, one_way, node_pause, loss, rolling,
+                node, dlq, db_cut, stall, leader_cut, one_way, node_pause, loss, disk_full, rolling,
             ])
         }
         .boxed()
@@ -238,6 +265,31 @@ async fn node_loss(backend: Backend, topic: &str, t0: Instant) -> anyhow::Result
 async fn node_pause(backend: Backend, topic: &str, t0: Instant) -> anyhow::Result<String> {
     tokio::time::sleep_until(t0 + NODE_PAUSE_AT).await;
     leader_out(backend, topic, t0, NODE_PAUSE, ["pause", "resume"]).await
+}
+
+/// Fill the data filesystem of the node leading the consumer's data (its own loop-mounted
+/// image, `scripts/brokers cluster fill`) for [`DISK_FULL`], then free it and bring the
+/// node back as an operator would (`cluster free`): Kafka takes its only log directory
+/// offline and the broker exits (started again), NATS disables JetStream on the node
+/// (restarted), RabbitMQ raises its disk alarm, which blocks publishers on every node
+/// until it clears.
+async fn disk_full(backend: Backend, topic: &str, t0: Instant) -> anyhow::Result<String> {
+    tokio::time::sleep_until(t0 + DISK_FULL_AT).await;
+    let (broker, what) = led(backend, topic);
+    let node = cluster(&["leader", broker, &what]).await?;
+    cluster(&["fill", &node]).await?;
+    let filled = t0.elapsed();
+    tokio::time::sleep(DISK_FULL).await;
+    let freed = t0.elapsed();
+    // `started` (it exited), `restarted` (JetStream was off) or `running`.
+    let node_was = cluster(&["free", &node]).await?;
+    Ok(format!(
+        "{node} (leader of {what}): disk full +{:.1} → +{:.1} s, then {node_was} (back at +{:.1} s); leader now {}",
+        filled.as_secs_f64(),
+        freed.as_secs_f64(),
+        t0.elapsed().as_secs_f64(),
+        cluster(&["leader", broker, &what]).await?
+    ))
 }
 
 /// Cut the consumer off from the node leading its data for [`LEADER_CUT`]: that node's
@@ -1657,6 +1709,101 @@ async fn kafka_paused_partitions_are_consumed_after_a_lost_assignment() -> anyho
         processed == ids,
         "{} of {TOTAL} records processed within 60 s of the stall's end ({stats:?})",
         processed.len()
+    );
+    Ok(())
+}
+
+/// A RabbitMQ node's disk full: its disk alarm blocks every publisher of the cluster, so
+/// the consumer's dead-letter copies are neither confirmed nor refused. They must be held
+/// — not acknowledged, not released into a redelivery loop — and land once the alarm
+/// clears: 200 poison messages are refused by the handler while rabbit-2's disk is full,
+/// and after it is freed every one of them is in the DLQ, once. A consumer that settled
+/// its source on an unconfirmed copy would lose what the blocked connection dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_dead_letters_held_through_a_disk_alarm() -> anyhow::Result<()> {
+    use reliq_core::{BoxError, Broker, Consumer, Delivery, Destination, Message, Permanent};
+    use std::collections::HashSet;
+    const TOTAL: usize = 200;
+    let url = settings::get("RELIQ_RABBIT_URL");
+    node_urls("RELIQ_RABBIT_URL")?;
+    let broker: Arc<dyn Broker> = Arc::new(reliq_rabbit::RabbitBroker::connect(&url).await?);
+    let source = reliq_conformance::support::unique("disk-alarm");
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let g = gate.clone();
+    let handle = Consumer::builder(broker.clone(), "c")
+        .subscribe(source.clone())
+        .start(move |_d: Delivery| {
+            let g = g.clone();
+            async move {
+                drop(g.acquire().await?);
+                Err::<(), BoxError>(Permanent::msg("order refers to a missing sku").into())
+            }
+        })
+        .await?;
+    let dest = Destination::new(source.clone());
+    let mut ids = HashSet::new();
+    for i in 0..TOTAL {
+        let m = Message::new(format!("{i}"));
+        ids.insert(m.id().clone());
+        broker.publish(&dest, m).await?;
+    }
+    cluster(&["fill", "rabbit-2"]).await?;
+    let filled = Instant::now();
+    let outcome = async {
+        // RabbitMQ looks at its free space every few seconds (up to 10 s apart when there
+        // was plenty): the handler refuses everything once the alarm is up.
+        let alarms = || {
+            cluster(&[
+                "rabbitmqctl",
+                "rabbit-2",
+                "eval",
+                "rabbit_alarm:get_alarms().",
+            ])
+        };
+        while !alarms().await?.contains("disk") {
+            ensure!(
+                filled.elapsed() < Duration::from_secs(30),
+                "no disk alarm 30 s after rabbit-2's disk was filled"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        println!(
+            "disk alarm up {:.1} s after the fill",
+            filled.elapsed().as_secs_f64()
+        );
+        gate.add_permits(tokio::sync::Semaphore::MAX_PERMITS / 2);
+        tokio::time::sleep(Duration::from_secs(15)).await;
+        Ok::<_, anyhow::Error>(handle.stats())
+    }
+    .await;
+    let freed = cluster(&["free", "rabbit-2"]).await;
+    let during = outcome?;
+    freed?;
+    println!(
+        "rabbit-2's disk full for {:.1} s; meanwhile {during:?}",
+        filled.elapsed().as_secs_f64()
+    );
+    ensure!(
+        during.settle_failures > 0 && during.dead_lettered < TOTAL as u64,
+        "the disk alarm blocked no dead-letter copy: {during:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while handle.stats().dead_lettered < TOTAL as u64 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let after = handle.shutdown().await.stats;
+    let dlq = broker
+        .dead_letters(&reliq_core::Subscription::new("c", source.as_str()))
+        .await?;
+    let parked = reliq_conformance::support::browse_all(dlq.as_ref()).await?;
+    let parked_ids: HashSet<_> = parked.iter().map(|e| e.id().clone()).collect();
+    let count = dlq.count().await?.count;
+    ensure!(
+        parked_ids == ids && parked.len() == TOTAL && count == TOTAL as u64,
+        "after the alarm: {} entries ({} distinct, {} of the {TOTAL} published), count {count}; {after:?}",
+        parked.len(),
+        parked_ids.len(),
+        parked_ids.intersection(&ids).count()
     );
     Ok(())
 }

@@ -66,12 +66,22 @@ rabbit_join() {
   fi
 }
 
+# rabbit_stale_hint NODE: after NODE failed to boot, name the known case whose only way
+# out is new data: a node stopped in the middle of a rolling restart kept feature-flag
+# state the others do not share, and it crashes at boot in rabbit_feature_flags
+rabbit_stale_hint() {
+  grep -rqs 'rabbit_feature_flags' "$CDIR/$1/log" || return 0
+  err "$1: it crashed enabling feature flags at boot (seen after a run was interrupted" \
+    "during a rolling restart): the cluster's data is stale; start it afresh with" \
+    "scripts/brokers cluster down rabbitmq; rm -rf $CDIR/rabbit-*; scripts/brokers cluster up rabbitmq"
+}
+
 # nodes of the cluster to wait for (all running ones), e.g. after `cluster up`
 wait_cluster_rabbitmq() {
   local n fresh=0 all
   all=$(cluster_nodes rabbitmq)
   for n in $all; do
-    wait_ports "$n" || return 1
+    wait_ports "$n" || { rabbit_stale_hint "$n"; return 1; }
     [ -f "$CDIR/$n/fresh" ] && fresh=1
   done
   if [ $fresh = 1 ]; then
@@ -86,7 +96,7 @@ wait_cluster_rabbitmq() {
 # wait_rejoined_rabbitmq NODE: it answers and another running node lists it as running
 wait_rejoined_rabbitmq() {
   local n=$1 other='' m
-  wait_ports "$n" || return 1
+  wait_ports "$n" || { rabbit_stale_hint "$n"; return 1; }
   for m in $(cluster_nodes rabbitmq); do
     [ "$m" != "$n" ] && alive "$m" && port_open "$(node_port "$m" 1)" && { other=$m; break; }
   done

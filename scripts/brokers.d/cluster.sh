@@ -1,6 +1,6 @@
 # scripts/brokers.d/cluster.sh - `scripts/brokers cluster ...`: node names and ports, and the
-# commands (up, down, status, kill, start, restart, pause, resume, leader, rabbitmqctl); the nodes of each broker are
-# in cluster-rabbitmq.sh, cluster-kafka.sh, cluster-nats.sh. sourced by scripts/brokers (not run).
+# commands (up, down, status, kill, start, restart, pause, resume, fill, free, leader, rabbitmqctl); the nodes of
+# each broker are in cluster-rabbitmq.sh, cluster-kafka.sh, cluster-nats.sh, their data disks in cluster-disk.sh. sourced by scripts/brokers (not run).
 
 # ----------------------------------------------------------------- clusters
 # `cluster ...`: a three-node cluster of rabbitmq, kafka and nats each, beside the
@@ -79,6 +79,7 @@ cluster_ensure() { # BROKER
   esac
 }
 start_node() { # NODE
+  node_disk_mount "$1" || return 1
   case $(node_broker "$1") in
     rabbitmq) start_cluster_rabbit "$1" ;;
     kafka) start_cluster_kafka "$1" ;;
@@ -146,6 +147,7 @@ cmd_cluster_down() {
       for p in $(ports_of "$n"); do
         if port_open "$p"; then err "$n: port $p still open after stop ($(port_owner "$p"))"; rc=1; fi
       done
+      node_disk_unmount "$n" || rc=1
     done
   done
   return $rc
@@ -170,6 +172,7 @@ cmd_cluster_status() {
         pid=
         [ $open = 1 ] && note="${note:+$note; }port held by a process this script did not start"
       fi
+      [ -n "$(node_disk_note "$n")" ] && note="${note:+$note; }$(node_disk_note "$n")"
       printf '%-9s %-9s %-18s %-8s %-8s %s\n' "$b" "$n" "$(ports_of "$n" | tr ' ' ,)" "$state" "${pid:--}" "$note"
     done
   done
@@ -335,6 +338,8 @@ cmd_cluster() {
     kill) cmd_cluster_kill "$@" ;;
     start) cmd_cluster_start "$@" ;;
     restart) cmd_cluster_restart "$@" ;;
+    fill) cmd_cluster_fill "$@" ;;
+    free) cmd_cluster_free "$@" ;;
     pause) cmd_cluster_signal STOP "$@" ;;
     resume) cmd_cluster_signal CONT "$@" ;;
     leader) cmd_cluster_leader "$@" ;;

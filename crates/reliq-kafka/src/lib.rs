@@ -106,7 +106,7 @@ mod topology;
 pub use client::KafkaBroker;
 pub use codec::{DUE_AT_HEADER, SOURCE_OFFSET_HEADER, SOURCE_PARTITION_HEADER};
 pub use error::KafkaError;
-pub use options::{BufferPolicy, KafkaConfig, MskIamSettings, RetryMode};
+pub use options::{BufferPolicy, DEFAULT_SESSION_TIMEOUT, KafkaConfig, MskIamSettings, RetryMode};
 
 /// The URL schemes this backend serves (`reliq::connect` dispatches on them).
 pub const SCHEMES: &[&str] = &["kafka"];

@@ -127,6 +127,14 @@ pub struct MskIamSettings {
 /// The `sasl.oauthbearer.method` value that selects [`MskIamSettings`].
 const AWS_MSK_IAM: &str = "aws_msk_iam";
 
+/// The group session reliq's consumers ask for unless the URL sets `session.timeout.ms`:
+/// how long the coordinator waits on a silent member (a crashed or frozen process) before
+/// it gives the member's partitions to another. 6 s is the broker's default minimum
+/// (`group.min.session.timeout.ms`): a lost consumer's partitions move quickly; a pause
+/// longer than this (GC, SIGSTOP, a VM stall) makes the member a zombie, which the
+/// receiver fences on its own (`receiver/frozen.rs`).
+pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(6);
+
 impl std::fmt::Debug for KafkaConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let client: BTreeMap<&str, &str> = self
@@ -359,7 +367,10 @@ impl KafkaConfig {
             ("enable.auto.commit", "false".into()),
             ("enable.auto.offset.store", "false".into()),
             ("auto.offset.reset", "earliest".into()),
-            ("session.timeout.ms", "6000".into()),
+            (
+                "session.timeout.ms",
+                DEFAULT_SESSION_TIMEOUT.as_millis().to_string(),
+            ),
             ("heartbeat.interval.ms", "500".into()),
             ("fetch.wait.max.ms", "100".into()),
             // librdkafka's fetch queue is the second stage of flow control (the poll
