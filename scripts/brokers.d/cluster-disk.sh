@@ -72,11 +72,13 @@ cmd_cluster_fill() { # NODE: fill its data filesystem until a write fails (ENOSP
 
 # cmd_cluster_free NODE: delete the filler, then bring the node back as an operator would:
 # started if its broker exited on the full disk (Kafka takes its only log directory
-# offline and halts), restarted if it runs without JetStream (NATS disables JetStream on
-# a write error); RabbitMQ clears its disk alarm by itself. Prints what it did (stdout):
-# `started`, `restarted` or `running`.
+# offline and halts); restarted if it runs but does not serve: NATS disables JetStream
+# on a write error, and a RabbitMQ node whose Raft log crashed on the full disk (ENOSPC
+# in ra_log_wal) keeps running while the other nodes no longer list it as running. The
+# disk alarm itself RabbitMQ clears on its own. Prints what it did (stdout): `started`,
+# `restarted` or `running`.
 cmd_cluster_free() {
-  local n=${1:-} d
+  local n=${1:-} d why
   node_broker "$n" > /dev/null || die "usage: $0 cluster free NODE (rabbit-1..3, kafka-1..3, nats-1..3)"
   d=$(node_data_dir "$n")
   rm -f "$d/$FILLER" "$d/$FILLER.tail"
@@ -84,12 +86,30 @@ cmd_cluster_free() {
   if ! alive "$n"; then
     log "$n: exited while its disk was full; starting it"
     cmd_cluster_start "$n" >&2 && echo started
-  elif [ "$(node_broker "$n")" = nats ] && ! curl -sf -m 5 "http://$HOST:$(node_port "$n" 3)/healthz?js-enabled-only=true" > /dev/null; then
-    log "$n: JetStream is off since the disk was full; restarting it"
-    cmd_cluster_restart "$n" >&2 && echo restarted
-  else
+  elif why=$(node_serves "$n"); then
     echo running
+  else
+    log "$n: $why since its disk was full; restarting it"
+    cmd_cluster_restart "$n" >&2 && echo restarted
   fi
+}
+
+# node_serves NODE: it does its part in the cluster (within 20 s for RabbitMQ, whose disk
+# alarm clears up to 10 s after the space is back); otherwise says what is wrong
+node_serves() {
+  local n=$1 o t0=$SECONDS
+  case $(node_broker "$n") in
+    nats)
+      curl -sf -m 5 "http://$HOST:$(node_port "$n" 3)/healthz?js-enabled-only=true" > /dev/null \
+        || { echo "JetStream is off"; return 1; } ;;
+    rabbitmq)
+      for o in $(cluster_nodes rabbitmq); do [ "$o" != "$n" ] && alive "$o" && break; done
+      until rabbit_sees "$o" "$n" > /dev/null 2>&1; do
+        ((SECONDS - t0 < 20)) || { echo "$o no longer lists it as running"; return 1; }
+        sleep 1
+      done ;;
+  esac
+  return 0
 }
 
 node_disk_note() { # NODE: "disk full" while a filler is in its data directory

@@ -6,6 +6,12 @@
 //! safe. Removal deletes a message by its sequence (`STREAM.MSG.DELETE`, answered by the
 //! server); a stream sequence is never reused, so a delete can only ever take the entry
 //! that was read there.
+//!
+//! Copies of one dead letter are not folded here, as the other backends' readers do
+//! (`reliq_core::seam::CopyIndex`): the stream drops them at the write, by their
+//! `Nats-Msg-Id` (the source message's stream sequence) within the DLQ stream's duplicate
+//! window, 10 minutes. A copy held longer than that — its DLQ unavailable for more than
+//! ten minutes while the consumer kept sending it — is a second entry, counted and shown.
 
 use async_nats::jetstream::stream::{DirectGetErrorKind, Stream};
 use async_nats::jetstream::{self, message::StreamMessage};
