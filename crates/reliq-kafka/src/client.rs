@@ -101,9 +101,20 @@ impl KafkaBroker {
         &self.inner.config
     }
 
-    /// Create `topics` (with the configured partitions and replication) where missing.
+    /// Create `topics` (with the configured partitions and replication) where missing,
+    /// and wait until the cluster's metadata shows them: a broker answers CreateTopics
+    /// before its own metadata cache has the topic, and a publish or a lookup right
+    /// after would not find it.
     pub async fn ensure_topics(&self, topics: &[String]) -> Result<(), KafkaError> {
-        self.inner.ensure_topics(topics).await
+        self.inner.ensure_topics(topics).await?;
+        self.inner
+            .wait_visible(topics)
+            .await
+            .map_err(|e| KafkaError::Admin {
+                topic: topics.join(", "),
+                reason: "created, but not in the cluster's metadata in time".into(),
+                source: Some(Box::new(e)),
+            })
     }
 
     /// Delete `topics` (for operators and tests; missing topics are not an error).
