@@ -401,6 +401,17 @@ impl<P: Ord + Clone> CopyIndex<P> {
     }
 }
 
+/// An index of entries given as (position, message), e.g. every entry of one scan.
+impl<'a, P: Ord + Clone> FromIterator<(P, &'a Message)> for CopyIndex<P> {
+    fn from_iter<I: IntoIterator<Item = (P, &'a Message)>>(entries: I) -> Self {
+        let mut index = Self::new();
+        for (at, message) in entries {
+            index.add(at, message);
+        }
+        index
+    }
+}
+
 /// Which dead letter of its id an entry is a copy of: a hash of its key, payload and
 /// headers, the failure headers left out.
 fn letter_of(message: &Message) -> u64 {

@@ -88,9 +88,5 @@ impl DeadLetters for MemoryDeadLetters {
 
 /// Every entry of the queue, by position.
 fn index_of<'a>(entries: impl IntoIterator<Item = &'a Entry>) -> CopyIndex<u64> {
-    let mut index = CopyIndex::new();
-    for e in entries {
-        index.add(e.seq, &e.message);
-    }
-    index
+    entries.into_iter().map(|e| (e.seq, &e.message)).collect()
 }

@@ -178,11 +178,10 @@ impl Scan {
 
     /// Which entries held are copies of one dead letter.
     fn copies(&self) -> CopyIndex<Key> {
-        let mut index = CopyIndex::new();
-        for s in self.held.values() {
-            index.add(s.key.clone(), &s.entry.message);
-        }
-        index
+        self.held
+            .values()
+            .map(|s| (s.key.clone(), &s.entry.message))
+            .collect()
     }
 
     /// Each dead letter held once (its oldest copy), oldest first.
