@@ -317,6 +317,9 @@ pub struct Scenario {
     /// proxy: `127.0.0.1:40123`), so its dependency can be cut while the broker and the
     /// driver's own connection to the database stay up. PostgreSQL only.
     pub child_db_host: Option<String>,
+    /// Run the consumer child in this network namespace (`ip netns exec NAME`, root): a
+    /// host of its own, whose links the chaos tests cut (`scripts/brokers cluster net`).
+    pub child_netns: Option<String>,
 }
 
 /// Faults injected beside the consumer kills ([`run_with_faults`]: a broker node killed
@@ -492,6 +495,8 @@ async fn signal(pid: u32, signal: &str) -> anyhow::Result<()> {
 /// The consumer as a child process.
 struct ChildRunner {
     exe: PathBuf,
+    /// The network namespace it runs in ([`Scenario::child_netns`]).
+    netns: Option<String>,
     args: Vec<String>,
     env: Vec<(String, String)>,
     events: Events,
@@ -511,7 +516,15 @@ struct RunningChild {
 #[async_trait]
 impl Runner for ChildRunner {
     async fn start(&mut self, run: usize, crash_after_commit: Option<u64>) -> anyhow::Result<()> {
-        let mut cmd = Command::new(&self.exe);
+        let mut cmd = match &self.netns {
+            Some(netns) => {
+                // `ip netns exec` execs the child: its PID is the child's (kills, pauses).
+                let mut cmd = Command::new("ip");
+                cmd.args(["netns", "exec", netns]).arg(&self.exe);
+                cmd
+            }
+            None => Command::new(&self.exe),
+        };
         cmd.args(&self.args)
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
@@ -610,6 +623,7 @@ impl Runner for ChildRunner {
     fn standby(&self) -> anyhow::Result<Box<dyn Runner>> {
         Ok(Box::new(Self {
             exe: self.exe.clone(),
+            netns: self.netns.clone(),
             args: self.args.clone(),
             env: self.env.clone(),
             events: self.events.clone(),
@@ -848,6 +862,7 @@ async fn drive(
             }
             let runner = ChildRunner {
                 exe: s.child.clone(),
+                netns: s.child_netns.clone(),
                 args,
                 env: s.child_env.clone(),
                 events: events.clone(),
@@ -1487,6 +1502,7 @@ mod tests {
     fn shell_runner(script: &str, until: &Until) -> ChildRunner {
         ChildRunner {
             exe: "/bin/sh".into(),
+            netns: None,
             args: vec!["-c".into(), script.into()],
             env: Vec::new(),
             events: Events::default(),

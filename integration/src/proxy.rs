@@ -60,14 +60,30 @@ impl FaultProxy {
         Self::start_on(SocketAddr::from(([127, 0, 0, 1], 0)), upstream).await
     }
 
-    /// A proxy listening on `listen`, forwarding to `upstream`; both must be loopback
-    /// addresses (a fault proxy never touches a real network).
+    /// A proxy listening on `listen`, forwarding to `upstream`, a loopback address (a
+    /// fault proxy never reaches into a real network). It listens on loopback too, or on
+    /// a private address of this host — the host's end of the test bridge, where the
+    /// chaos tests' consumer in its network namespace reaches its database.
     pub async fn start_on(listen: SocketAddr, upstream: SocketAddr) -> io::Result<Self> {
-        for (what, a) in [("listen", listen), ("upstream", upstream)] {
-            if !a.ip().is_loopback() {
+        let private = |a: SocketAddr| match a.ip() {
+            std::net::IpAddr::V4(ip) => ip.is_loopback() || ip.is_private(),
+            std::net::IpAddr::V6(ip) => ip.is_loopback(),
+        };
+        for (what, a, ok) in [
+            ("listen", listen, private(listen)),
+            ("upstream", upstream, upstream.ip().is_loopback()),
+        ] {
+            if !ok {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidInput,
-                    format!("fault proxy: {what} address {a} is not a loopback address"),
+                    format!(
+                        "fault proxy: {what} address {a} is not a loopback address{}",
+                        if what == "listen" {
+                            " or a private one"
+                        } else {
+                            ""
+                        }
+                    ),
                 ));
             }
         }

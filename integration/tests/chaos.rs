@@ -1,33 +1,44 @@
 //! Chaos on three-node clusters (`scripts/brokers cluster up`): the crash harness
 //! (`reliq_integration::crash::run_with_faults`: orders through the outbox, the inventory
 //! consumer with its durable inbox SIGKILLed 5 times, two of them between COMMIT and ack)
-//! with eleven faults injected meanwhile, timed from the moment the orders are in the
-//! outbox:
+//! with twelve faults injected meanwhile, timed from the moment the orders are in the
+//! outbox.
+//!
+//! The clusters run on loopback (`just chaos`) or with every node and the consumer a
+//! host of its own (`just chaos-netns`: `BROKERS_CLUSTER_NETNS=1`, a network namespace
+//! each on a bridge, `scripts/brokers.d/cluster-netns.sh`). On loopback the consumer
+//! reaches each node through a [`FaultProxy`], which the link faults stall; in
+//! namespaces it connects straight to the nodes and the link faults drop its packets on
+//! the bridge (`scripts/brokers cluster net`), as a broken network does — silently, TCP
+//! retransmitting — and the split can cut nodes off from each other:
 //!
 //! - **node loss** (+3 s): the leader of the consumer's queue / partition / stream
 //!   SIGKILLed, started again 15 s later;
 //! - **DLQ outage** (+10 s, 30 s): the consumer's DLQ refuses dead letters or does not
 //!   confirm them (see [`dlq_outage`]); the DLQ must not grow meanwhile, and what was held
 //!   back must land after;
-//! - **stall** (+45 s, 10 s): every connection of the consumer — each goes through a
-//!   [`FaultProxy`] per node — moves no byte;
+//! - **stall** (+45 s, 10 s): every link of the consumer to the brokers cut both ways;
 //! - **dependency partition** (+15 s, 30 s): the consumer cut off from its inbox database
 //!   (PostgreSQL, through a [`FaultProxy`]) while the brokers stay reachable: its
 //!   handler's claims fail, the consumer's circuit breaker opens and it stops taking
 //!   messages — none may be parked for it (see [`database_partition`]);
 //! - **leader partition** (+58 s, 12 s): the consumer cut off from the node leading its
-//!   data only — that node's proxy holds every byte both ways — while the nodes still
-//!   reach each other (see [`leader_partition`]);
+//!   data only, both ways, while the nodes still reach each other (see
+//!   [`leader_partition`]);
 //! - **one-way partition** (+72 s, 12 s): the same node receives what the consumer sends
 //!   and its answers are held: it acts on requests (commits, acks, confirms) the consumer
 //!   hears nothing of — the ambiguous acknowledgement (see [`one_way_partition`]);
 //! - **node pause** (+86 s, 20 s): the leader of the consumer's data frozen (SIGSTOP),
 //!   then thawed (see [`node_pause`]);
 //! - **packet loss** (+110 s, 60 s): 20 % of the packets between the consumer and every
-//!   node dropped by the kernel (nftables; see [`lossy_links`]);
+//!   node dropped by the kernel (nftables; see [`lossy_links`]). The kernel here has no
+//!   netem, so delay, duplication and reordering are not injected (TCP hides the last two
+//!   from the clients; the loss's retransmissions make the delays);
 //! - **disk full** (+125 s, 20 s): the data filesystem of the node leading the consumer's
 //!   data (its own loop-mounted image) filled until writes fail, then freed and the node
 //!   brought back as an operator would (see [`disk_full`]);
+//! - **split** (+150 s, 15 s; namespaces only): the node leading the consumer's data cut
+//!   off from the two others, the consumer still reaching all three (see [`split`]);
 //! - **rolling restart** (+175 s): every node stopped gracefully and started again, one
 //!   after the other, each back in the cluster before the next goes;
 //! - **consumer pause**: after the kills a standby member joins the consumer's group,
@@ -56,7 +67,7 @@
 //!
 //! `RELIQ_CHAOS_ORDERS` (default 10,000, which keeps the consumer
 //! busy through every fault), `RELIQ_CRASH_SEED` as in the crash harness,
-//! `RELIQ_CHAOS_FAULTS=node,dlq,dbcut,stall,leadercut,oneway,nodepause,loss,diskfull,rolling,consumerpause` to
+//! `RELIQ_CHAOS_FAULTS=node,dlq,dbcut,stall,leadercut,oneway,nodepause,loss,diskfull,split,rolling,consumerpause` to
 //! inject only some, `RELIQ_CHAOS_SKEW_MS` for another skew (0: none). The inbox and outbox are on PostgreSQL (`RELIQ_POSTGRES_URL`; `just
 //! chaos` starts it).
 
@@ -130,6 +141,8 @@ const LOSS: Duration = Duration::from_secs(60);
 const LOSS_PERCENT: u8 = 20;
 const DISK_FULL_AT: Duration = Duration::from_secs(125);
 const DISK_FULL: Duration = Duration::from_secs(20);
+const SPLIT_AT: Duration = Duration::from_secs(150);
+const SPLIT: Duration = Duration::from_secs(15);
 const ROLLING_AT: Duration = Duration::from_secs(175);
 
 /// The consumer pause's `RELIQ_CHAOS_FAULTS` name: the crash harness freezes the
@@ -165,7 +178,7 @@ fn fault_on(name: &str) -> bool {
 }
 
 /// Every fault the fault task injects, by its `RELIQ_CHAOS_FAULTS` name.
-const FAULTS: [&str; 10] = [
+const FAULTS: [&str; 11] = [
     "node",
     "dlq",
     "dbcut",
@@ -175,6 +188,7 @@ const FAULTS: [&str; 10] = [
     "nodepause",
     "loss",
     "diskfull",
+    "split",
     "rolling",
 ];
 
@@ -183,7 +197,7 @@ const FAULTS: [&str; 10] = [
 /// stalled, the consumer cut off from the leader
 /// both ways and then one way, the leader frozen, the consumer's links lossy, the
 /// leader's disk full, every node restarted in turn.
-fn faults(backend: Backend, proxies: Arc<Proxies>, database: Arc<FaultProxy>) -> crash::Faults {
+fn faults(backend: Backend, links: Arc<Links>, database: Arc<FaultProxy>) -> crash::Faults {
     Box::new(move |topic: String| {
         async move {
             let t0 = Instant::now();
@@ -197,8 +211,9 @@ fn faults(backend: Backend, proxies: Arc<Proxies>, database: Arc<FaultProxy>) ->
                 node_pause,
                 loss,
                 disk_full,
+                split,
                 rolling,
-            ) = tokio::try_join!(
+            ) = tokio::join!(
                 injected("node", fault_on("node"), node_loss(backend, &topic, t0)),
                 injected("dlq", fault_on("dlq"), dlq_outage(backend, &topic, t0)),
                 injected(
@@ -206,33 +221,43 @@ fn faults(backend: Backend, proxies: Arc<Proxies>, database: Arc<FaultProxy>) ->
                     fault_on("dbcut"),
                     database_partition(&database, t0)
                 ),
-                injected("stall", fault_on("stall"), stall(&proxies, t0)),
+                injected("stall", fault_on("stall"), stall(&links, t0)),
                 injected(
                     "leadercut",
                     fault_on("leadercut"),
-                    leader_partition(backend, &topic, &proxies, t0)
+                    leader_partition(backend, &topic, &links, t0)
                 ),
                 injected(
                     "oneway",
                     fault_on("oneway"),
-                    one_way_partition(backend, &topic, &proxies, t0)
+                    one_way_partition(backend, &topic, &links, t0)
                 ),
                 injected(
                     "nodepause",
                     fault_on("nodepause"),
                     node_pause(backend, &topic, t0)
                 ),
-                injected("loss", fault_on("loss"), lossy_links(&proxies, t0)),
+                injected("loss", fault_on("loss"), lossy_links(&links, t0)),
                 injected(
                     "diskfull",
                     fault_on("diskfull"),
                     disk_full(backend, &topic, t0)
                 ),
+                injected(
+                    "split",
+                    fault_on("split"),
+                    split(backend, &topic, &links, t0)
+                ),
                 injected("rolling", fault_on("rolling"), rolling_restart(backend, t0)),
-            )?;
-            Ok(vec![
-                node, dlq, db_cut, stall, leader_cut, one_way, node_pause, loss, disk_full, rolling,
-            ])
+            );
+            // Every fault runs to its end (each heals what it broke) before a failed one
+            // stops the run: dropped half-way, a rolling restart left a node stopped.
+            [
+                node, dlq, db_cut, stall, leader_cut, one_way, node_pause, loss, disk_full, split,
+                rolling,
+            ]
+            .into_iter()
+            .collect()
         }
         .boxed()
     })
@@ -301,20 +326,11 @@ async fn disk_full(backend: Backend, topic: &str, t0: Instant) -> anyhow::Result
 async fn leader_partition(
     backend: Backend,
     topic: &str,
-    proxies: &Proxies,
+    links: &Links,
     t0: Instant,
 ) -> anyhow::Result<String> {
     tokio::time::sleep_until(t0 + LEADER_CUT_AT).await;
-    cut_from_leader(
-        backend,
-        topic,
-        proxies,
-        t0,
-        LEADER_CUT,
-        FaultProxy::stall,
-        "cut both ways",
-    )
-    .await
+    cut_from_leader(backend, topic, links, t0, LEADER_CUT, Cut::BothWays).await
 }
 
 /// For [`ONE_WAY`], the node leading the consumer's data gets what the consumer sends
@@ -324,20 +340,11 @@ async fn leader_partition(
 async fn one_way_partition(
     backend: Backend,
     topic: &str,
-    proxies: &Proxies,
+    links: &Links,
     t0: Instant,
 ) -> anyhow::Result<String> {
     tokio::time::sleep_until(t0 + ONE_WAY_AT).await;
-    cut_from_leader(
-        backend,
-        topic,
-        proxies,
-        t0,
-        ONE_WAY,
-        FaultProxy::stall_answers,
-        "answers held",
-    )
-    .await
+    cut_from_leader(backend, topic, links, t0, ONE_WAY, Cut::Answers).await
 }
 
 /// How long a partition waits for the consumer to hold a connection before it cuts
@@ -352,39 +359,79 @@ const CONNECTED_WAIT: Duration = Duration::from_secs(3);
 async fn cut_from_leader(
     backend: Backend,
     topic: &str,
-    proxies: &Proxies,
+    links: &Links,
     t0: Instant,
     held: Duration,
-    fault: fn(&FaultProxy),
-    how: &str,
+    cut: Cut,
 ) -> anyhow::Result<String> {
     // The consumer can be between connections when the fault is due (restarted after a
     // kill, or reconnecting): give it a moment to hold one, so the partition cuts it
     // rather than nobody (round R's leader cut on RabbitMQ found 0 connections).
     let connected_by = Instant::now() + CONNECTED_WAIT;
-    while proxies.busiest().is_none() && Instant::now() < connected_by {
+    while links.busiest().await.is_none() && Instant::now() < connected_by {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let (broker, what) = led(backend, topic);
     let leader = cluster(&["leader", broker, &what]).await?;
-    let mut proxy = proxies.of(&leader)?;
+    let mut index = node_index(&leader)?;
     let mut node = format!("{leader} (leader of {what})");
-    if proxy.connections() == 0
-        && let Some((i, busiest)) = proxies.busiest()
+    let open = links.connections().await;
+    if open.get(index).copied().unwrap_or(0) == 0
+        && let Some((busiest, _)) = links.busiest().await
     {
-        proxy = busiest;
-        let prefix = leader.rsplit_once('-').map_or(broker, |(prefix, _)| prefix);
-        node = format!("{prefix}-{} (the consumer's; {leader} leads {what})", i + 1);
+        index = busiest;
+        node = format!(
+            "{} (the consumer's; {leader} leads {what})",
+            node_names(backend)[index]
+        );
     }
-    let open = proxy.connections();
-    fault(proxy);
+    let open = open.get(index).copied().unwrap_or(0);
+    links.cut(index, cut).await?;
     let from = t0.elapsed();
     tokio::time::sleep(held).await;
-    proxy.resume();
+    links.heal(index, cut).await?;
     Ok(format!(
-        "the consumer's link to {node}, {open} connection(s) open: {how} +{:.1} → +{:.1} s",
+        "the consumer's link to {node}, {open} connection(s) open: {} +{:.1} → +{:.1} s{}",
+        cut.how(),
         from.as_secs_f64(),
-        t0.elapsed().as_secs_f64()
+        t0.elapsed().as_secs_f64(),
+        links.via()
+    ))
+}
+
+/// From [`SPLIT_AT`] for [`SPLIT`], the node leading the consumer's data cut off from
+/// the two others — a symmetric minority/majority split — while the consumer still
+/// reaches every node: on the minority side with the old leader, whose writes cannot be
+/// replicated, and beside a majority that elects a new one. Namespaces only (on
+/// loopback the nodes share one link that no proxy sits in).
+async fn split(
+    backend: Backend,
+    topic: &str,
+    links: &Links,
+    t0: Instant,
+) -> anyhow::Result<String> {
+    let Links::Netns { .. } = links else {
+        return Ok("split: not injected (needs the clusters in namespaces)".to_owned());
+    };
+    tokio::time::sleep_until(t0 + SPLIT_AT).await;
+    let (broker, what) = led(backend, topic);
+    let leader = cluster(&["leader", broker, &what]).await?;
+    let others: Vec<&str> = node_names(backend)
+        .into_iter()
+        .filter(|n| *n != leader)
+        .collect();
+    let args = |verb| [&["net", verb, leader.as_str()], others.as_slice()].concat();
+    cluster(&args("block")).await?;
+    let from = t0.elapsed();
+    tokio::time::sleep(SPLIT).await;
+    cluster(&args("heal")).await?;
+    let healed = t0.elapsed();
+    let new_leader = cluster(&["leader", broker, &what]).await?;
+    Ok(format!(
+        "{leader} (leader of {what}) cut off from {} +{:.1} → +{:.1} s; leader now {new_leader}",
+        others.join(" and "),
+        from.as_secs_f64(),
+        healed.as_secs_f64()
     ))
 }
 
@@ -413,20 +460,33 @@ async fn leader_out(
     ))
 }
 
+/// The cluster's nodes, in the order the URLs list them.
+fn node_names(backend: Backend) -> [&'static str; 3] {
+    match backend {
+        Backend::Rabbit => ["rabbit-1", "rabbit-2", "rabbit-3"],
+        Backend::Kafka => ["kafka-1", "kafka-2", "kafka-3"],
+        Backend::Nats => ["nats-1", "nats-2", "nats-3"],
+        other => unreachable!("no cluster for {other:?}"),
+    }
+}
+
+/// `rabbit-2`, `kafka-3`, `nats-1`: its index in [`node_names`].
+fn node_index(node: &str) -> anyhow::Result<usize> {
+    node.rsplit_once('-')
+        .and_then(|(_, n)| n.parse::<usize>().ok())
+        .and_then(|n| n.checked_sub(1))
+        .filter(|i| *i < 3)
+        .with_context(|| format!("`{node}` is not a cluster node"))
+}
+
 /// Restart every node of the cluster in turn, as an upgrade does: each stopped
 /// gracefully and started again, the next one only once it has rejoined (`scripts/brokers
 /// cluster restart`).
 async fn rolling_restart(backend: Backend, t0: Instant) -> anyhow::Result<String> {
     tokio::time::sleep_until(t0 + ROLLING_AT).await;
-    let nodes: [&str; 3] = match backend {
-        Backend::Rabbit => ["rabbit-1", "rabbit-2", "rabbit-3"],
-        Backend::Kafka => ["kafka-1", "kafka-2", "kafka-3"],
-        Backend::Nats => ["nats-1", "nats-2", "nats-3"],
-        other => unreachable!("no cluster for {other:?}"),
-    };
     let began = t0.elapsed();
     let mut steps = Vec::new();
-    for node in nodes {
+    for node in node_names(backend) {
         let from = t0.elapsed();
         cluster(&["restart", node]).await?;
         steps.push(format!(
@@ -729,11 +789,32 @@ async fn database_partition(database: &FaultProxy, t0: Instant) -> anyhow::Resul
     held_both_ways("to its database", &[database], t0, DB_CUT_AT, DB_CUT).await
 }
 
-/// Stall every connection of the consumer (all of them go through the proxies) for
-/// [`STALL`].
-async fn stall(proxies: &Proxies, t0: Instant) -> anyhow::Result<String> {
-    let every: Vec<&FaultProxy> = proxies.0.iter().collect();
-    held_both_ways("to the brokers", &every, t0, STALL_AT, STALL).await
+/// Cut every link of the consumer to the brokers both ways for [`STALL`] (through the
+/// proxies: every byte held; in namespaces: every packet dropped).
+async fn stall(links: &Links, t0: Instant) -> anyhow::Result<String> {
+    tokio::time::sleep_until(t0 + STALL_AT).await;
+    // As a partition does: a consumer between connections gets a moment to hold one.
+    let connected_by = Instant::now() + CONNECTED_WAIT;
+    while links.busiest().await.is_none() && Instant::now() < connected_by {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let open: usize = links.connections().await.iter().sum();
+    ensure!(
+        open > 0,
+        "no consumer connection to the brokers at +{} s{}",
+        STALL_AT.as_secs(),
+        links.via()
+    );
+    links.all_links(true).await?;
+    let from = t0.elapsed();
+    tokio::time::sleep(STALL).await;
+    links.all_links(false).await?;
+    Ok(format!(
+        "the consumer's {open} connection(s) to the brokers cut both ways at +{:.1} s, healed at +{:.1} s{}",
+        from.as_secs_f64(),
+        t0.elapsed().as_secs_f64(),
+        links.via()
+    ))
 }
 
 /// From `at`, hold every byte through `proxies` both ways for `held`, then let them move.
@@ -769,26 +850,209 @@ async fn held_both_ways(
 }
 
 /// From [`LOSS_AT`] for [`LOSS`], the kernel drops [`LOSS_PERCENT`] % of the packets
-/// between the consumer and its fault proxies (every node; the nodes' own links and the
-/// database's are whole): TCP retransmits, so requests and answers come late, some after
-/// the clients gave up on them.
-async fn lossy_links(proxies: &Proxies, t0: Instant) -> anyhow::Result<String> {
+/// between the consumer and every node (the nodes' own links and the database's are
+/// whole): TCP retransmits, so requests and answers come late, some after the clients
+/// gave up on them. Through the proxies: an nftables table on their ports; in
+/// namespaces: on the bridge, every packet to or from the consumer's address.
+async fn lossy_links(links: &Links, t0: Instant) -> anyhow::Result<String> {
     tokio::time::sleep_until(t0 + LOSS_AT).await;
-    let ports: Vec<u16> = proxies.0.iter().map(|p| p.addr().port()).collect();
-    let moved = || proxies.0.iter().map(FaultProxy::bytes_moved).sum::<u64>();
-    let before = moved();
-    let loss = PacketLoss::start(&ports, LOSS_PERCENT)?;
-    let from = t0.elapsed();
-    tokio::time::sleep(LOSS).await;
-    let counts = loss.stop()?;
-    Ok(format!(
-        "{LOSS_PERCENT} % of the packets to and from the brokers dropped +{:.1} → +{:.1} s: {} of {}, {:.1} MB moved meanwhile",
-        from.as_secs_f64(),
-        t0.elapsed().as_secs_f64(),
-        counts.dropped,
-        counts.seen,
-        (moved() - before) as f64 / 1e6
-    ))
+    match links {
+        Links::Proxies(proxies) => {
+            let ports: Vec<u16> = proxies.0.iter().map(|p| p.addr().port()).collect();
+            let moved = || proxies.0.iter().map(FaultProxy::bytes_moved).sum::<u64>();
+            let before = moved();
+            let loss = PacketLoss::start(&ports, LOSS_PERCENT)?;
+            let from = t0.elapsed();
+            tokio::time::sleep(LOSS).await;
+            let counts = loss.stop()?;
+            Ok(format!(
+                "{LOSS_PERCENT} % of the packets to and from the brokers dropped +{:.1} → +{:.1} s: {} of {}, {:.1} MB moved meanwhile",
+                from.as_secs_f64(),
+                t0.elapsed().as_secs_f64(),
+                counts.dropped,
+                counts.seen,
+                (moved() - before) as f64 / 1e6
+            ))
+        }
+        Links::Netns { .. } => {
+            let percent = LOSS_PERCENT.to_string();
+            cluster(&["net", "loss", CONSUMER_HOST, &percent]).await?;
+            let from = t0.elapsed();
+            tokio::time::sleep(LOSS).await;
+            let dropped = lossy_drops().await;
+            cluster(&["net", "clear", CONSUMER_HOST]).await?;
+            Ok(format!(
+                "{LOSS_PERCENT} % of the consumer's packets dropped on the bridge +{:.1} → +{:.1} s: {dropped} dropped",
+                from.as_secs_f64(),
+                t0.elapsed().as_secs_f64(),
+            ))
+        }
+    }
+}
+
+/// Packets the bridge's loss chain dropped so far (`?` when `nft` did not say).
+async fn lossy_drops() -> String {
+    let listed = Command::new("nft")
+        .args(["list", "chain", "bridge", "reliq_net", "lossy"])
+        .output()
+        .await;
+    listed
+        .ok()
+        .and_then(|out| {
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            let after = text.split("counter packets ").nth(1)?;
+            after.split_whitespace().next().map(str::to_owned)
+        })
+        .unwrap_or_else(|| "?".to_owned())
+}
+
+/// The consumer's host in `scripts/brokers cluster net` terms, and its namespace.
+const CONSUMER_HOST: &str = "consumer";
+const CONSUMER_NETNS: &str = "reliq-consumer";
+
+/// Whether the clusters run in network namespaces (`BROKERS_CLUSTER_NETNS=1`, which
+/// `just chaos-netns` sets for the script and this binary alike).
+fn in_namespaces() -> bool {
+    std::env::var("BROKERS_CLUSTER_NETNS").is_ok_and(|v| v == "1")
+}
+
+/// A cut of the consumer's link to one node.
+#[derive(Clone, Copy, Debug)]
+enum Cut {
+    /// Nothing passes either way.
+    BothWays,
+    /// The node gets what the consumer sends; its answers are lost (held, through a
+    /// proxy).
+    Answers,
+}
+
+impl Cut {
+    fn how(self) -> &'static str {
+        match self {
+            Self::BothWays => "cut both ways",
+            Self::Answers => "answers lost",
+        }
+    }
+}
+
+/// Where the faults act on the consumer's links to the cluster's nodes.
+enum Links {
+    /// Loopback clusters: the consumer connects through a fault proxy per node.
+    Proxies(Proxies),
+    /// Clusters in network namespaces: the consumer is a host of its own
+    /// ([`CONSUMER_NETNS`]) and a fault drops its packets on the bridge (`scripts/brokers
+    /// cluster net`), as a broken network does: silently, with TCP retransmitting.
+    Netns {
+        /// The nodes' addresses, in [`node_names`] order.
+        nodes: Vec<std::net::IpAddr>,
+        names: [&'static str; 3],
+    },
+}
+
+impl Links {
+    /// Open connections of the consumer to each node (index `i`: node `i + 1`).
+    async fn connections(&self) -> Vec<usize> {
+        match self {
+            Self::Proxies(proxies) => proxies.0.iter().map(FaultProxy::connections).collect(),
+            Self::Netns { nodes, .. } => {
+                // `ss` in the consumer's namespace: the established TCP connections'
+                // peers (the consumer's children are the only processes there).
+                let listed = Command::new("ip")
+                    .args([
+                        "netns",
+                        "exec",
+                        CONSUMER_NETNS,
+                        "ss",
+                        "-Htn",
+                        "state",
+                        "established",
+                    ])
+                    .output()
+                    .await;
+                let text = listed
+                    .map(|out| String::from_utf8_lossy(&out.stdout).into_owned())
+                    .unwrap_or_default();
+                let peers: Vec<std::net::IpAddr> = text
+                    .lines()
+                    .filter_map(|line| line.split_whitespace().last())
+                    .filter_map(|peer| peer.parse::<SocketAddr>().ok())
+                    .map(|peer| peer.ip())
+                    .collect();
+                nodes
+                    .iter()
+                    .map(|node| peers.iter().filter(|p| *p == node).count())
+                    .collect()
+            }
+        }
+    }
+
+    /// The node the consumer holds the most connections to, if any.
+    async fn busiest(&self) -> Option<(usize, usize)> {
+        self.connections()
+            .await
+            .into_iter()
+            .enumerate()
+            .filter(|(_, open)| *open > 0)
+            .max_by_key(|(_, open)| *open)
+    }
+
+    async fn cut(&self, node: usize, cut: Cut) -> anyhow::Result<()> {
+        match self {
+            Self::Proxies(proxies) => {
+                let proxy = proxies.0.get(node).context("no such node")?;
+                match cut {
+                    Cut::BothWays => proxy.stall(),
+                    Cut::Answers => proxy.stall_answers(),
+                }
+            }
+            Self::Netns { names, .. } => {
+                net(&["block", CONSUMER_HOST, names[node]], cut).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn heal(&self, node: usize, cut: Cut) -> anyhow::Result<()> {
+        match self {
+            Self::Proxies(proxies) => proxies.0.get(node).context("no such node")?.resume(),
+            Self::Netns { names, .. } => {
+                net(&["heal", CONSUMER_HOST, names[node]], cut).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Cut every link of the consumer both ways (`cut`), or heal them all.
+    async fn all_links(&self, cut: bool) -> anyhow::Result<()> {
+        match self {
+            Self::Proxies(proxies) if cut => proxies.stall(),
+            Self::Proxies(proxies) => proxies.resume(),
+            Self::Netns { names, .. } => {
+                let verb = if cut { "block" } else { "heal" };
+                let args = [&[verb, CONSUMER_HOST], names.as_slice()].concat();
+                net(&args, Cut::BothWays).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// How the faults reach the links, for the reports.
+    fn via(&self) -> &'static str {
+        match self {
+            Self::Proxies(_) => " (fault proxies)",
+            Self::Netns { .. } => " (on the bridge)",
+        }
+    }
+}
+
+/// `scripts/brokers cluster net ARGS… [--answers]`.
+async fn net(args: &[&str], cut: Cut) -> anyhow::Result<String> {
+    let mut all = vec!["net"];
+    all.extend_from_slice(args);
+    if let Cut::Answers = cut {
+        all.push("--answers");
+    }
+    cluster(&all).await
 }
 
 /// One fault proxy per cluster node, between the consumer (the harness's child) and
@@ -838,25 +1102,6 @@ impl Proxies {
         Ok((Self(proxies), via))
     }
 
-    /// The proxy with the most open connections, and its index (node `index + 1`), if
-    /// any has one.
-    fn busiest(&self) -> Option<(usize, &FaultProxy)> {
-        self.0
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.connections() > 0)
-            .max_by_key(|(_, p)| p.connections())
-    }
-
-    /// The proxy in front of `node` (`rabbit-2`, `kafka-3`, `nats-1`: the URLs list the
-    /// nodes in that order).
-    fn of(&self, node: &str) -> anyhow::Result<&FaultProxy> {
-        node.rsplit_once('-')
-            .and_then(|(_, n)| n.parse::<usize>().ok())
-            .and_then(|n| self.0.get(n.checked_sub(1)?))
-            .with_context(|| format!("no fault proxy in front of node `{node}`"))
-    }
-
     fn stall(&self) {
         self.0.iter().for_each(FaultProxy::stall);
     }
@@ -889,15 +1134,42 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
     let orders = env("RELIQ_CHAOS_ORDERS").map_or(Ok(10_000), |v| v.parse())?;
     let seed = env("RELIQ_CRASH_SEED").map_or_else(|| Ok(fastrand::u64(..)), |v| v.parse())?;
     println!("seed {seed} ({backend:?} cluster, {orders} orders)");
-    let (proxies, via) = Proxies::start(backend, &url).await?;
-    println!("consumer through the fault proxies: {via}");
-    let proxies = Arc::new(proxies);
-    // The consumer's own way to its database, through a proxy the faults can cut.
+    let netns = in_namespaces();
+    let (links, via) = if netns {
+        let nodes = settings::authority(&url)
+            .split(',')
+            .map(|h| {
+                h.trim()
+                    .parse::<SocketAddr>()
+                    .map(|a| a.ip())
+                    .with_context(|| format!("node `{h}` of {url}"))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        println!(
+            "consumer in the network namespace {CONSUMER_NETNS}, straight to the nodes: {url}"
+        );
+        let names = node_names(backend);
+        (Links::Netns { nodes, names }, url.clone())
+    } else {
+        let (proxies, via) = Proxies::start(backend, &url).await?;
+        println!("consumer through the fault proxies: {via}");
+        (Links::Proxies(proxies), via)
+    };
+    let links = Arc::new(links);
+    // The consumer's own way to its database, through a proxy the faults can cut (in
+    // namespaces it listens on the host's address on the bridge).
     let db_url = settings::get("RELIQ_POSTGRES_URL");
     let db_node: SocketAddr = settings::authority(&db_url)
         .parse()
         .with_context(|| format!("the host of RELIQ_POSTGRES_URL={db_url}"))?;
-    let database = Arc::new(FaultProxy::start(db_node).await?);
+    let database = Arc::new(if netns {
+        let host: std::net::IpAddr = format!("{}.1", settings::get("BROKERS_NETNS_NET"))
+            .parse()
+            .context("BROKERS_NETNS_NET (brokers.env): the bridge's network, e.g. 10.77.0")?;
+        FaultProxy::start_on(SocketAddr::new(host, 0), db_node).await?
+    } else {
+        FaultProxy::start(db_node).await?
+    });
     let skew_ms: i64 = match env("RELIQ_CHAOS_SKEW_MS") {
         Some(ms) => ms
             .parse()
@@ -935,12 +1207,12 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
         child_env,
         pause,
         child_db_host: Some(database.addr().to_string()),
+        child_netns: netns.then(|| CONSUMER_NETNS.to_owned()),
     };
     // The proxies live until the run is over, whatever becomes of the fault task.
     let report =
-        crash::run_with_faults(scenario, faults(backend, proxies.clone(), database.clone()))
-            .await?;
-    drop((proxies, database));
+        crash::run_with_faults(scenario, faults(backend, links.clone(), database.clone())).await?;
+    drop((links, database));
     println!("{report}");
     ensure!(
         report.faults.len() == FAULTS.len(),

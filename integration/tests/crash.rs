@@ -52,6 +52,7 @@ async fn scenario_with(
         child_env,
         pause: None,
         child_db_host: None,
+        child_netns: None,
     })
     .await?;
     println!("{report}");
@@ -274,6 +275,7 @@ async fn frozen(
         child_env,
         pause: Some(pause),
         child_db_host: None,
+        child_netns: None,
     })
     .await?;
     println!("{report}");

@@ -65,6 +65,7 @@ cmd_cluster_fill() { # NODE: fill its data filesystem until a write fails (ENOSP
   mountpoint -q "$d" || { err "$n: $d is not a filesystem of its own (see the log of its start): cannot fill it alone"; return 1; }
   # fallocate takes the free blocks without writing them (the image stays sparse on the
   # host); dd takes what fallocate's rounding left
+  rabbit_log_mark "$n"
   fallocate -l "$(df --output=avail -B1 "$d" | tail -n 1)" "$d/$FILLER" 2> /dev/null
   dd if=/dev/zero of="$d/$FILLER.tail" bs=64k status=none 2> /dev/null
   log "$n: data filesystem full ($(df --output=used,size -h "$d" | tail -n 1 | awk '{ print $1 " of " $2 }'), $(df --output=avail -B1 "$d" | tail -n 1) bytes free)"
@@ -74,8 +75,11 @@ cmd_cluster_fill() { # NODE: fill its data filesystem until a write fails (ENOSP
 # started if its broker exited on the full disk (Kafka takes its only log directory
 # offline and halts); restarted if it runs but does not serve: NATS disables JetStream
 # on a write error, and a RabbitMQ node whose Raft log crashed on the full disk (ENOSPC
-# in ra_log_wal) keeps running while the other nodes no longer list it as running. The
-# disk alarm itself RabbitMQ clears on its own. Prints what it did (stdout): `started`,
+# in ra_log_wal) keeps running while the other nodes no longer list it as running, and one
+# where any process crashed on ENOSPC may look well and is not (seen: Ra's coordination
+# directory table left closed, every stream consume on the node crashing its channel and
+# closing the client's connection with 541 INTERNAL_ERROR). The disk alarm itself
+# RabbitMQ clears on its own. Prints what it did (stdout): `started`,
 # `restarted` or `running`.
 cmd_cluster_free() {
   local n=${1:-} d why
@@ -100,9 +104,10 @@ node_serves() {
   local n=$1 o t0=$SECONDS
   case $(node_broker "$n") in
     nats)
-      curl -sf -m 5 "http://$HOST:$(node_port "$n" 3)/healthz?js-enabled-only=true" > /dev/null \
+      curl -sf -m 5 "http://$(node_host "$n"):$(node_port "$n" 3)/healthz?js-enabled-only=true" > /dev/null \
         || { echo "JetStream is off"; return 1; } ;;
     rabbitmq)
+      rabbit_crashed_on_enospc "$n" && { echo "processes of it crashed on ENOSPC (its log)"; return 1; }
       for o in $(cluster_nodes rabbitmq); do [ "$o" != "$n" ] && alive "$o" && break; done
       until rabbit_sees "$o" "$n" > /dev/null 2>&1; do
         ((SECONDS - t0 < 20)) || { echo "$o no longer lists it as running"; return 1; }
@@ -110,6 +115,17 @@ node_serves() {
       done ;;
   esac
   return 0
+}
+
+# rabbit_log_mark NODE: remember where the log of a RabbitMQ node ends (before a fill)
+rabbit_log_mark() {
+  [ "$(node_broker "$1")" = rabbitmq ] || return 0
+  wc -c < "$CDIR/$1/log/$(rabbit_nodename "$1").log" > "$CDIR/$1/fill-logpos" 2> /dev/null || echo 0 > "$CDIR/$1/fill-logpos"
+}
+rabbit_crashed_on_enospc() { # NODE: its log names ENOSPC since the mark
+  local pos
+  pos=$(cat "$CDIR/$1/fill-logpos" 2> /dev/null) || pos=0
+  tail -c "+$((pos + 1))" "$CDIR/$1/log/$(rabbit_nodename "$1").log" 2> /dev/null | grep -qi enospc
 }
 
 node_disk_note() { # NODE: "disk full" while a filler is in its data directory

@@ -1,13 +1,16 @@
 # scripts/brokers.d/cluster-rabbitmq.sh - the nodes rabbit-1..3 of the RabbitMQ cluster
 # (start, join, wait, stop, epmd); sourced by scripts/brokers (not run).
 
-# Node rabbit-N@localhost; HOME=DIR/cluster/rabbit-N holds a copy of one shared
-# Erlang cookie (DIR/cluster/.erlang.cookie), so any node's rabbitmqctl reaches all.
-rabbit_node_env() { rabbit_env "$CDIR/$1" "$1@localhost" "$(node_port "$1" 3)"; } # NODE; in a subshell
-cluster_rabbitmqctl() { # NODE ARGS...  (CTL_TIMEOUT=seconds: bounded; default none)
-  local n=$1
+# Node rabbit-N@localhost (in namespaces: rabbit-N@reliq-rabbit-N, each with its own
+# epmd); HOME=CDIR/rabbit-N holds a copy of one shared Erlang cookie
+# (CDIR/.erlang.cookie), so any node's rabbitmqctl reaches all.
+rabbit_nodename() { if netns_on; then echo "$1@reliq-$1"; else echo "$1@localhost"; fi; } # NODE
+rabbit_node_env() { rabbit_env "$CDIR/$1" "$(rabbit_nodename "$1")" "$(node_port "$1" 3)" "$(node_host "$1")"; } # NODE; in a subshell
+cluster_rabbitmqctl() { # NODE ARGS...  (CTL_TIMEOUT=seconds: bounded; default none); in NODE's namespace
+  local n=$1 ns
   shift
-  (rabbit_node_env "$n" && exec timeout "${CTL_TIMEOUT:-0}" "$RABBIT_SBIN/rabbitmqctl" -n "$n@localhost" "$@")
+  ns=$(node_netns "$n")
+  (rabbit_node_env "$n" && exec timeout "${CTL_TIMEOUT:-0}" ${ns:+ip netns exec "$ns"} "$RABBIT_SBIN/rabbitmqctl" -n "$(rabbit_nodename "$n")" "$@")
 }
 rabbit_cookie() { # NODE: DIR/cluster/NODE/.erlang.cookie = the shared cookie
   local c=$CDIR/.erlang.cookie f=$CDIR/$1/.erlang.cookie r
@@ -36,19 +39,21 @@ rabbit_sees() {
 }
 
 start_cluster_rabbit() { # NODE
-  local n=$1 d=$CDIR/$1
+  local n=$1 d=$CDIR/$1 ns
   mkdir -p "$d/mnesia" "$d/log"
   if alive "$n"; then log "$n: already running (pid $(pid_of "$d/pid" || pid_of "$d/launcher.pid"))"; return 0; fi
   check_ports_free "$n" || return 1
-  rabbit_config "$d" "$(node_port "$n" 1)" "$(node_port "$n" 2)"
+  rabbit_config "$d" "$(node_port "$n" 1)" "$(node_port "$n" 2)" "$(node_host "$n")"
   echo "cluster_name = $BROKERS_CLUSTER_NAME" >> "$d/rabbitmq.conf"
   rabbit_cookie "$n" || { err "$n: cannot write the Erlang cookie in $d"; return 1; }
-  pgrep -x epmd > /dev/null 2>&1 || touch "$CDIR/epmd-ours"   # cluster down may stop it
+  # cluster down may stop it (in namespaces each node has its own, gone with the namespace)
+  netns_on || pgrep -x epmd > /dev/null 2>&1 || touch "$CDIR/epmd-ours"
   rm -f "$d/pid"
-  (rabbit_node_env "$n" && cd "$d" && exec setsid "$RABBIT_SBIN/rabbitmq-server" > "$d/log/stdout.log" 2>&1 < /dev/null) &
+  ns=$(node_netns "$n")
+  (rabbit_node_env "$n" && cd "$d" && exec setsid ${ns:+ip netns exec "$ns"} "$RABBIT_SBIN/rabbitmq-server" > "$d/log/stdout.log" 2>&1 < /dev/null) &
   echo $! > "$d/launcher.pid"
   touch "$d/fresh"
-  log "$n: starting (node $n@localhost, ports $(ports_of "$n" | tr ' ' ,), data $d)"
+  log "$n: starting (node $(rabbit_nodename "$n"), ports $(ports_of "$n" | tr ' ' ,) on $(node_host "$n"), data $d)"
 }
 
 # rabbit_join NODE: make NODE (rabbit-2/3) a member of rabbit-1's cluster, once;
@@ -58,7 +63,7 @@ rabbit_join() {
   members=$(rabbit_members rabbit-1 disk_nodes) || { fail rabbit-1 "cluster_status failed: $members"; return 1; }
   case " $members " in *" $n "*) return 0 ;; esac
   log "$n: joining the cluster of rabbit-1 (stop_app, join_cluster, start_app)"
-  if ! { cluster_rabbitmqctl "$n" stop_app && cluster_rabbitmqctl "$n" join_cluster rabbit-1@localhost \
+  if ! { cluster_rabbitmqctl "$n" stop_app && cluster_rabbitmqctl "$n" join_cluster "$(rabbit_nodename rabbit-1)" \
     && cluster_rabbitmqctl "$n" start_app; } > "$f" 2>&1; then
     fail "$n" "could not join rabbit-1 (if its data is stale: scripts/brokers cluster down rabbitmq; rm -rf $CDIR/rabbit-*)"
     show_logs "$f"
@@ -98,7 +103,7 @@ wait_rejoined_rabbitmq() {
   local n=$1 other='' m
   wait_ports "$n" || { rabbit_stale_hint "$n"; return 1; }
   for m in $(cluster_nodes rabbitmq); do
-    [ "$m" != "$n" ] && alive "$m" && port_open "$(node_port "$m" 1)" && { other=$m; break; }
+    [ "$m" != "$n" ] && alive "$m" && node_open "$m" 1 && { other=$m; break; }
   done
   if [ -f "$CDIR/$n/fresh" ] && [ "$n" != rabbit-1 ] && [ "$other" = rabbit-1 ]; then
     rabbit_join "$n" || return 1    # never joined yet
@@ -125,6 +130,7 @@ stop_cluster_rabbit() { # NODE: rabbitmqctl stop, else TERM/KILL
 # to the single node's `down` when that one is still running
 cluster_epmd_release() {
   local pid
+  netns_on && return 0                   # each namespace's epmd goes with it (netns_down)
   [ -f "$CDIR/epmd-ours" ] || return 0
   pid=$(pgrep -xo epmd) || { rm -f "$CDIR/epmd-ours"; return 0; }
   if ! ERL_EPMD_ADDRESS=$HOST "/proc/$pid/exe" -names 2> /dev/null | grep -q '^name '; then

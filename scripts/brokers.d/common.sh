@@ -18,7 +18,7 @@ show_logs() {
 }
 
 # ----------------------------------------------------------------- processes
-port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/$HOST/$1" 2>/dev/null; }
+port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/${2:-$HOST}/$1" 2>/dev/null; } # PORT [HOST]
 
 # who holds a listening port (for error messages), empty when unknown
 port_owner() {
@@ -47,7 +47,8 @@ pid_alive() {
 launch() {
   local b=$1 logf=$2
   shift 2
-  (cd "$DIR/$b" && exec setsid "$@" > "$logf" 2>&1 < /dev/null) &
+  # NETNS: run it in that network namespace (a cluster node, cluster-netns.sh)
+  (cd "$DIR/$b" && exec setsid ${NETNS:+ip netns exec "$NETNS"} "$@" > "$logf" 2>&1 < /dev/null) &
   local pid=$! i
   echo "$pid" > "$DIR/$b/pid"
   # Until the subshell has exec'd, its command line is this script's: a liveness check
@@ -129,7 +130,7 @@ logs_of() {
     kafka) echo "$DIR/kafka/logs/kafka.out $DIR/kafka/logs/server.log" ;;
     sqs) echo "$DIR/sqs/moto.log" ;;
     postgres) echo "$DIR/postgres/pg_ctlcluster.log $(pg_cluster_field 7)" ;;
-    rabbit-[1-3]) echo "$CDIR/$1/log/stdout.log $CDIR/$1/log/$1@localhost.log" ;;
+    rabbit-[1-3]) echo "$CDIR/$1/log/stdout.log $CDIR/$1/log/$(rabbit_nodename "$1").log" ;;
     kafka-[1-3]) echo "$CDIR/$1/logs/kafka.out $CDIR/$1/logs/server.log" ;;
     nats-[1-3]) echo "$CDIR/$1/nats.log" ;;
   esac
@@ -157,11 +158,12 @@ fail() {
 
 # check_ports_free BROKER: none of its ports may be taken by someone else
 check_ports_free() {
-  local b=$1 p owner
+  local b=$1 p owner h
+  h=$(node_host "$b")
   for p in $(ports_of "$b"); do
-    if port_open "$p"; then
+    if port_open "$p" "$h"; then
       owner=$(port_owner "$p")
-      err "$b: port $HOST:$p is already in use by a process this script did not start${owner:+ ($owner)}; stop it or change the port in brokers.env"
+      err "$b: port $h:$p is already in use by a process this script did not start${owner:+ ($owner)}; stop it or change the port in brokers.env"
       return 1
     fi
   done
@@ -169,12 +171,13 @@ check_ports_free() {
 
 # wait_ports BROKER: every port of BROKER answers, bounded by WAIT_TIMEOUT
 wait_ports() {
-  local b=$1 p t0=$SECONDS
+  local b=$1 p t0=$SECONDS h
+  h=$(node_host "$b")
   for p in $(ports_of "$b"); do
-    until port_open "$p"; do
-      alive "$b" || { fail "$b" "exited before listening on $HOST:$p"; return 1; }
+    until port_open "$p" "$h"; do
+      alive "$b" || { fail "$b" "exited before listening on $h:$p"; return 1; }
       if ((SECONDS - t0 >= WAIT_TIMEOUT)); then
-        fail "$b" "did not listen on $HOST:$p within ${WAIT_TIMEOUT}s (BROKERS_WAIT_TIMEOUT)"
+        fail "$b" "did not listen on $h:$p within ${WAIT_TIMEOUT}s (BROKERS_WAIT_TIMEOUT)"
         return 1
       fi
       sleep 0.3

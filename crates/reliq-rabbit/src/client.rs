@@ -364,12 +364,26 @@ impl Inner {
         message: &Message,
         what: Target<'_>,
     ) -> Result<(), BrokerError> {
-        self.ensure_exchange(exchange).await?;
+        // Every wait here is bounded, so a settle that sends a copy fails (and is held and
+        // tried again) rather than hanging on a connection that never moves again — one
+        // the broker blocked, or whose link drops packets without a reset. Finding a
+        // channel may reconnect across the nodes (each within NODE_CONNECT_TIMEOUT);
+        // sending and confirming get `confirm_timeout` each.
+        let confirm = self.opts.confirm_timeout;
         let lane = Lane::of(what);
-        let ch = self.publisher(lane).await?;
-        let result = self
-            .publish_on(&ch, exchange, routing_key, message, what)
-            .await;
+        let find = NODE_CONNECT_TIMEOUT * 3 + confirm;
+        let ch = tokio::time::timeout(find, async {
+            self.ensure_exchange(exchange).await?;
+            self.publisher(lane).await
+        })
+        .await
+        .map_err(|_| BrokerError::Timeout(find))??;
+        let result = tokio::time::timeout(
+            confirm * 2,
+            self.publish_on(&ch, exchange, routing_key, message, what),
+        )
+        .await
+        .unwrap_or(Err(BrokerError::Timeout(confirm * 2)));
         if matches!(lane, Lane::Stream(_)) && result.is_err() {
             self.retire_publisher(lane, &ch).await;
         }

@@ -187,10 +187,17 @@ impl RabbitReceiver {
         }
     }
 
+    /// Bounded like a publish (`confirm_timeout`): an ack that cannot be written (a
+    /// blocked or silently dead connection) fails, and the settle is tried again.
     async fn ack_on(&self, ch: &Channel, delivery: &Delivery) -> Result<(), BrokerError> {
-        ch.basic_ack(delivery.token().tag(), BasicAckOptions::default())
-            .await
-            .map_err(|e| RabbitError::client("basic.ack", e))
+        let bound = self.inner.opts.confirm_timeout;
+        tokio::time::timeout(
+            bound,
+            ch.basic_ack(delivery.token().tag(), BasicAckOptions::default()),
+        )
+        .await
+        .map_err(|_| BrokerError::Timeout(bound))?
+        .map_err(|e| RabbitError::client("basic.ack", e))
     }
 }
 
