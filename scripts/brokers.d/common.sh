@@ -18,7 +18,12 @@ show_logs() {
 }
 
 # ----------------------------------------------------------------- processes
-port_open() { timeout 1 bash -c "exec 3<>/dev/tcp/${2:-$HOST}/$1" 2>/dev/null; } # PORT [HOST]
+# PORT [HOST]; a host other than HOST is a node in a network namespace: without the
+# bridge its address would be routed off this machine (and something may answer there)
+port_open() {
+  [ "${2:-$HOST}" = "$HOST" ] || [ -e "/sys/class/net/$NETNS_BRIDGE" ] || return 1
+  timeout 1 bash -c "exec 3<>/dev/tcp/${2:-$HOST}/$1" 2>/dev/null
+}
 
 # who holds a listening port (for error messages), empty when unknown
 port_owner() {
