@@ -744,7 +744,10 @@ async fn run_inner(s: Scenario, during: Option<Faults>) -> anyhow::Result<Report
 }
 
 /// Publish `message`, again every 500 ms while the broker answers with a lost connection,
-/// a timeout or a closed client (until `deadline`); any other error fails at once.
+/// a timeout, a closed client or a negative confirm (until `deadline`) — as the outbox
+/// relay does, which releases the rows of any failed publish for a later round. A nack
+/// is RabbitMQ's answer while a quorum queue has no leader (a node killed or cut off);
+/// any other error fails at once.
 async fn publish_through_outages(
     broker: &Arc<dyn Broker>,
     destination: &reliq_core::Destination,
@@ -761,7 +764,11 @@ async fn publish_through_outages(
         "publishing a second copy",
         wait,
         |e: &reliq_core::BrokerError| {
-            e.is_unreachable() || matches!(e, reliq_core::BrokerError::Closed)
+            e.is_unreachable()
+                || matches!(
+                    e,
+                    reliq_core::BrokerError::Closed | reliq_core::BrokerError::Rejected { .. }
+                )
         },
         || broker.publish(destination, message.clone()),
     )

@@ -72,6 +72,7 @@
 //! chaos` starts it).
 
 use reliq_core::seam::lock;
+use reliq_core::seam::secrets::redact_url;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -1059,17 +1060,22 @@ async fn net(args: &[&str], cut: Cut) -> anyhow::Result<String> {
 /// that node.
 struct Proxies(Vec<FaultProxy>);
 
+/// The nodes a cluster URL names (its password kept out of an error).
+fn node_addrs(url: &str) -> anyhow::Result<Vec<SocketAddr>> {
+    settings::authority(url)
+        .split(',')
+        .map(|h| {
+            h.trim()
+                .parse()
+                .with_context(|| format!("node `{h}` of {}", redact_url(url)))
+        })
+        .collect()
+}
+
 impl Proxies {
     /// Proxies for the nodes of `url`, and the URL the consumer connects with instead.
     async fn start(backend: Backend, url: &str) -> anyhow::Result<(Self, String)> {
-        let nodes: Vec<SocketAddr> = settings::authority(url)
-            .split(',')
-            .map(|h| {
-                h.trim()
-                    .parse()
-                    .with_context(|| format!("node `{h}` of {url}"))
-            })
-            .collect::<anyhow::Result<_>>()?;
+        let nodes = node_addrs(url)?;
         let mut proxies = Vec::new();
         if backend == Backend::Kafka {
             // A Kafka client reaches the brokers the metadata names: the cluster's
@@ -1136,23 +1142,16 @@ async fn chaos(backend: Backend, url_key: &str) -> anyhow::Result<()> {
     println!("seed {seed} ({backend:?} cluster, {orders} orders)");
     let netns = in_namespaces();
     let (links, via) = if netns {
-        let nodes = settings::authority(&url)
-            .split(',')
-            .map(|h| {
-                h.trim()
-                    .parse::<SocketAddr>()
-                    .map(|a| a.ip())
-                    .with_context(|| format!("node `{h}` of {url}"))
-            })
-            .collect::<anyhow::Result<_>>()?;
+        let nodes = node_addrs(&url)?.iter().map(SocketAddr::ip).collect();
         println!(
-            "consumer in the network namespace {CONSUMER_NETNS}, straight to the nodes: {url}"
+            "consumer in the network namespace {CONSUMER_NETNS}, straight to the nodes: {}",
+            redact_url(&url)
         );
         let names = node_names(backend);
         (Links::Netns { nodes, names }, url.clone())
     } else {
         let (proxies, via) = Proxies::start(backend, &url).await?;
-        println!("consumer through the fault proxies: {via}");
+        println!("consumer through the fault proxies: {}", redact_url(&via));
         (Links::Proxies(proxies), via)
     };
     let links = Arc::new(links);

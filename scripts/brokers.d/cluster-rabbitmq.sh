@@ -52,6 +52,7 @@ start_cluster_rabbit() { # NODE
   ns=$(node_netns "$n")
   (rabbit_node_env "$n" && cd "$d" && exec setsid ${ns:+ip netns exec "$ns"} "$RABBIT_SBIN/rabbitmq-server" > "$d/log/stdout.log" 2>&1 < /dev/null) &
   echo $! > "$d/launcher.pid"
+  await_exec $! rabbitmq-server
   touch "$d/fresh"
   log "$n: starting (node $(rabbit_nodename "$n"), ports $(ports_of "$n" | tr ' ' ,) on $(node_host "$n"), data $d)"
 }
@@ -81,14 +82,31 @@ rabbit_stale_hint() {
     "scripts/brokers cluster down rabbitmq; rm -rf $CDIR/rabbit-*; scripts/brokers cluster up rabbitmq"
 }
 
+# rabbit_boot_race NODE: NODE's last boot crashed asking a peer for its feature flags
+# while that peer was booting (RabbitMQ 3.10: {incompatible_feature_flags, {badrpc, …
+# {badmap, undefined} …}}): a race of nodes started together, not stale data
+rabbit_boot_race() {
+  tail -n 400 "$CDIR/$1/log/$(rabbit_nodename "$1").log" 2> /dev/null \
+    | grep -q 'incompatible_feature_flags,{badrpc,{.EXIT.,{{badmap,undefined}'
+}
+
 # nodes of the cluster to wait for (all running ones), e.g. after `cluster up`
 wait_cluster_rabbitmq() {
-  local n fresh=0 all
+  local n fresh=0 all again=()
   all=$(cluster_nodes rabbitmq)
   for n in $all; do
-    wait_ports "$n" || { rabbit_stale_hint "$n"; return 1; }
-    [ -f "$CDIR/$n/fresh" ] && fresh=1
+    if ! wait_ports "$n"; then
+      rabbit_boot_race "$n" || { rabbit_stale_hint "$n"; return 1; }
+      again+=("$n")
+    fi
   done
+  # Started again once the others listen, such a node boots (seen after `cluster down`
+  # then `cluster up` of all three at once).
+  for n in "${again[@]}"; do
+    log "$n: crashed at boot syncing feature flags with a peer that was booting too; starting it again"
+    start_cluster_rabbit "$n" && wait_ports "$n" || { rabbit_stale_hint "$n"; return 1; }
+  done
+  for n in $all; do [ -f "$CDIR/$n/fresh" ] && fresh=1; done
   if [ $fresh = 1 ]; then
     rabbit_join rabbit-2 || return 1
     rabbit_join rabbit-3 || return 1

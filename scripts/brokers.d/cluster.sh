@@ -267,11 +267,12 @@ leader_claim() {
       [[ $id =~ ^[1-3]$ ]] || { echo "no leader for $what (${id:-partition not found})"; return 1; }
       echo "kafka-$id" ;;
     rabbitmq)
-      local unknown=0
+      local unknown=0 silent=0
       for n in $(cluster_nodes rabbitmq); do
-        node_open "$n" 1 || continue
+        node_open "$n" 1 || { silent=1; continue; }
         # quorum queue: its leader; classic queue: the node of its process (<rabbit-2@localhost.1.2.3>)
-        out=$(CTL_TIMEOUT=30 cluster_rabbitmqctl "$n" list_queues -p "$vhost" name leader pid --no-table-headers --quiet 2>&1) || continue
+        out=$(CTL_TIMEOUT=30 cluster_rabbitmqctl "$n" list_queues -p "$vhost" name leader pid --no-table-headers --quiet 2>&1) \
+          || { silent=1; continue; }
         id=$(awk -F'\t' -v q="$what" '$1 == q { print ($2 != "" ? $2 : $3); f = 1; exit } END { if (!f) print "?" }' <<< "$out")
         # a node back from a restart (a full disk, a split) may not list the cluster's
         # queues yet: ask the others before calling the queue unknown
@@ -281,6 +282,9 @@ leader_claim() {
         echo "${id%%@*}"
         return 0
       done
+      # Unknown only when every node answered without it: while one is down or does not
+      # answer, the ones that did may be a node just back that lists nothing yet.
+      [ $silent = 1 ] && { echo "not every node answers (queue '$what' not listed yet)"; return 1; }
       [ $unknown = 0 ] || { echo "no queue '$what' in vhost $vhost"; return 1; }
       echo "no cluster node answers"
       return 1 ;;

@@ -54,15 +54,21 @@ launch() {
   shift 2
   # NETNS: run it in that network namespace (a cluster node, cluster-netns.sh)
   (cd "$DIR/$b" && exec setsid ${NETNS:+ip netns exec "$NETNS"} "$@" > "$logf" 2>&1 < /dev/null) &
-  local pid=$! i
-  echo "$pid" > "$DIR/$b/pid"
-  # Until the subshell has exec'd, its command line is this script's: a liveness check
-  # by pattern (pid_alive) in that moment calls a starting broker dead. On a loaded
-  # machine that moment was long enough: a chaos round's node restart failed with
-  # "exited before listening" and an empty log.
+  echo "$!" > "$DIR/$b/pid"
+  await_exec "$!" "$1"
+}
+
+# await_exec PID WORD: wait (up to 5 s) until the background subshell PID has exec'd a
+# command line containing WORD. Until then its command line is this script's, and a
+# liveness check by pattern (pid_alive) in that moment calls a starting broker dead. On
+# a loaded machine that moment was long enough: chaos rounds' node restarts failed with
+# "exited before listening" while the node went on to boot (a single node's empty log;
+# a RabbitMQ cluster node whose subshell was still setting up its environment).
+await_exec() {
+  local pid=$1 word=$2 i
   for ((i = 0; i < 100; i++)); do
-    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$1" && break
-    kill -0 "$pid" 2>/dev/null || break
+    tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$word" && return 0
+    kill -0 "$pid" 2>/dev/null || return 0
     sleep 0.05
   done
 }
@@ -98,6 +104,7 @@ ports_of() {
     kafka) echo "$KAFKA_PORT $KAFKA_CONTROLLER_PORT" ;;
     sqs) echo "$SQS_PORT" ;;
     postgres) echo "$POSTGRES_PORT" ;;
+    registry) echo "$REGISTRY_PORT $REGISTRY_MGMT_PORT" ;;
     # cluster nodes (see "clusters" below)
     rabbit-[1-3]) node_ports "$1" RABBITMQ_CLUSTER_PORTS RABBITMQ_CLUSTER_MGMT_PORTS RABBITMQ_CLUSTER_DIST_PORTS ;;
     kafka-[1-3]) node_ports "$1" KAFKA_CLUSTER_PORTS KAFKA_CLUSTER_CONTROLLER_PORTS KAFKA_CLUSTER_PROXIED_PORTS ;;
@@ -123,6 +130,7 @@ pattern_of() {
     nats) echo "$DIR/nats/nats.conf" ;;
     kafka) echo "$DIR/kafka/server.properties" ;;
     sqs) echo "moto" ;;    # moto_server.py, or `-m moto.server` as started before
+    registry) echo "$REGISTRY_HOME/quarkus-run.jar" ;;
     rabbit-[1-3]) echo "-home $CDIR/$1 " ;;   # beam.smp -home <the node's HOME>
     kafka-[1-3]) echo "$CDIR/$1/server.properties" ;;
     nats-[1-3]) echo "$CDIR/$1/nats.conf" ;;
@@ -134,6 +142,7 @@ logs_of() {
     nats) echo "$DIR/nats/nats.log" ;;
     kafka) echo "$DIR/kafka/logs/kafka.out $DIR/kafka/logs/server.log" ;;
     sqs) echo "$DIR/sqs/moto.log" ;;
+    registry) echo "$DIR/registry/registry.log" ;;
     postgres) echo "$DIR/postgres/pg_ctlcluster.log $(pg_cluster_field 7)" ;;
     rabbit-[1-3]) echo "$CDIR/$1/log/stdout.log $CDIR/$1/log/$(rabbit_nodename "$1").log" ;;
     kafka-[1-3]) echo "$CDIR/$1/logs/kafka.out $CDIR/$1/logs/server.log" ;;

@@ -69,6 +69,7 @@ start_rabbitmq() {
   rm -f "$d/pid"                         # written by the node once it boots
   (rabbit_env && cd "$d" && exec setsid "$RABBIT_SBIN/rabbitmq-server" > "$d/log/stdout.log" 2>&1 < /dev/null) &
   echo $! > "$d/launcher.pid"
+  await_exec $! rabbitmq-server
   log "rabbitmq: starting (node $RABBITMQ_NODE, data $d)"
 }
 

@@ -51,7 +51,7 @@ pub use jobs::{Drained, JobContext, JobState, JobView, Jobs};
 pub use oidc::{CALLBACK_PATH, Oidc, OidcError, OidcSettings, RoleMap, SIGNED_OUT_PATH};
 pub use ops::{
     Dlq, DlqStats, EditOutcome, EditRequest, EntryDetail, EntryList, EntrySummary, FailedEntry,
-    Group, MAX_LIST, PurgeRequest, ReplayRequest, Run, RunOutcome,
+    Group, MAX_LIST, PurgeRequest, ReplayRequest, Run, RunOutcome, SchemaView,
 };
 pub use server::{ServeOptions, TLS_RELOADS, TlsFiles, load_tls, serve};
 pub use sessions::SESSION_COOKIE;

@@ -24,6 +24,8 @@ pub struct Dlq {
     subscription: Subscription,
     /// Asked during a replay whether to go on (see [`Dlq::with_guard`]).
     guard: Option<(Duration, Arc<dyn reliq_core::ReplayGuard>)>,
+    /// Decodes registry-framed payloads for `show` (see [`Dlq::with_schema_registry`]).
+    registry: Option<Arc<reliq_contracts::SchemaRegistry>>,
 }
 
 impl std::fmt::Debug for Dlq {
@@ -152,6 +154,23 @@ pub struct EntryDetail {
     pub payload_encoding: &'static str,
     /// The payload: a JSON value, a string, or hex digits.
     pub payload: serde_json::Value,
+    /// With a schema registry ([`Dlq::with_schema_registry`]) and a payload in its wire
+    /// format: the payload decoded with its writer's schema, or why it was not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schema: Option<SchemaView>,
+}
+
+/// A dead letter's payload as its writer's schema reads it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum SchemaView {
+    /// Decoded (or named, for Protobuf) with the schema its header names.
+    Decoded(reliq_contracts::Readable),
+    /// The registry could not be asked, or does not have the schema id.
+    Unavailable {
+        /// What went wrong.
+        error: String,
+    },
 }
 
 /// A replay as the operator asks for it.
@@ -306,7 +325,16 @@ impl Dlq {
             broker,
             subscription,
             guard: None,
+            registry: None,
         })
+    }
+
+    /// `show` decodes a payload in the schema-registry wire format with the writer's
+    /// schema it names, from `registry` (Avro and JSON Schema bodies to JSON; Protobuf
+    /// is named, not decoded). The bytes are shown as they are besides.
+    pub fn with_schema_registry(mut self, registry: Arc<reliq_contracts::SchemaRegistry>) -> Self {
+        self.registry = Some(registry);
+        self
     }
 
     /// Replays ask `guard` every `every` whether to go on, and stop (the outcome's
@@ -478,7 +506,19 @@ impl Dlq {
             .get(&MessageId::from(id))
             .await?
             .ok_or_else(|| self.not_found(id))?;
-        Ok(detail(&entry))
+        let mut shown = detail(&entry);
+        if let Some(registry) = &self.registry {
+            // A registry that does not answer leaves the entry shown as bytes, saying so;
+            // A payload not in the wire format is shown as before, without the field.
+            shown.schema = match reliq_contracts::readable(registry, entry.payload()).await {
+                Ok(Some(readable)) => Some(SchemaView::Decoded(readable)),
+                Ok(None) => None,
+                Err(e) => Some(SchemaView::Unavailable {
+                    error: e.to_string(),
+                }),
+            };
+        }
+        Ok(shown)
     }
 
     /// Replay or purge, as `run` says.
@@ -777,6 +817,7 @@ fn detail(entry: &DeadLetterEntry) -> EntryDetail {
         headers,
         payload_encoding,
         payload,
+        schema: None,
     }
 }
 

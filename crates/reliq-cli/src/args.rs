@@ -257,6 +257,10 @@ pub(crate) enum DlqCommand {
         target: Target,
         /// The message id.
         id: String,
+        /// A schema registry (Confluent-compatible API): a payload in its wire format is
+        /// also shown decoded with its writer's schema (Avro, JSON Schema).
+        #[arg(long, env = "RELIQ_SCHEMA_REGISTRY_URL")]
+        schema_registry: Option<String>,
     },
     /// Replay matching entries to the consumer; each is removed from the DLQ only after
     /// its copy is confirmed.

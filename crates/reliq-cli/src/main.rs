@@ -407,8 +407,17 @@ async fn dlq(command: DlqCommand) -> Result<u8, Failure> {
             answer(target.json, &page, render::list)?;
             Ok(0)
         }
-        DlqCommand::Show { target, id } => {
-            let dlq = connect(&target).await?;
+        DlqCommand::Show {
+            target,
+            id,
+            schema_registry,
+        } => {
+            let mut dlq = connect(&target).await?;
+            if let Some(url) = schema_registry {
+                let registry = reliq_contracts::SchemaRegistry::new(&url)
+                    .map_err(|e| bad_input(format!("--schema-registry: {e}")))?;
+                dlq = dlq.with_schema_registry(Arc::new(registry));
+            }
             let entry = dlq.show(&id).await?;
             answer(target.json, &entry, render::detail)?;
             Ok(0)

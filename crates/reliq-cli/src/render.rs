@@ -1,6 +1,6 @@
 //! The text a person reads (`--json` prints the same data as JSON).
 
-use reliq_admin::{DlqStats, EntryDetail, EntryList, RunOutcome};
+use reliq_admin::{DlqStats, EntryDetail, EntryList, RunOutcome, SchemaView};
 
 pub(crate) fn stats(s: &DlqStats) {
     println!("consumer {}: {} dead letters", s.consumer, s.count);
@@ -139,6 +139,26 @@ pub(crate) fn detail(d: &EntryDetail) {
             "{}",
             serde_json::to_string_pretty(value).unwrap_or_default()
         ),
+    }
+    match &d.schema {
+        None => {}
+        Some(SchemaView::Decoded(r)) => {
+            println!(
+                "decoded with schema id {} ({:?}):",
+                r.schema_id, r.schema_type
+            );
+            match (&r.value, &r.note) {
+                (Some(value), _) => println!(
+                    "{}",
+                    serde_json::to_string_pretty(value).unwrap_or_default()
+                ),
+                (None, Some(note)) => println!("  ({note})"),
+                (None, None) => {}
+            }
+        }
+        Some(SchemaView::Unavailable { error }) => {
+            println!("not decoded with its writer's schema: {error}")
+        }
     }
 }
 

@@ -647,3 +647,95 @@ async fn a_ramped_replay_speeds_up_on_a_healthy_consumer_and_stops_when_it_fails
     handle.shutdown().await;
     Ok(())
 }
+
+/// An Avro order in the schema-registry wire format, parked as permanent: `dlq show
+/// --schema-registry` prints it decoded with its writer's schema, beside the bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_show_decodes_a_registry_framed_dead_letter() -> anyhow::Result<()> {
+    #[derive(serde::Serialize, serde::Deserialize, apache_avro::AvroSchema)]
+    #[avro(namespace = "shop")]
+    struct OrderCreated {
+        order: String,
+        cents: i64,
+    }
+    let url = url("rabbit");
+    let registry_url = reliq_integration::settings::get("RELIQ_SCHEMA_REGISTRY_URL");
+    let registry = Arc::new(reliq_contracts::SchemaRegistry::new(&registry_url)?);
+    let codec = || {
+        reliq_contracts::RegistryCodec::new(
+            reliq_contracts::Avro::<OrderCreated>::new(),
+            registry.clone(),
+        )
+    };
+    let (name, source) = (unique("cli-typed"), unique("cli-typed-src"));
+    let broker: Arc<dyn Broker> = reliq::connect(&url).await?;
+    let handle = reliq_core::Consumer::builder(broker.clone(), &name)
+        .subscribe(&source)
+        .start_typed(
+            codec(),
+            |order: OrderCreated, _d: reliq_core::Delivery| async move {
+                Err::<(), reliq_core::BoxError>(Box::new(reliq_core::Permanent::msg(format!(
+                    "order {} has no stock",
+                    order.order
+                ))))
+            },
+        )
+        .await?;
+    let orders = reliq_core::TypedPublisher::new(
+        broker.clone(),
+        reliq_core::Destination::new(source.clone()),
+        codec(),
+    );
+    let id = orders
+        .publish(&OrderCreated {
+            order: "o-7".into(),
+            cents: 1250,
+        })
+        .await?;
+    wait_for("the order parked", Duration::from_secs(60), || {
+        handle.stats().dead_lettered == 1
+    })
+    .await?;
+    let shown = json(
+        &mut dlq(
+            &url,
+            &name,
+            &source,
+            &[
+                "show",
+                id.as_str(),
+                "--json",
+                "--schema-registry",
+                &registry_url,
+            ],
+        ),
+        0,
+    )?;
+    ensure!(shown["payload_encoding"] == "hex", "{shown}");
+    ensure!(
+        shown["schema"]["status"] == "decoded"
+            && shown["schema"]["schema_type"] == "AVRO"
+            && shown["schema"]["value"]["order"] == "o-7"
+            && shown["schema"]["value"]["cents"] == 1250,
+        "{shown}"
+    );
+    let (code, text, err) = run(&mut dlq(
+        &url,
+        &name,
+        &source,
+        &["show", id.as_str(), "--schema-registry", &registry_url],
+    ))?;
+    ensure!(
+        code == 0 && text.contains("decoded with schema id") && text.contains("\"o-7\""),
+        "{text}\n{err}"
+    );
+    // Without a registry the entry is shown as before, bytes only.
+    let plain = json(
+        dlq(&url, &name, &source, &["show", id.as_str(), "--json"])
+            .env_remove("RELIQ_SCHEMA_REGISTRY_URL"),
+        0,
+    )?;
+    ensure!(plain.get("schema").is_none(), "{plain}");
+    handle.shutdown().await;
+    Ok(())
+}

@@ -17,6 +17,7 @@
 //! reliq_conformance::conformance_suite!(memory, paused, || MemoryBackend::new());
 //! ```
 
+mod contracts;
 mod dead_letter_reader;
 mod dead_lettering;
 mod delivery;
@@ -26,6 +27,7 @@ mod operator;
 mod retries;
 pub mod support;
 
+pub use contracts::*;
 pub use dead_letter_reader::*;
 pub use dead_lettering::*;
 pub use delivery::*;
@@ -63,6 +65,7 @@ macro_rules! conformance_suite {
             max_age_dead_letters_as_expired_with_attempts_left,
             permanent_failure_dead_letters_at_once,
             poison_dead_letters_at_once,
+            typed_codecs_round_trip_and_undecodable_is_poison,
             panic_dead_letters_and_consumer_survives,
             poison_does_not_block_following_messages,
             dead_letter_metadata_complete_and_decodable,

@@ -165,9 +165,51 @@ pub enum DecodeError {
         /// The major version supported.
         supported: u32,
     },
+    /// The payload is not valid `format` for the expected type (Avro, Protobuf, the
+    /// schema-registry framing); `reason` is the decoder's, naming the field where it can.
+    #[error("payload is not valid {format} for the expected type: {reason}")]
+    Format {
+        /// The wire format.
+        format: &'static str,
+        /// What the decoder said.
+        reason: String,
+    },
     /// A required field is missing or empty.
     #[error("required field `{0}` is missing or empty")]
     Missing(&'static str),
+}
+
+/// A codec failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CodecError {
+    /// The payload is not a value of the expected type: poison, parked with this reason.
+    #[error(transparent)]
+    Undecodable(#[from] DecodeError),
+    /// The value cannot be encoded (it does not fit the schema, or the registry refused
+    /// the schema as incompatible): permanent, another try is refused the same way.
+    #[error("cannot encode the message: {0}")]
+    Unencodable(String),
+    /// A service the codec needs did not answer (the schema registry): transient.
+    #[error("{context}")]
+    Unavailable {
+        /// What was being done.
+        context: String,
+        /// The client's error.
+        #[source]
+        source: Option<BoxError>,
+    },
+}
+
+impl CodecError {
+    /// [`CodecError::Undecodable`] from a decoder's message: `format` names the wire format
+    /// (`Avro`, `Protobuf`, `schema-registry framing`), `reason` is the decoder's text.
+    pub fn undecodable(format: &'static str, reason: impl std::fmt::Display) -> Self {
+        Self::Undecodable(DecodeError::Format {
+            format,
+            reason: reason.to_string(),
+        })
+    }
 }
 
 /// An error and its `source()` chain, displayed `outer: inner: innermost` (a link whose
@@ -257,6 +299,13 @@ impl Classifier {
         }
         if e.is::<Poison>() || e.is::<DecodeError>() {
             return Some(ErrorClass::Poison);
+        }
+        if let Some(codec) = e.downcast_ref::<CodecError>() {
+            return Some(match codec {
+                CodecError::Undecodable(_) => ErrorClass::Poison,
+                CodecError::Unencodable(_) => ErrorClass::Permanent,
+                CodecError::Unavailable { .. } => ErrorClass::Transient,
+            });
         }
         if let Some(class) = self.rules.iter().find_map(|(_, rule)| rule(e)) {
             return Some(class);

@@ -133,6 +133,10 @@ pub const CAUSATION_ID: &str = "reliq-causation-id";
 pub const TRACEPARENT: &str = "traceparent";
 /// W3C trace context vendor state.
 pub const TRACESTATE: &str = "tracestate";
+/// The payload's media type (`application/json`, `application/vnd.apache.avro+binary`),
+/// written by a typed publish ([`TypedPublisher`](crate::TypedPublisher)); the name
+/// CloudEvents' Kafka and AMQP bindings use.
+pub const CONTENT_TYPE: &str = "content-type";
 
 /// Upper bound, in bytes, of [`LAST_ERROR`]. Brokers cap header sizes (SQS: 256 KiB for the
 /// whole message) and an error chain with a payload dump in it must not push a dead letter

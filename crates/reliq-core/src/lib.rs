@@ -63,6 +63,7 @@ mod batch;
 mod breaker;
 mod broker;
 mod classify;
+mod codec;
 mod consumer;
 mod dead_letters;
 mod delivery;
@@ -96,8 +97,12 @@ pub use batch::{Batch, BatchError};
 pub use breaker::{CircuitBreaker, CircuitState};
 pub use broker::Broker;
 pub use classify::{
-    BoxError, Classifier, DecodeError, ErrorChain, ErrorClass, Permanent, Poison, Transient,
-    UnknownClass,
+    BoxError, Classifier, CodecError, DecodeError, ErrorChain, ErrorClass, Permanent, Poison,
+    Transient, UnknownClass,
+};
+pub use codec::{
+    Codec, JSON_SCHEMA_FORMAT, JsonCodec, MessageSchema, PublishError, TypedPublisher,
+    encode_message,
 };
 pub use consumer::{
     Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, DeliveryOrder, ShutdownReport, Stats,

@@ -90,17 +90,18 @@ pub use crate::topology::{compare, duration_text};
 /// and the attempt count read from them.
 ///
 /// Every name reliq owns starts with [`PREFIX`](headers::PREFIX); the only exceptions are the W3C trace
-/// context names (`traceparent`, `tracestate`), which must keep their standard spelling
-/// to interoperate with other tracers. Backends map some of these to native fields (AMQP
+/// context names (`traceparent`, `tracestate`) and `content-type` (a typed publish's
+/// media type, as CloudEvents' bindings spell it), which keep their standard spelling
+/// to interoperate with other tracers and readers. Backends map some of these to native fields (AMQP
 /// `message_id`, `Nats-Msg-Id`, the Kafka record key) but always carry the header too, so
 /// one decoder reads a dead letter from any broker ([`DeadLetter`](crate::DeadLetter)).
 ///
 /// Timestamps are RFC 3339 in UTC with milliseconds (`2026-11-29T09:15:11.123Z`).
 pub mod headers {
     pub use crate::headers::{
-        ATTEMPT, CAUSATION_ID, CONSUMER, CORRELATION_ID, DEAD_LETTER_REASON, DEAD_LETTER_VERSION,
-        DEAD_LETTERED_AT, ERROR_CLASS, FAILURE_HEADERS, FIRST_FAILURE_AT, LAST_ERROR,
-        LAST_FAILURE_AT, MAX_ERROR_LEN, MESSAGE_ID, OCCURRED_AT, ORIGINAL_DESTINATION,
+        ATTEMPT, CAUSATION_ID, CONSUMER, CONTENT_TYPE, CORRELATION_ID, DEAD_LETTER_REASON,
+        DEAD_LETTER_VERSION, DEAD_LETTERED_AT, ERROR_CLASS, FAILURE_HEADERS, FIRST_FAILURE_AT,
+        LAST_ERROR, LAST_FAILURE_AT, MAX_ERROR_LEN, MESSAGE_ID, OCCURRED_AT, ORIGINAL_DESTINATION,
         ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_ROUTE, ORIGINAL_SEQUENCE, PREFIX,
         REPLAY_COUNT, REPLAYED_AT, TRACEPARENT, TRACESTATE, attempt, format_time, parse_time,
         sanitize_error,

@@ -45,6 +45,13 @@
 //! |---|---|---|
 //! | `postgres` | `reliq::postgres` | `reliq-postgres`: inbox and outbox on PostgreSQL, relay woken by `LISTEN/NOTIFY` |
 //! | `sqlite` | `reliq::sqlite` | `reliq-sqlite`: inbox and outbox on SQLite, relay polling |
+//!
+//! ## Typed payloads
+//!
+//! [`ConsumerBuilder::start_typed`] decodes each delivery with a [`Codec`] before the
+//! handler runs (what does not decode is poison); [`TypedPublisher`] encodes. JSON is
+//! built in ([`JsonCodec`]); Avro, Protobuf and the schema registry are in
+//! `reliq::contracts` (features `contracts`, `avro`, `protobuf`).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -65,6 +72,10 @@ pub use reliq_core::{
     ReplayGuard, ReplayReport, ReplayTarget, RetryPolicy, Schedule, ShutdownReport, StartupCheck,
     Stats, StatsSnapshot, Subscription, TierBacklog, Transient, through_outage,
 };
+// Typed payloads: a codec, a typed consumer (`ConsumerBuilder::start_typed`), a typed publisher.
+pub use reliq_core::{
+    Codec, CodecError, JsonCodec, MessageSchema, PublishError, TypedPublisher, encode_message,
+};
 
 /// A consumer's topology as data: the plan ([`Broker::plan`]), the broker's objects
 /// ([`Broker::inspect`]) and their differences ([`Broker::check_topology`]).
@@ -82,10 +93,11 @@ pub use reliq_core::seam::secrets;
 /// The header names reliq reads and writes on every message.
 pub mod headers {
     pub use reliq_core::seam::headers::{
-        ATTEMPT, CAUSATION_ID, CONSUMER, CORRELATION_ID, DEAD_LETTER_REASON, DEAD_LETTER_VERSION,
-        DEAD_LETTERED_AT, ERROR_CLASS, FIRST_FAILURE_AT, LAST_ERROR, LAST_FAILURE_AT, MESSAGE_ID,
-        OCCURRED_AT, ORIGINAL_DESTINATION, ORIGINAL_OFFSET, ORIGINAL_PARTITION, ORIGINAL_ROUTE,
-        ORIGINAL_SEQUENCE, REPLAY_COUNT, REPLAYED_AT, TRACEPARENT, TRACESTATE,
+        ATTEMPT, CAUSATION_ID, CONSUMER, CONTENT_TYPE, CORRELATION_ID, DEAD_LETTER_REASON,
+        DEAD_LETTER_VERSION, DEAD_LETTERED_AT, ERROR_CLASS, FIRST_FAILURE_AT, LAST_ERROR,
+        LAST_FAILURE_AT, MESSAGE_ID, OCCURRED_AT, ORIGINAL_DESTINATION, ORIGINAL_OFFSET,
+        ORIGINAL_PARTITION, ORIGINAL_ROUTE, ORIGINAL_SEQUENCE, REPLAY_COUNT, REPLAYED_AT,
+        TRACEPARENT, TRACESTATE,
     };
 }
 
@@ -103,6 +115,11 @@ pub mod metrics {
     pub use reliq_core::metrics::{describe_metrics, tier_label};
 }
 
+/// Avro and Protobuf codecs, the schema-registry wire format and a registry client
+/// (features `contracts`, `avro`, `protobuf`; see `docs/contracts.md`).
+#[cfg(feature = "contracts")]
+#[cfg_attr(docsrs, doc(cfg(feature = "contracts")))]
+pub use reliq_contracts as contracts;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use reliq_postgres as postgres;

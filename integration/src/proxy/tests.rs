@@ -189,6 +189,39 @@ async fn only_loopback_addresses_are_proxied() {
     assert!(err.to_string().contains("10.1.2.3:9092"), "{err}");
 }
 
+/// It may listen on a private address (the test bridge's end), never on a public one
+/// or on every address; the upstream stays loopback-only whatever it listens on.
+#[tokio::test]
+async fn it_listens_on_loopback_or_a_private_address_only() {
+    let upstream = echo().await;
+    for listen in ["8.8.8.8:0", "0.0.0.0:0", "[::]:0", "[2001:db8::1]:0"] {
+        let err = FaultProxy::start_on(listen.parse().unwrap(), upstream)
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("listening on {listen} is refused"));
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput, "{listen}");
+        assert!(err.to_string().contains("listen address"), "{err}");
+    }
+    // A private listen address with a non-loopback upstream: refused for the upstream.
+    let err = FaultProxy::start_on(
+        "10.77.0.1:0".parse().unwrap(),
+        "10.77.0.11:5672".parse().unwrap(),
+    )
+    .await
+    .err()
+    .expect("a private upstream is refused");
+    assert!(
+        err.to_string().contains("upstream address 10.77.0.11:5672"),
+        "{err}"
+    );
+    // Loopback listen works and forwards.
+    let proxy = FaultProxy::start_on("127.0.0.1:0".parse().unwrap(), upstream)
+        .await
+        .unwrap();
+    let mut s = TcpStream::connect(proxy.addr()).await.unwrap();
+    assert_eq!(round_trip(&mut s, b"ping").await, b"ping");
+}
+
 #[tokio::test]
 async fn a_refused_upstream_closes_the_client() {
     // A port nothing listens on: bind, note it, close.

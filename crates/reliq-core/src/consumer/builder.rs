@@ -13,6 +13,7 @@ use crate::batch::{Batch, BatchError};
 use crate::breaker::CircuitBreaker;
 use crate::broker::{Broker, Receiver};
 use crate::classify::{BoxError, Classifier};
+use crate::codec::Codec;
 use crate::delivery::Delivery;
 use crate::inbox::Inbox;
 use crate::retry::RetryPolicy;
@@ -48,6 +49,7 @@ pub struct ConsumerBuilder {
     pub(super) batch_size: usize,
     pub(super) rate_limit: Option<(u32, u32)>,
     pub(super) topology_check: StartupCheck,
+    pub(super) schema_check: StartupCheck,
     pub(super) breaker: Option<CircuitBreaker>,
 }
 
@@ -106,6 +108,7 @@ impl Consumer {
             batch_size: DEFAULT_BATCH_SIZE,
             rate_limit: None,
             topology_check: StartupCheck::Off,
+            schema_check: StartupCheck::Off,
             breaker: None,
         }
     }
@@ -306,6 +309,99 @@ impl ConsumerBuilder {
             ));
         }
         Ok(subscription)
+    }
+
+    /// What a typed consumer ([`start_typed`](Self::start_typed)) checks at start: whether
+    /// the schema the producers write to the source (the registry's latest for its
+    /// subject) can be read as the handler's type ([`Codec::check_readable`]).
+    /// [`StartupCheck::Warn`] logs an incompatibility (or a registry that cannot be asked)
+    /// and starts; [`StartupCheck::Refuse`] does not start. Default: off.
+    pub fn check_schema(mut self, check: StartupCheck) -> Self {
+        self.schema_check = check;
+        self
+    }
+
+    /// Like [`start`](Self::start), with a typed handler: each delivery's payload is
+    /// decoded by `codec` before `handler` runs, and the handler gets the value and the
+    /// delivery (its id, key, headers, attempt). A payload that does not decode is poison:
+    /// parked at once with the decoder's reason, the handler not called. A codec that
+    /// cannot reach its registry fails transiently: the message is retried, not parked.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let broker: std::sync::Arc<dyn reliq_core::Broker> = std::sync::Arc::new(reliq_memory::MemoryBroker::new());
+    /// use reliq_core::{BoxError, Consumer, Delivery, Destination, JsonCodec, TypedPublisher};
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct OrderCreated { order: String, cents: u64 }
+    ///
+    /// let consumer = Consumer::builder(broker.clone(), "billing")
+    ///     .subscribe("orders")
+    ///     .start_typed(JsonCodec::<OrderCreated>::new(), |order: OrderCreated, _d: Delivery| async move {
+    ///         assert_eq!(order.cents, 1250);
+    ///         Ok::<(), BoxError>(())
+    ///     })
+    ///     .await?;
+    /// let orders = TypedPublisher::new(broker, Destination::new("orders"), JsonCodec::new());
+    /// orders.publish(&OrderCreated { order: "o-1".into(), cents: 1250 }).await?;
+    /// # while consumer.stats().processed == 0 { tokio::time::sleep(std::time::Duration::from_millis(5)).await; }
+    /// consumer.shutdown().await;
+    /// # Ok(()) }
+    /// ```
+    pub async fn start_typed<T, C, F, Fut>(
+        self,
+        codec: C,
+        handler: F,
+    ) -> Result<ConsumerHandle, ConsumerError>
+    where
+        T: Send + Sync + 'static,
+        C: Codec<T>,
+        F: Fn(T, Delivery) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), BoxError>> + Send + 'static,
+    {
+        let subscription = self.validate()?;
+        self.schema_startup_check(&codec, &subscription.source)
+            .await?;
+        let typed = Arc::new((codec, handler));
+        self.start(move |delivery: Delivery| {
+            let typed = typed.clone();
+            async move {
+                let (codec, handler) = &*typed;
+                let value = codec.decode(delivery.payload()).await?;
+                handler(value, delivery).await
+            }
+        })
+        .await
+    }
+
+    /// The start-up schema check of a typed consumer (before it subscribes).
+    async fn schema_startup_check<T: Send + Sync + 'static>(
+        &self,
+        codec: &dyn Codec<T>,
+        source: &str,
+    ) -> Result<(), ConsumerError> {
+        let check = self.schema_check;
+        if check == StartupCheck::Off {
+            return Ok(());
+        }
+        let unreadable = match codec.check_readable(source).await {
+            Ok(None) => return Ok(()),
+            Ok(Some(reason)) => reason,
+            Err(e) if check == StartupCheck::Warn => {
+                tracing::warn!(consumer = %self.name, source, error = %crate::classify::ErrorChain(&e),
+                    "cannot check the producers' schema; starting anyway");
+                return Ok(());
+            }
+            Err(e) => return Err(ConsumerError::SchemaCheck(e)),
+        };
+        if check == StartupCheck::Refuse {
+            return Err(ConsumerError::Schema {
+                topic: source.to_owned(),
+                reason: unreadable,
+            });
+        }
+        tracing::error!(consumer = %self.name, source, reason = %unreadable,
+            "the producers' schema cannot be read by this consumer; starting anyway (check_schema: warn)");
+        Ok(())
     }
 
     /// Subscribe and start consuming in the background, one handler call per delivery;

@@ -29,4 +29,18 @@ pub enum ConsumerError {
     /// could not read the broker.
     #[error("checking the topology failed: {0}")]
     TopologyCheck(#[source] BrokerError),
+    /// The start-up schema check ([`ConsumerBuilder::check_schema`](crate::ConsumerBuilder::check_schema)
+    /// with [`StartupCheck::Refuse`](crate::topology::StartupCheck::Refuse)) found that what
+    /// the producers write cannot be read as the handler's type; says why.
+    #[error("the producers' schema for `{topic}` cannot be read by this consumer: {reason}")]
+    Schema {
+        /// The consumer's source.
+        topic: String,
+        /// The codec's reason (the registry's answer).
+        reason: String,
+    },
+    /// The start-up schema check ([`StartupCheck::Refuse`](crate::topology::StartupCheck::Refuse))
+    /// could not ask the registry.
+    #[error("checking the schema failed: {0}")]
+    SchemaCheck(#[source] crate::classify::CodecError),
 }

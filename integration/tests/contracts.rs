@@ -1,0 +1,355 @@
+//! Typed consumers against the real schema registry `scripts/brokers` starts (Apicurio
+//! Registry's Confluent-compatible API, `RELIQ_SCHEMA_REGISTRY_URL`): registration and
+//! the subject strategies, the caches that keep the registry off the steady-state path,
+//! the start-up compatibility check, and Avro schema evolution through the wire format
+//! on the embedded broker and on Kafka.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, bail, ensure};
+use reliq_conformance::support::{soon, unique, wait_until};
+use reliq_conformance::{Backend, Ctx};
+use reliq_contracts::{
+    Avro, JsonSchema, Protobuf, Registration, RegistryCodec, SchemaRegistry, SchemaType,
+    SubjectStrategy, wire,
+};
+use reliq_core::{
+    BoxError, Codec, CodecError, Consumer, ConsumerError, DeadLetterReason, Delivery, Destination,
+    Message, StartupCheck, TypedPublisher,
+};
+use reliq_integration::kafka::KafkaBackend;
+use reliq_integration::memory::MemoryBackend;
+
+fn registry() -> anyhow::Result<Arc<SchemaRegistry>> {
+    let url = reliq_integration::settings::get("RELIQ_SCHEMA_REGISTRY_URL");
+    Ok(Arc::new(SchemaRegistry::new(&url)?))
+}
+
+/// Version 1 of the order event.
+#[derive(
+    Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize, apache_avro::AvroSchema,
+)]
+#[avro(namespace = "shop")]
+#[serde(rename = "OrderCreated")]
+struct OrderV1 {
+    order: String,
+    cents: i64,
+}
+
+/// Version 2: a field added with a default (a backward-compatible evolution).
+#[derive(
+    Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize, apache_avro::AvroSchema,
+)]
+#[avro(namespace = "shop")]
+#[serde(rename = "OrderCreated")]
+struct OrderV2 {
+    order: String,
+    cents: i64,
+    #[avro(default = "\"none\"")]
+    currency: String,
+}
+
+/// `cents` as a string: not readable from what version 1 wrote.
+#[derive(
+    Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize, apache_avro::AvroSchema,
+)]
+#[avro(namespace = "shop")]
+#[serde(rename = "OrderCreated")]
+struct OrderCentsAsText {
+    order: String,
+    cents: String,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct OrderProto {
+    #[prost(string, tag = "1")]
+    order: String,
+    #[prost(int64, tag = "2")]
+    cents: i64,
+}
+const ORDER_PROTO: &str = "syntax = \"proto3\";\npackage shop;\nmessage Order {\n  string order = 1;\n  int64 cents = 2;\n}\n";
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize, schemars::JsonSchema)]
+struct OrderJson {
+    order: String,
+    cents: i64,
+}
+
+/// Each strategy names the subject as Confluent's serializers do; the framed id is the
+/// registered one and reads back by id with its type; the same schema registers once.
+#[tokio::test]
+async fn register_and_look_up_by_id_under_each_subject_strategy() -> anyhow::Result<()> {
+    let registry = registry()?;
+    let topic = unique("contracts-strategy");
+    for (strategy, subject) in [
+        (SubjectStrategy::TopicName, format!("{topic}-value")),
+        (SubjectStrategy::RecordName, "shop.OrderCreated".to_owned()),
+        (
+            SubjectStrategy::TopicRecordName,
+            format!("{topic}-shop.OrderCreated"),
+        ),
+    ] {
+        let codec =
+            RegistryCodec::new(Avro::<OrderV1>::new(), registry.clone()).subject_strategy(strategy);
+        ensure!(codec.subject(&topic) == subject, "{strategy:?}");
+        let order = OrderV1 {
+            order: "o-1".into(),
+            cents: 1250,
+        };
+        let bytes = codec.encode(&order, &topic).await?;
+        let framed = wire::read_header(&bytes)?;
+        let latest = registry.latest(&subject).await?;
+        ensure!(
+            latest.id == framed.schema_id,
+            "{strategy:?}: the payload names the id registered under `{subject}`"
+        );
+        let by_id = registry.schema(framed.schema_id).await?;
+        ensure!(by_id.schema_type == SchemaType::Avro && by_id.schema.contains("cents"));
+        ensure!(codec.decode(&bytes).await? == order);
+    }
+    // Protobuf and JSON Schema register as their own types (each on a topic of its own:
+    // a subject holds one type).
+    let proto_topic = unique("contracts-proto");
+    let proto = RegistryCodec::new(
+        Protobuf::<OrderProto>::new(ORDER_PROTO, "shop.Order"),
+        registry.clone(),
+    );
+    let bytes = proto
+        .encode(
+            &OrderProto {
+                order: "o-2".into(),
+                cents: 5,
+            },
+            &proto_topic,
+        )
+        .await?;
+    let id = wire::read_header(&bytes)?.schema_id;
+    ensure!(registry.schema(id).await?.schema_type == SchemaType::Protobuf);
+    ensure!(proto.decode(&bytes).await?.cents == 5);
+    let json_topic = unique("contracts-json");
+    let json = RegistryCodec::new(JsonSchema::<OrderJson>::new(), registry.clone());
+    let bytes = json
+        .encode(
+            &OrderJson {
+                order: "o-3".into(),
+                cents: 7,
+            },
+            &json_topic,
+        )
+        .await?;
+    let id = wire::read_header(&bytes)?.schema_id;
+    ensure!(registry.schema(id).await?.schema_type == SchemaType::Json);
+    ensure!(json.decode(&bytes).await?.cents == 7);
+    Ok(())
+}
+
+/// Look-up only: a publish with a schema nobody registered fails, permanently (a retry
+/// cannot register it); once registered, the same codec finds it.
+#[tokio::test]
+async fn look_up_only_refuses_an_unregistered_schema() -> anyhow::Result<()> {
+    let registry = registry()?;
+    let topic = unique("contracts-lookup");
+    let lookup = RegistryCodec::new(Avro::<OrderV1>::new(), registry.clone())
+        .registration(Registration::LookUp);
+    let order = OrderV1 {
+        order: "o-1".into(),
+        cents: 1,
+    };
+    match lookup.encode(&order, &topic).await {
+        Err(CodecError::Unencodable(why)) => ensure!(why.contains(&topic), "{why}"),
+        other => bail!("expected a permanent refusal naming the subject, got {other:?}"),
+    }
+    RegistryCodec::new(Avro::<OrderV1>::new(), registry.clone())
+        .encode(&order, &topic)
+        .await?;
+    lookup.encode(&order, &topic).await?;
+    Ok(())
+}
+
+/// The registry is asked once per schema id, not once per message: a producer registers
+/// once per subject, a consumer fetches each writer's schema once.
+#[tokio::test]
+async fn the_cache_asks_the_registry_once_per_new_schema_id() -> anyhow::Result<()> {
+    let topic = unique("contracts-cache");
+    let producer_registry = registry()?;
+    let v1 = RegistryCodec::new(Avro::<OrderV1>::new(), producer_registry.clone());
+    let v2 = RegistryCodec::new(Avro::<OrderV2>::new(), producer_registry.clone());
+    let mut payloads = Vec::new();
+    for n in 0..200 {
+        let order = OrderV1 {
+            order: format!("o-{n}"),
+            cents: n,
+        };
+        payloads.push(v1.encode(&order, &topic).await?);
+    }
+    ensure!(
+        producer_registry.requests() == 1,
+        "200 publishes of one schema: {} registry requests",
+        producer_registry.requests()
+    );
+    for n in 0..200 {
+        let order = OrderV2 {
+            order: format!("o-{n}"),
+            cents: n,
+            currency: "EUR".into(),
+        };
+        payloads.push(v2.encode(&order, &topic).await?);
+    }
+    ensure!(producer_registry.requests() == 2);
+
+    let consumer_registry = registry()?;
+    let reader = RegistryCodec::new(Avro::<OrderV2>::new(), consumer_registry.clone());
+    for (n, payload) in payloads.iter().enumerate() {
+        let order = reader.decode(payload).await?;
+        let expected_currency = if n < 200 { "none" } else { "EUR" };
+        ensure!(
+            order.currency == expected_currency,
+            "payload {n}: {order:?} (version 1's resolved with the default)"
+        );
+    }
+    ensure!(
+        consumer_registry.requests() == 2,
+        "400 payloads of two writer schemas: {} registry requests",
+        consumer_registry.requests()
+    );
+    Ok(())
+}
+
+/// At start, a consumer whose type cannot read what the producers registered is refused
+/// with `Refuse` (naming the topic) and started with `Warn`; a compatible evolution
+/// starts with `Refuse`.
+#[tokio::test]
+async fn an_incompatible_consumer_is_refused_at_start_or_warned() -> anyhow::Result<()> {
+    let registry = registry()?;
+    let backend = MemoryBackend::new();
+    let broker = backend.connect().await?;
+    let topic = unique("contracts-compat");
+    RegistryCodec::new(Avro::<OrderV1>::new(), registry.clone())
+        .encode(
+            &OrderV1 {
+                order: "o-1".into(),
+                cents: 1,
+            },
+            &topic,
+        )
+        .await?;
+    let handler = |_: OrderCentsAsText, _: Delivery| async { Ok::<(), BoxError>(()) };
+    let refused = Consumer::builder(broker.clone(), "compat-refuse")
+        .subscribe(&topic)
+        .check_schema(StartupCheck::Refuse)
+        .start_typed(
+            RegistryCodec::new(Avro::<OrderCentsAsText>::new(), registry.clone()),
+            handler,
+        )
+        .await;
+    match refused {
+        Err(ConsumerError::Schema { topic: t, reason }) => {
+            ensure!(
+                t == topic && reason.contains(&format!("{topic}-value")),
+                "{reason}"
+            )
+        }
+        Err(other) => bail!("refused for another reason: {other}"),
+        Ok(h) => {
+            h.shutdown().await;
+            bail!("an incompatible consumer started with StartupCheck::Refuse")
+        }
+    }
+    let warned = Consumer::builder(broker.clone(), "compat-warn")
+        .subscribe(&topic)
+        .check_schema(StartupCheck::Warn)
+        .start_typed(
+            RegistryCodec::new(Avro::<OrderCentsAsText>::new(), registry.clone()),
+            handler,
+        )
+        .await
+        .context("Warn starts an incompatible consumer")?;
+    warned.shutdown().await;
+    let compatible = Consumer::builder(broker, "compat-ok")
+        .subscribe(&topic)
+        .check_schema(StartupCheck::Refuse)
+        .start_typed(
+            RegistryCodec::new(Avro::<OrderV2>::new(), registry.clone()),
+            |_: OrderV2, _: Delivery| async { Ok::<(), BoxError>(()) },
+        )
+        .await
+        .context("a compatible evolution starts with Refuse")?;
+    compatible.shutdown().await;
+    Ok(())
+}
+
+/// A producer on version 1, a consumer on version 2: every order arrives, resolved with
+/// the default; an unframed payload and one naming an id the registry does not have are
+/// parked as poison with the reason, their bytes kept.
+async fn evolution_through_the_broker(b: &dyn Backend) -> anyhow::Result<()> {
+    let registry = registry()?;
+    let ctx = Ctx::new(b, "contracts-evolution").await?;
+    let got: Arc<Mutex<Vec<OrderV2>>> = Arc::default();
+    let g = got.clone();
+    let h = ctx
+        .consumer("c")
+        .start_typed(
+            RegistryCodec::new(Avro::<OrderV2>::new(), registry.clone()),
+            move |order: OrderV2, _d: Delivery| {
+                let g = g.clone();
+                async move {
+                    g.lock().expect("not poisoned").push(order);
+                    Ok::<(), BoxError>(())
+                }
+            },
+        )
+        .await?;
+    let producer = TypedPublisher::new(
+        ctx.broker.clone(),
+        Destination::new(ctx.topic.clone()),
+        RegistryCodec::new(Avro::<OrderV1>::new(), registry.clone()),
+    );
+    for n in 0..20 {
+        producer
+            .publish(&OrderV1 {
+                order: format!("o-{n}"),
+                cents: n,
+            })
+            .await?;
+    }
+    let unframed = Message::new(&b"{\"order\":\"o-x\"}"[..]);
+    let unknown_id = Message::new(&[0u8, 0x7f, 0xff, 0xff, 0xff, 0x02][..]);
+    let poison_ids = [unframed.id().clone(), unknown_id.id().clone()];
+    ctx.publish_all(vec![unframed, unknown_id]).await?;
+    wait_until("20 typed orders", soon(b), || {
+        got.lock().expect("not poisoned").len() >= 20
+    })
+    .await?;
+    let dead = ctx.take_dead_letters("c", 2, soon(b)).await?;
+    for (message, record) in &dead {
+        ensure!(poison_ids.contains(message.id()));
+        ensure!(record.reason == DeadLetterReason::Poison && record.attempts == 1);
+        let error = record.error.clone().unwrap_or_default();
+        let expected = if message.payload().first() == Some(&0) {
+            "schema id 2147483647 is not in the registry"
+        } else {
+            "not the magic byte"
+        };
+        ensure!(
+            error.contains(expected),
+            "reason `{error}` lacks `{expected}`"
+        );
+    }
+    let got = got.lock().expect("not poisoned").clone();
+    ensure!(got.len() == 20, "each order once: {}", got.len());
+    ensure!(got.iter().all(|o| o.currency == "none"));
+    h.shutdown().await;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn avro_evolution_through_the_registry_on_memory() -> anyhow::Result<()> {
+    evolution_through_the_broker(&MemoryBackend::new()).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn avro_evolution_through_the_registry_on_kafka() -> anyhow::Result<()> {
+    evolution_through_the_broker(&KafkaBackend::new()).await
+}
