@@ -45,8 +45,11 @@ pub(crate) struct RabbitReceiver {
     closed: AtomicBool,
 }
 
-/// How long starting a receiver retries its declarations through a lost connection.
-const START_THROUGH_NODE_LOSS: Duration = Duration::from_secs(30);
+/// How long starting a receiver retries its declarations through a lost connection: a
+/// node restarted in a rolling restart, or one closing connections with 541 while it
+/// recovers, can take longer than 30 s (a chaos round's restarted consumer gave up
+/// after 30 s of both and exited).
+const START_THROUGH_NODE_LOSS: Duration = Duration::from_secs(120);
 
 impl RabbitReceiver {
     /// A receiver of `sub`'s queue, consuming, with the relay that moves what the broker
