@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use reliq_core::seam::secrets::redact_url;
 use serde::{Deserialize, Serialize};
 
 /// The kinds of schema a registry stores (its `schemaType`).
@@ -157,7 +158,7 @@ impl SchemaRegistry {
     /// `reqwest::Client` yourself: [`SchemaRegistry::with_client`].
     pub fn new(url: &str) -> Result<Self, RegistryError> {
         let setup = |e: &dyn std::fmt::Display| RegistryError::Url {
-            url: url.to_owned(),
+            url: redact_url(url),
             reason: format!("cannot build the HTTP client: {e}"),
         };
         // rustls on ring (as every TLS stack of reliq), verifying with the platform's roots.
@@ -178,22 +179,36 @@ impl SchemaRegistry {
         Self::with_client(url, http)
     }
 
-    /// A client of the registry at `url` over `http`.
+    /// A client of the registry at `url` over `http`. A user and password in the URL
+    /// (`https://KEY:SECRET@host`) become its basic authentication, as
+    /// [`SchemaRegistry::basic_auth`] gives it; they are kept out of `Debug` and errors.
     pub fn with_client(url: &str, http: reqwest::Client) -> Result<Self, RegistryError> {
-        let parsed = reqwest::Url::parse(url).map_err(|e| RegistryError::Url {
-            url: url.to_owned(),
-            reason: e.to_string(),
-        })?;
+        let invalid = |reason: String| RegistryError::Url {
+            url: redact_url(url),
+            reason,
+        };
+        let mut parsed = reqwest::Url::parse(url).map_err(|e| invalid(e.to_string()))?;
         if !matches!(parsed.scheme(), "http" | "https") {
-            return Err(RegistryError::Url {
-                url: url.to_owned(),
-                reason: "the scheme must be http or https".into(),
-            });
+            return Err(invalid("the scheme must be http or https".into()));
         }
+        let credentials = (!parsed.username().is_empty()).then(|| {
+            let decode = |s: &str| {
+                percent_encoding::percent_decode_str(s)
+                    .decode_utf8_lossy()
+                    .into_owned()
+            };
+            (
+                decode(parsed.username()),
+                decode(parsed.password().unwrap_or_default()),
+            )
+        });
+        // Infallible for http(s) URLs, which have a host.
+        let _ = parsed.set_username("");
+        let _ = parsed.set_password(None);
         Ok(Self {
             http,
-            base: url.trim_end_matches('/').to_owned(),
-            credentials: None,
+            base: parsed.as_str().trim_end_matches('/').to_owned(),
+            credentials,
             by_id: RwLock::default(),
             ids: RwLock::default(),
             requests: AtomicU64::new(0),
@@ -378,9 +393,14 @@ impl SchemaRegistry {
         if let Some((user, password)) = &self.credentials {
             request = request.basic_auth(user, Some(password));
         }
-        let unavailable = |source: reqwest::Error| RegistryError::Unavailable {
-            context: format!("{what}: {source}"),
-            source: Some(source),
+        let unavailable = |source: reqwest::Error| {
+            // The base URL holds no credentials (they travel as basic authentication),
+            // but a request URL is noise in an error that already says what was asked.
+            let source = source.without_url();
+            RegistryError::Unavailable {
+                context: format!("{what}: {source}"),
+                source: Some(source),
+            }
         };
         let response = request.send().await.map_err(unavailable)?;
         let status = response.status();
@@ -467,6 +487,32 @@ mod tests {
     fn subjects_are_one_path_segment() {
         assert_eq!(encode("orders-value"), "orders-value");
         assert_eq!(encode("a/b c"), "a%2Fb%20c");
+    }
+
+    #[test]
+    fn credentials_in_the_url_become_basic_auth_and_never_show() {
+        let registry =
+            SchemaRegistry::new("https://key:s3cr%40t@registry.example:8081/apis/ccompat/v7/")
+                .unwrap();
+        assert_eq!(
+            registry.credentials,
+            Some(("key".to_owned(), "s3cr@t".to_owned()))
+        );
+        assert_eq!(
+            registry.base,
+            "https://registry.example:8081/apis/ccompat/v7"
+        );
+        let debug = format!("{registry:?}");
+        assert!(
+            !debug.contains("s3cr") && !debug.contains("key:"),
+            "{debug}"
+        );
+        let err = SchemaRegistry::new("ftp://key:s3cret@registry.example").unwrap_err();
+        assert!(!err.to_string().contains("s3cret"), "{err}");
+        assert!(
+            err.to_string().contains("key:***@registry.example"),
+            "{err}"
+        );
     }
 
     #[test]
