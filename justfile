@@ -101,6 +101,11 @@ lint:
     # Every public item of reliq-core has one path (the list: scripts/public-paths).
     scripts/public-paths --self-test
     scripts/public-paths --check
+    # The orders example's AsyncAPI documents (docs/asyncapi/, kept current by a test of
+    # `just test`) are valid for the official parser (npm's @asyncapi/parser).
+    scripts/brokers asyncapi
+    node "${BROKERS_DIR:-.brokers}/asyncapi/validate.mjs" --self-test docs/asyncapi/orders.kafka.json
+    node "${BROKERS_DIR:-.brokers}/asyncapi/validate.mjs" docs/asyncapi/*.json
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets -- -D warnings
     # The OTLP example builds only with its feature (opentelemetry-otlp stays out of the test build).

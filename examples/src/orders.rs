@@ -24,9 +24,9 @@ use reliq::postgres::{PgInbox, PgOutbox};
 use reliq::secrets::redact_url;
 use reliq::sqlite::{SqliteInbox, SqliteOutbox};
 use reliq::{
-    BoxError, Broker, Classifier, Consumer, ConsumerBuilder, DeadLetterReason, Delivery,
-    Destination, Envelope, Message, MessageId, Permanent, RelayHandle, Replay, RetryPolicy,
-    Subscription, Transient,
+    AsyncApi, BoxError, Broker, Classifier, Codec as _, Consumer, ConsumerBuilder,
+    DeadLetterReason, Delivery, Destination, Envelope, JsonCodec, Message, MessageId,
+    MessageSchema, Permanent, RelayHandle, Replay, RetryPolicy, Subscription, Transient,
 };
 use serde::{Deserialize, Serialize};
 
@@ -37,7 +37,7 @@ pub const CONSUMER: &str = "inventory";
 const PLACE_BATCH: usize = 200;
 
 /// The `order.created` event's data.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct OrderCreated {
     /// The order.
     pub order_id: String,
@@ -223,12 +223,38 @@ pub fn is_database_failure(e: &(dyn std::error::Error + 'static)) -> bool {
 /// `db`'s rules for database errors (a serialization failure, a deadlock or a busy SQLite
 /// file is transient), and the [`breaker`].
 pub fn consumer(broker: Arc<dyn Broker>, topic: &str, db: &Db) -> ConsumerBuilder {
+    subscribed(broker, topic)
+        .classifier(db.error_rules(Classifier::default()))
+        .circuit_breaker(breaker())
+}
+
+/// What the inventory consumer asks the broker for: `topic`, [`retry_policy`]'s tiers,
+/// 64 in flight.
+fn subscribed(broker: Arc<dyn Broker>, topic: &str) -> ConsumerBuilder {
     Consumer::builder(broker, CONSUMER)
         .subscribe(topic)
         .retry(retry_policy())
-        .classifier(db.error_rules(Classifier::default()))
         .max_in_flight(64)
-        .circuit_breaker(breaker())
+}
+
+/// The orders service's AsyncAPI document on `broker`: the inventory consumer of `topic`
+/// with `order.created`'s JSON Schema (derived from [`OrderCreated`] in its
+/// [`Envelope`]), its retry and dead-letter channels (`docs/asyncapi/` holds it for each
+/// backend).
+pub async fn asyncapi(broker: Arc<dyn Broker>, topic: &str) -> anyhow::Result<AsyncApi> {
+    // The message is named for its event, not for the envelope's generic type.
+    let payload = JsonCodec::<Envelope<OrderCreated>>::with_schema()
+        .schema()
+        .map(|schema| MessageSchema {
+            name: "OrderCreated".into(),
+            ..schema
+        });
+    let doc = AsyncApi::new("orders", "1.0.0").description(
+        "The orders service of reliq's example: the inventory consumer reserves stock for \
+         each `order.created` event, retries transient failures twice (200 ms, 500 ms) and \
+         parks the rest in its dead-letter queue.",
+    );
+    Ok(subscribed(broker, topic).asyncapi(doc, payload).await?)
 }
 
 /// The inventory consumer's subscription on `topic` (for its DLQ).

@@ -351,3 +351,132 @@ async fn avro_evolution_through_the_registry_on_memory() -> anyhow::Result<()> {
 async fn avro_evolution_through_the_registry_on_kafka() -> anyhow::Result<()> {
     evolution_through_the_broker(&KafkaBackend::new()).await
 }
+
+/// The orders example's AsyncAPI document on every backend has the failure path — the
+/// source, each retry channel where the broker has one (else retries are said to wait in
+/// the source), the dead-letter channel whose message is reliq's dead-letter record — and
+/// is exactly what docs/asyncapi/orders.<backend>.json holds (`just lint` validates those
+/// files with the AsyncAPI parser). `RELIQ_WRITE_ASYNCAPI=1` rewrites the files instead.
+#[tokio::test]
+async fn the_orders_asyncapi_document_has_the_failure_path_on_every_backend() -> anyhow::Result<()>
+{
+    let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/asyncapi");
+    let write = std::env::var_os("RELIQ_WRITE_ASYNCAPI").is_some();
+    for backend in ["memory", "kafka", "rabbit", "nats", "sqs"] {
+        let broker = reliq_integration::connect_by_name(backend).await?;
+        let doc = reliq_examples::orders::asyncapi(broker, "orders").await?;
+        let json = doc.to_json();
+        let channels = json["channels"].as_object().context("channels")?;
+        // The source and its message: the example's event, with its JSON Schema.
+        let source = &channels["orders"];
+        ensure!(
+            source["messages"]["OrderCreated"].is_object(),
+            "{backend}: {source}"
+        );
+        let event = &json["components"]["messages"]["OrderCreated"];
+        ensure!(
+            event["payload"]["schema"]["properties"]["data"].is_object(),
+            "{backend}: the payload's schema is the envelope's: {event}"
+        );
+        // The dead-letter channel holds the dead-letter record.
+        let dlq = &channels["orders_inventory_dlq"];
+        ensure!(
+            dlq["messages"]["OrderCreated_deadLetter"]["$ref"]
+                == "#/components/messages/OrderCreated_deadLetter",
+            "{backend}: {dlq}"
+        );
+        let dead = &json["components"]["messages"]["OrderCreated_deadLetter"];
+        ensure!(dead["headers"]["$ref"] == "#/components/schemas/reliqDeadLetterHeaders");
+        ensure!(
+            dead["payload"] == event["payload"],
+            "{backend}: a dead letter keeps the payload"
+        );
+        let record = &json["components"]["schemas"]["reliqDeadLetterHeaders"];
+        for header in [
+            "reliq-dead-letter-reason",
+            "reliq-error-class",
+            "reliq-attempt",
+            "reliq-dead-lettered-at",
+            "reliq-first-failure-at",
+            "reliq-original-destination",
+        ] {
+            ensure!(
+                record["properties"][header].is_object(),
+                "{backend}: {header}"
+            );
+        }
+        ensure!(
+            record["properties"]["reliq-dead-letter-reason"]["enum"]
+                .as_array()
+                .is_some_and(|r| r.len() == DeadLetterReason::ALL.len()),
+            "{backend}: every reason"
+        );
+        // The replay marker headers on the source's message.
+        let headers = &json["components"]["schemas"]["reliqHeaders"]["properties"];
+        ensure!(
+            headers["reliq-replay-count"].is_object() && headers["reliq-replayed-at"].is_object()
+        );
+        // Retry channels: a topic / TTL queue per tier on Kafka and RabbitMQ, the source
+        // stream's schedule subjects on NATS, none where retries wait in the source.
+        let retries: Vec<&String> = channels.keys().filter(|k| k.contains("retry")).collect();
+        let receive = &json["operations"]["inventory_receive"];
+        match backend {
+            "kafka" | "rabbit" => {
+                ensure!(
+                    retries
+                        == [
+                            "orders_inventory_retry_200ms",
+                            "orders_inventory_retry_500ms"
+                        ],
+                    "{backend}: {retries:?}"
+                );
+                ensure!(
+                    receive["x-reliq-retries"]["tiers"] == serde_json::json!(["200ms", "500ms"])
+                );
+            }
+            "nats" => {
+                ensure!(retries == ["orders_inventory_retry"], "{retries:?}");
+                ensure!(
+                    channels["orders_inventory_retry"]["address"] == "retry.orders.inventory.at.*"
+                );
+            }
+            _ => {
+                ensure!(retries.is_empty(), "{backend}: {retries:?}");
+                ensure!(
+                    receive["x-reliq-retries"]["waitIn"] == "source",
+                    "{backend}: {receive}"
+                );
+            }
+        }
+        // The broker's bindings.
+        let binding = match backend {
+            "kafka" => {
+                source["bindings"]["kafka"]["topic"] == "orders"
+                    && receive["bindings"]["kafka"]["groupId"]["const"] == "inventory"
+            }
+            "rabbit" => source["bindings"]["amqp"]["exchange"]["name"] == "orders",
+            "sqs" => {
+                source["bindings"]["sqs"]["queue"]["redrivePolicy"]["deadLetterQueue"]["name"]
+                    == "orders_inventory_dlq"
+            }
+            _ => true,
+        };
+        ensure!(binding, "{backend}: {source}");
+        let file = docs.join(format!("orders.{backend}.json"));
+        let text = doc.to_string();
+        if write {
+            std::fs::write(&file, &text)?;
+            continue;
+        }
+        let committed = std::fs::read_to_string(&file)
+            .with_context(|| format!("reading {}", file.display()))?;
+        ensure!(
+            committed == text,
+            "{} is not the document reliq generates for the orders example on {backend}; \
+             regenerate it with `RELIQ_WRITE_ASYNCAPI=1 cargo nextest run --workspace -E \
+             'test(the_orders_asyncapi_document)'`",
+            file.display()
+        );
+    }
+    Ok(())
+}

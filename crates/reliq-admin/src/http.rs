@@ -54,6 +54,7 @@ pub const OPENAPI: &str = include_str!("openapi.json");
 /// Every route: method, path, the least role it needs (`None`: no token needed).
 pub const ROUTES: &[(&str, &str, Option<Role>)] = &[
     ("GET", "/v1/openapi.json", None),
+    ("GET", "/v1/asyncapi.json", Some(Role::Reader)),
     ("GET", "/healthz", None),
     ("GET", "/readyz", None),
     ("GET", "/metrics", Some(Role::Reader)),
@@ -123,6 +124,7 @@ impl Default for Limits {
 pub fn router(state: Arc<AdminState>, limits: Limits) -> Router {
     let routes = Router::new()
         .route("/v1/openapi.json", get(openapi))
+        .route("/v1/asyncapi.json", get(asyncapi))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
@@ -515,6 +517,22 @@ async fn openapi() -> Response {
         ..AuditNote::default()
     });
     response
+}
+
+/// `GET /v1/asyncapi.json`: the AsyncAPI document of the server's consumers (a reader).
+async fn asyncapi(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> Reply {
+    let note = AuditNote {
+        action: "asyncapi",
+        ..AuditNote::default()
+    };
+    let note = match authorize(&state, &headers, Role::Reader, note) {
+        Ok(note) => note,
+        Err(reply) => return reply,
+    };
+    match state.asyncapi().await {
+        Ok(doc) => Reply::ok(note, doc),
+        Err(e) => Reply::failed(note, e),
+    }
 }
 
 /// `GET /healthz`: the process is up and serving (a liveness probe: it asks nobody).

@@ -164,3 +164,21 @@ pub(crate) struct AuditNote {
     /// record instead).
     pub(crate) unaudited: bool,
 }
+
+impl AdminState {
+    /// The AsyncAPI 3.0 document of the consumers this server operates: each one's
+    /// source, retry and dead-letter channels, from the broker's plan (creates nothing).
+    /// Payloads are bytes here: the codecs are the services' own.
+    pub(crate) async fn asyncapi(&self) -> Result<serde_json::Value, crate::error::AdminError> {
+        let mut doc = reliq_core::AsyncApi::new("reliq consumers", env!("CARGO_PKG_VERSION"))
+            .description(format!(
+                "The consumers a reliq admin server operates on {}: each one's source, \
+                 retry channels and dead-letter channel, with reliq's dead-letter record.",
+                self.broker.kind()
+            ));
+        for subscription in &self.consumers {
+            doc = doc.consumer(self.broker.plan(subscription).await?, None);
+        }
+        Ok(doc.to_json())
+    }
+}

@@ -389,6 +389,28 @@ async fn a_reader_sees_the_pages_without_actions_and_its_forged_post_is_refused(
         "{}",
         forged.status
     );
+    // The overview links the consumers' AsyncAPI document, which a reader may fetch.
+    ensure!(
+        a.body.contains(r#"href="/console/asyncapi.json""#),
+        "{}",
+        a.body
+    );
+    let asyncapi = f.get("/console/asyncapi.json", &rita.cookie).await?;
+    let doc: serde_json::Value = serde_json::from_str(&asyncapi.body)?;
+    ensure!(
+        asyncapi.status == StatusCode::OK && doc["channels"]["invoices_billing_dlq"].is_object(),
+        "{}",
+        asyncapi.body
+    );
+    let signed_out = f
+        .console
+        .send("GET", "/console/asyncapi.json", None, None)
+        .await?;
+    ensure!(
+        signed_out.status == StatusCode::SEE_OTHER,
+        "{}",
+        signed_out.status
+    );
     let audit_page = f.get("/console/audit", &rita.cookie).await?;
     ensure!(audit_page.status == StatusCode::FORBIDDEN);
     let audit = std::fs::read_to_string(&f.audit_path)?;

@@ -37,6 +37,10 @@ pub(crate) enum Command {
         #[command(subcommand)]
         command: TopologyCommand,
     },
+    /// The consumer's AsyncAPI 3.0 document on stdout: the channel it reads, its retry
+    /// channels, its dead-letter channel with reliq's dead-letter record, the replay, and
+    /// the broker's bindings — from the same settings as `topology plan` (creates nothing).
+    Asyncapi(Box<AsyncapiArgs>),
     /// The admin HTTP API.
     Admin {
         #[command(subcommand)]
@@ -365,6 +369,44 @@ impl SubscriptionArgs {
         sub.prefetch = self.prefetch;
         sub
     }
+}
+
+/// `reliq asyncapi`.
+#[derive(Debug, Args)]
+pub(crate) struct AsyncapiArgs {
+    #[command(flatten)]
+    pub(crate) subscription: SubscriptionArgs,
+    /// The service's name (the document's title; default: the consumer's).
+    #[arg(long)]
+    pub(crate) title: Option<String>,
+    /// The service's version (the document's `info.version`).
+    #[arg(long, default_value = "1.0.0")]
+    pub(crate) service_version: String,
+    /// The payload's schema: a JSON Schema or Avro schema (JSON), or a `.proto` file.
+    /// Without it the payload is described as bytes.
+    #[arg(long)]
+    pub(crate) payload_schema: Option<PathBuf>,
+    /// The schema's language (default: by the file's extension — .avsc avro, .proto
+    /// protobuf, else json-schema).
+    #[arg(long, value_enum, requires = "payload_schema")]
+    pub(crate) payload_format: Option<PayloadFormat>,
+    /// The message's name (default: the schema's `title` or `name`, else `Message`).
+    #[arg(long, requires = "payload_schema")]
+    pub(crate) payload_name: Option<String>,
+    /// Leave the broker URL's hosts out of `servers` (a document for every environment).
+    #[arg(long)]
+    pub(crate) no_servers: bool,
+}
+
+/// A payload schema's language.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum PayloadFormat {
+    /// JSON Schema (draft-07).
+    JsonSchema,
+    /// An Avro schema (JSON).
+    Avro,
+    /// A Protobuf (proto3) file.
+    Protobuf,
 }
 
 /// Which differences fail `topology check`.

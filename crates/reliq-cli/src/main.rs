@@ -20,6 +20,7 @@
 //! plan (`topology check`: a breaking difference, or any with `--fail-on any`).
 
 mod args;
+mod asyncapi;
 mod fold;
 mod guard;
 mod progress;
@@ -263,6 +264,7 @@ async fn run(cli: Cli) -> Result<u8, Failure> {
     match cli.command {
         Command::Dlq { command } => dlq(*command).await,
         Command::Topology { command } => topology(command).await,
+        Command::Asyncapi(args) => asyncapi::asyncapi(*args).await,
         Command::Admin { command } => admin(command).await,
     }
 }

@@ -307,7 +307,8 @@ fn refused(records: &[Value], status: u16) -> Vec<&Value> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_openapi_document_names_every_route_without_a_token() -> anyhow::Result<()> {
+async fn the_openapi_document_names_every_route_and_a_reader_gets_the_asyncapi_document()
+-> anyhow::Result<()> {
     let f = fixture(4).await?;
     let openapi = format!("{}/v1/openapi.json", f.base);
     let doc = f.expect("GET", &openapi, None, None, 200).await?;
@@ -317,6 +318,44 @@ async fn the_openapi_document_names_every_route_without_a_token() -> anyhow::Res
             "{method} {path} missing from the OpenAPI document"
         );
     }
+    // The AsyncAPI document of the server's consumer: a reader's, with its dead-letter
+    // channel (the NATS DLQ subject) holding reliq's dead-letter record.
+    let asyncapi = format!("{}/v1/asyncapi.json", f.base);
+    f.expect("GET", &asyncapi, None, None, 401).await?;
+    let doc = f
+        .expect("GET", &asyncapi, Some(&f.reader.secret), None, 200)
+        .await?;
+    ensure!(doc["asyncapi"] == "3.0.0", "{doc}");
+    let dlq = doc["channels"]
+        .as_object()
+        .and_then(|c| {
+            c.values()
+                .find(|c| c["title"] == format!("{} dead letters", f.name))
+        })
+        .with_context(|| format!("no dead-letter channel in {doc}"))?;
+    let stream = |s: &str| {
+        s.replace(
+            |c: char| !c.is_ascii_alphanumeric() && c != '-' && c != '_',
+            "_",
+        )
+    };
+    ensure!(
+        dlq["address"] == format!("dlq.{}.{}", stream(&f.source), stream(&f.name)),
+        "{dlq}"
+    );
+    let message = dlq["messages"]
+        .as_object()
+        .and_then(|m| m.values().next())
+        .context("the channel's message")?;
+    let key = message["$ref"]
+        .as_str()
+        .and_then(|r| r.strip_prefix("#/components/messages/"))
+        .context("a message reference")?;
+    ensure!(
+        doc["components"]["messages"][key]["headers"]["$ref"]
+            == "#/components/schemas/reliqDeadLetterHeaders",
+        "{doc}"
+    );
     f.finish().await?;
     Ok(())
 }

@@ -275,6 +275,71 @@ async fn sqs_every_command() -> anyhow::Result<()> {
     every_command("sqs").await
 }
 
+/// `reliq asyncapi` on RabbitMQ with an Avro schema file: a retry channel per tier (TTL
+/// queues), the dead-letter stream's channel with the dead-letter record, the payload in
+/// its own schema format, the broker's host as the server without its credentials; a
+/// schema file that is not JSON is bad input (exit 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbit_asyncapi_with_an_avro_payload() -> anyhow::Result<()> {
+    let url = url("rabbit");
+    let dir = tempfile::tempdir()?;
+    let schema = dir.path().join("order.avsc");
+    std::fs::write(
+        &schema,
+        r#"{"type":"record","name":"OrderCreated","namespace":"shop","fields":[{"name":"order","type":"string"}]}"#,
+    )?;
+    let asyncapi = |schema: &std::path::Path| {
+        let mut cmd = reliq();
+        cmd.args([
+            "asyncapi",
+            "--url",
+            &url,
+            "--consumer",
+            "billing",
+            "--source",
+            "orders",
+        ])
+        .args(["--retry-tiers", "1s,30s", "--service-version", "2.1.0"])
+        .arg("--payload-schema")
+        .arg(schema);
+        cmd
+    };
+    let doc = json(&mut asyncapi(&schema), 0)?;
+    ensure!(doc["info"]["version"] == "2.1.0", "{doc}");
+    let channels = doc["channels"].as_object().context("channels")?;
+    for tier in [
+        "orders_billing_retry_1000ms",
+        "orders_billing_retry_30000ms",
+    ] {
+        ensure!(
+            channels[tier]["bindings"]["amqp"]["is"] == "queue",
+            "{tier}: {doc}"
+        );
+    }
+    ensure!(
+        channels["orders_billing_dlq"]["bindings"]["amqp"]["queue"]["name"]
+            == "orders.billing.dlq.stream"
+    );
+    let dead = &doc["components"]["messages"]["OrderCreated_deadLetter"];
+    ensure!(
+        dead["payload"]["schemaFormat"] == reliq::AVRO_SCHEMA_FORMAT,
+        "{dead}"
+    );
+    ensure!(dead["payload"]["schema"]["namespace"] == "shop", "{dead}");
+    ensure!(doc["servers"]["broker"]["protocol"] == "amqp", "{doc}");
+    ensure!(
+        !doc.to_string().contains("guest:"),
+        "credentials in the document"
+    );
+    std::fs::write(&schema, "record OrderCreated {")?;
+    let (code, _, err) = run(&mut asyncapi(&schema))?;
+    ensure!(
+        code == 2 && err.contains("not a JSON document"),
+        "{code}: {err}"
+    );
+    Ok(())
+}
+
 /// `reliq topology plan|check` on Kafka: the plan of a running consumer, a check that
 /// finds it as planned (exit 0), and one for a policy with a tier the broker does not
 /// have (exit 5, the missing retry topic named as breaking).

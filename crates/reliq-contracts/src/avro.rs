@@ -16,8 +16,7 @@ use crate::registry::{RegisteredSchema, SchemaType};
 
 const FORMAT: &str = "Avro";
 
-/// AsyncAPI's `schemaFormat` for Avro.
-pub const AVRO_SCHEMA_FORMAT: &str = "application/vnd.apache.avro+json;version=1.9.0";
+use reliq_core::AVRO_SCHEMA_FORMAT;
 
 /// Avro binary bodies of a `T` (serde), written with one schema.
 ///

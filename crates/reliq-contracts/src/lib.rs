@@ -58,10 +58,10 @@ mod registry;
 pub mod wire;
 
 #[cfg(feature = "avro")]
-pub use avro::{AVRO_SCHEMA_FORMAT, Avro};
+pub use avro::Avro;
 pub use display::{Readable, readable};
 pub use framed::{Registration, RegistryCodec, SchemaFormat};
 pub use json::JsonSchema;
 #[cfg(feature = "protobuf")]
-pub use protobuf::{PROTOBUF_SCHEMA_FORMAT, Protobuf};
+pub use protobuf::Protobuf;
 pub use registry::{RegisteredSchema, RegistryError, SchemaRegistry, SchemaType, SubjectStrategy};

@@ -12,8 +12,7 @@ use crate::wire;
 
 const FORMAT: &str = "Protobuf";
 
-/// AsyncAPI's `schemaFormat` for Protobuf.
-pub const PROTOBUF_SCHEMA_FORMAT: &str = "application/vnd.google.protobuf;version=3";
+use reliq_core::PROTOBUF_SCHEMA_FORMAT;
 
 /// Protobuf bodies of a `prost` message `T`.
 ///

@@ -217,6 +217,12 @@ impl<T> JsonCodec<T> {
 /// AsyncAPI's `schemaFormat` for the JSON Schema documents reliq writes.
 pub const JSON_SCHEMA_FORMAT: &str = "application/schema+json;version=draft-07";
 
+/// AsyncAPI's `schemaFormat` for Avro schemas.
+pub const AVRO_SCHEMA_FORMAT: &str = "application/vnd.apache.avro+json;version=1.9.0";
+
+/// AsyncAPI's `schemaFormat` for Protobuf (proto3) files.
+pub const PROTOBUF_SCHEMA_FORMAT: &str = "application/vnd.google.protobuf;version=3";
+
 #[cfg(feature = "json-schema")]
 impl<T: schemars::JsonSchema> JsonCodec<T> {
     /// A JSON codec that describes `T` by the JSON Schema `schemars` derives (draft-07,

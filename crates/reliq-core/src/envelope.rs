@@ -8,6 +8,7 @@ use crate::message::Message;
 
 /// The aggregate an event belongs to.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct Aggregate {
     /// Aggregate type, e.g. `order`.
     #[serde(rename = "type")]
@@ -31,6 +32,7 @@ pub struct Aggregate {
 /// Unknown fields are ignored (forward compatible). An envelope that does not decode, has
 /// an empty id, or whose *major* schema version differs from the consumer's is poison.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "json-schema", derive(schemars::JsonSchema))]
 pub struct Envelope<T> {
     /// The stable event id (becomes the message id).
     pub id: String,
@@ -41,6 +43,7 @@ pub struct Envelope<T> {
     pub schema_version: String,
     /// When the event happened.
     #[serde(with = "rfc3339")]
+    #[cfg_attr(feature = "json-schema", schemars(with = "String", extend("format" = "date-time")))]
     pub occurred_at: SystemTime,
     /// Producing service.
     #[serde(default, skip_serializing_if = "Option::is_none")]

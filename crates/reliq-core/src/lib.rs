@@ -58,6 +58,7 @@
 //! # let _ = report; Ok(()) }
 //! ```
 
+mod asyncapi;
 mod backlog;
 mod batch;
 mod breaker;
@@ -92,6 +93,7 @@ mod sync;
 mod telemetry;
 mod topology;
 
+pub use asyncapi::{ASYNCAPI_VERSION, AsyncApi};
 pub use backlog::{Backlog, TierBacklog};
 pub use batch::{Batch, BatchError};
 pub use breaker::{CircuitBreaker, CircuitState};
@@ -101,8 +103,8 @@ pub use classify::{
     Transient, UnknownClass,
 };
 pub use codec::{
-    Codec, JSON_SCHEMA_FORMAT, JsonCodec, MessageSchema, PublishError, TypedPublisher,
-    encode_message,
+    AVRO_SCHEMA_FORMAT, Codec, JSON_SCHEMA_FORMAT, JsonCodec, MessageSchema,
+    PROTOBUF_SCHEMA_FORMAT, PublishError, TypedPublisher, encode_message,
 };
 pub use consumer::{
     Consumer, ConsumerBuilder, ConsumerError, ConsumerHandle, DeliveryOrder, ShutdownReport, Stats,
@@ -133,6 +135,6 @@ pub use retry::{Decision, Failure, FinalRoute, PanicAction, PolicyError, RetryPo
 pub use subscription::{Capabilities, Destination, MAX_NAME_LEN, NameError, Subscription};
 pub use telemetry::Clock;
 pub use topology::{
-    Difference, Drift, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan,
-    PlannedObject, Setting, Severity, StartupCheck, TopologyReport, Wanted,
+    Channel, Difference, Drift, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan,
+    PlannedObject, Setting, Severity, StartupCheck, TopologyReport, Traffic, Wanted,
 };

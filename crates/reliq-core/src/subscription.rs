@@ -147,6 +147,20 @@ impl Subscription {
     }
 }
 
+/// `name` with every character other than an ASCII letter, digit, `-` or `_` replaced by
+/// `_`: what NATS stream names, SQS queue names and AsyncAPI identifiers allow.
+pub fn word_characters(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
 /// The longest consumer or source name [`Subscription::check_names`] accepts: the longest
 /// name a backend derives from two (`<source>.<consumer>.retry.<ms>ms`) stays within
 /// Kafka's 249 characters.

@@ -206,6 +206,11 @@ pub struct PlannedObject {
     pub missing: Option<Severity>,
     /// The settings checked.
     pub settings: Vec<Setting>,
+    /// The messages it holds, when it is one of the consumer's channels (the source, a
+    /// retry tier, the DLQ; a JetStream source stream holds the retries too): what the
+    /// AsyncAPI document describes.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub channels: Vec<Channel>,
 }
 
 impl PlannedObject {
@@ -217,7 +222,14 @@ impl PlannedObject {
             role: role.into(),
             missing: Some(Severity::Breaking),
             settings: Vec::new(),
+            channels: Vec::new(),
         }
+    }
+
+    /// It holds messages: `channel` says which and how producers address them.
+    pub fn carrying(mut self, channel: Channel) -> Self {
+        self.channels.push(channel);
+        self
     }
 
     /// Its absence is no difference: the broker makes it when it is first used (and may
@@ -241,6 +253,76 @@ impl PlannedObject {
             severity,
             why: why.into(),
         });
+        self
+    }
+}
+
+/// Which of a consumer's messages a [`Channel`] holds.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "holds", rename_all = "snake_case")]
+pub enum Traffic {
+    /// What producers publish and the consumer reads.
+    Source,
+    /// Retry copies waiting out these delays, in milliseconds (one per tier where each
+    /// tier has its own object; every tier where they share one).
+    Retry {
+        /// The delays of the copies it holds.
+        delays_ms: Vec<u64>,
+    },
+    /// The dead-letter records of the consumer's DLQ.
+    DeadLetters,
+}
+
+impl Traffic {
+    /// Retry copies waiting out `delays`.
+    pub fn retry(delays: impl IntoIterator<Item = std::time::Duration>) -> Self {
+        Self::Retry {
+            delays_ms: delays
+                .into_iter()
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+                .collect(),
+        }
+    }
+}
+
+/// A planned object that holds messages, as a channel of the consumer's AsyncAPI
+/// document: what it holds, the address producers use, and the broker's own description
+/// of it (AsyncAPI's protocol bindings).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Channel {
+    /// What it holds.
+    #[serde(flatten)]
+    pub traffic: Traffic,
+    /// Where a producer sends to it: the topic, queue, subject or routing key.
+    pub address: String,
+    /// AsyncAPI channel bindings by protocol (`{"kafka": {"topic": …}}`).
+    #[serde(skip_serializing_if = "serde_json::Map::is_empty")]
+    pub bindings: serde_json::Map<String, Value>,
+    /// AsyncAPI bindings of the operation that reads it (a Kafka `groupId`).
+    #[serde(skip_serializing_if = "serde_json::Map::is_empty")]
+    pub read_bindings: serde_json::Map<String, Value>,
+}
+
+impl Channel {
+    /// A channel holding `traffic` at `address`, without bindings.
+    pub fn new(traffic: Traffic, address: impl Into<String>) -> Self {
+        Self {
+            traffic,
+            address: address.into(),
+            bindings: serde_json::Map::new(),
+            read_bindings: serde_json::Map::new(),
+        }
+    }
+
+    /// With the channel binding of `protocol` (`kafka`, `amqp`, `nats`, `sqs`).
+    pub fn binding(mut self, protocol: &str, binding: Value) -> Self {
+        self.bindings.insert(protocol.to_owned(), binding);
+        self
+    }
+
+    /// With the binding of `protocol` for the operation that reads it.
+    pub fn read_binding(mut self, protocol: &str, binding: Value) -> Self {
+        self.read_bindings.insert(protocol.to_owned(), binding);
         self
     }
 }

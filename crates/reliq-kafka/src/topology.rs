@@ -155,7 +155,10 @@ impl Inner {
 mod plan {
     use std::time::Duration;
 
-    use reliq_core::{ObjectKind, Plan, PlannedObject, Severity, Subscription, Wanted};
+    use reliq_core::{
+        Channel, ObjectKind, Plan, PlannedObject, Severity, Subscription, Traffic, Wanted,
+    };
+    use serde_json::json;
 
     use crate::names::{ledger_topic, relay_group};
     use crate::options::{KafkaConfig, RetryMode};
@@ -178,6 +181,30 @@ mod plan {
         )
     }
 
+    /// A topic as an AsyncAPI channel: its Kafka binding (with the partitions and
+    /// replicas reliq creates it with, `created`; a source's are its owner's), and the
+    /// group that reads it.
+    fn kafka_channel(
+        traffic: Traffic,
+        topic: &str,
+        created: Option<&KafkaConfig>,
+        reader: Option<&str>,
+    ) -> Channel {
+        let mut binding = json!({ "topic": topic, "bindingVersion": "0.5.0" });
+        if let Some(config) = created {
+            binding["partitions"] = json!(config.partitions);
+            binding["replicas"] = json!(config.replication);
+        }
+        let channel = Channel::new(traffic, topic).binding("kafka", binding);
+        match reader {
+            Some(group) => channel.read_binding(
+                "kafka",
+                json!({ "groupId": { "type": "string", "const": group }, "bindingVersion": "0.5.0" }),
+            ),
+            None => channel,
+        }
+    }
+
     fn deleted_not_compacted(object: PlannedObject, what: &str) -> PlannedObject {
         object.with(
             "cleanup.policy",
@@ -194,7 +221,14 @@ mod plan {
         let group = |g: &str| format!("{}{g}", config.group_prefix);
         let mut plan = Plan::new("kafka", sub)
             .with(replicated(
-                PlannedObject::new(ObjectKind::Topic, &sub.source, "source topic"),
+                PlannedObject::new(ObjectKind::Topic, &sub.source, "source topic").carrying(
+                    kafka_channel(
+                        Traffic::Source,
+                        &sub.source,
+                        None,
+                        Some(&group(&sub.consumer)),
+                    ),
+                ),
                 config,
             ))
             .with(
@@ -224,7 +258,13 @@ mod plan {
                     Wanted::equals(config.partitions),
                     Severity::Cosmetic,
                     "the tier's relay runs on another number of partitions than `reliq.partitions`",
-                );
+                )
+                .carrying(kafka_channel(
+                    Traffic::retry([*delay]),
+                    &sub.retry_name(*delay),
+                    Some(config),
+                    Some(&group(&relay_group(sub, *delay))),
+                ));
                 plan = plan
                     .with(replicated(deleted_not_compacted(topic, "retry"), config))
                     .with(
@@ -240,6 +280,12 @@ mod plan {
         let dlq = sub.dead_letter_name();
         let forever = "dead letters are deleted before anyone replays them";
         let dead_letters = PlannedObject::new(ObjectKind::Topic, &dlq, "the DLQ")
+            .carrying(kafka_channel(
+                Traffic::DeadLetters,
+                &dlq,
+                Some(config),
+                None,
+            ))
             .with(
                 "retention.ms",
                 Wanted::equals(-1),

@@ -6,8 +6,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use reliq_core::{
-    Backlog, Broker, BrokerError, Capabilities, DeadLetters, Destination, LiveObject, LiveTopology,
-    Message, ObjectKind, Plan, PlannedObject, Severity, Subscription, Wanted,
+    Backlog, Broker, BrokerError, Capabilities, Channel, DeadLetters, Destination, LiveObject,
+    LiveTopology, Message, ObjectKind, Plan, PlannedObject, Severity, Subscription, Traffic,
+    Wanted,
     seam::{Receiver, lock},
 };
 
@@ -233,13 +234,22 @@ impl Broker for MemoryBroker {
                         Wanted::equals(subscription.delivery_limit),
                         Severity::Breaking,
                         "a crash loop is dead-lettered at another count",
-                    ),
+                    )
+                    // Producers publish to the topic; its groups' queues hold it (retries
+                    // wait in the queue too).
+                    .carrying(Channel::new(Traffic::Source, &subscription.source)),
             )
-            .with(PlannedObject::new(
-                ObjectKind::Queue,
-                subscription.dead_letter_name(),
-                "the DLQ",
-            )))
+            .with(
+                PlannedObject::new(
+                    ObjectKind::Queue,
+                    subscription.dead_letter_name(),
+                    "the DLQ",
+                )
+                .carrying(Channel::new(
+                    Traffic::DeadLetters,
+                    subscription.dead_letter_name(),
+                )),
+            ))
     }
 
     async fn inspect(

@@ -5,16 +5,7 @@ use reliq_core::{Destination, Subscription};
 /// The JetStream stream name for a source: NATS stream names may not contain `.`, `*`,
 /// `>`, spaces or path separators.
 pub fn stream_name(source: &str) -> String {
-    source
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
+    reliq_core::seam::word_characters(source)
 }
 
 /// The subject a destination publishes to: `<topic>` or `<topic>.<route>`.

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, stream};
 use reliq_core::{
-    BrokerError, Found, LiveObject, LiveTopology, ObjectKind, Plan, PlannedObject, Severity,
-    Subscription, Wanted, seam::duration_text as text,
+    BrokerError, Channel, Found, LiveObject, LiveTopology, ObjectKind, Plan, PlannedObject,
+    Severity, Subscription, Traffic, Wanted, seam::duration_text as text,
 };
 
 use crate::error::{api, stream_not_found};
@@ -65,6 +65,28 @@ fn keeps_everything(object: PlannedObject, what: &str) -> PlannedObject {
         )
 }
 
+/// What producers publish to: the filter's subjects, or the source's own subject.
+fn source_address(sub: &Subscription) -> String {
+    match filter_subjects(sub).first() {
+        Some(subject) if sub.filter.as_deref().is_some_and(|f| f != "#") => subject.clone(),
+        _ => sub.source.clone(),
+    }
+}
+
+/// Retries wait in the source stream as scheduled messages, one subject per delivery
+/// (`retry.<stream>.<consumer>.at.<sequence>`), and come due on the consumer's own
+/// `retry.<stream>.<consumer>.due`.
+fn retry_channel(sub: &Subscription) -> Channel {
+    Channel::new(
+        Traffic::retry(sub.retry_tiers.iter().copied()),
+        format!(
+            "retry.{}.{}.at.*",
+            stream_name(&sub.source),
+            crate::names::consumer_name(&sub.consumer)
+        ),
+    )
+}
+
 pub(crate) fn plan(sub: &Subscription, options: &NatsOptions) -> Plan {
     let consumer = wanted_consumer(sub, options);
     let mut filters = consumer.filter_subjects.clone();
@@ -92,7 +114,9 @@ pub(crate) fn plan(sub: &Subscription, options: &NatsOptions) -> Plan {
             "retries cannot wait in the stream as scheduled messages",
         ),
         "unconsumed messages",
-    );
+    )
+    .carrying(Channel::new(Traffic::Source, source_address(sub)))
+    .carrying(retry_channel(sub));
     let dlq = keeps_everything(
         PlannedObject::new(ObjectKind::Stream, dead_letter_stream(sub), "the DLQ")
             .with(
@@ -109,7 +133,8 @@ pub(crate) fn plan(sub: &Subscription, options: &NatsOptions) -> Plan {
                  outage) is a second entry",
             ),
         "dead letters",
-    );
+    )
+    .carrying(Channel::new(Traffic::DeadLetters, dead_letter_subject(sub)));
     let consumer = PlannedObject::new(
         ObjectKind::Consumer,
         consumer_object(sub),

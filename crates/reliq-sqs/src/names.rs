@@ -34,15 +34,7 @@ pub const ROLE_TAG: &str = "reliq-role";
 
 /// Replace every character SQS does not allow in a queue name with `_`.
 pub fn sanitize(name: &str) -> String {
-    name.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                c
-            } else {
-                '_'
-            }
-        })
-        .collect()
+    reliq_core::seam::word_characters(name)
 }
 
 fn fnv1a(s: &str) -> u64 {

@@ -7,9 +7,10 @@
 
 use aws_sdk_sqs::types::QueueAttributeName;
 use reliq_core::{
-    BrokerError, Found, LiveObject, LiveTopology, ObjectKind, Plan, PlannedObject, Severity,
-    Subscription, Wanted,
+    BrokerError, Channel, Found, LiveObject, LiveTopology, ObjectKind, Plan, PlannedObject,
+    Severity, Subscription, Traffic, Wanted,
 };
+use serde_json::json;
 
 use crate::client::{SqsBroker, whole_seconds};
 use crate::error::sdk_error;
@@ -30,6 +31,15 @@ fn tag(key: &str) -> String {
     format!("tag:{key}")
 }
 
+/// The DLQ as the SQS binding describes a queue.
+fn dead_letter_binding(dlq: &str, fifo: bool) -> serde_json::Value {
+    json!({
+        "name": dlq,
+        "fifoQueue": fifo,
+        "messageRetentionPeriod": DEAD_LETTER_RETENTION_SECS,
+    })
+}
+
 impl SqsBroker {
     /// The plan; the DLQ's ARN is read when the DLQ exists (the redrive target must be
     /// exactly it), else its name stands in (and the DLQ is missing).
@@ -44,11 +54,10 @@ impl SqsBroker {
             Some(f) => Wanted::equals(f),
             None => Wanted::Unset,
         };
-        let queue = PlannedObject::new(
-            ObjectKind::Queue,
-            names::queue_name(sub, fifo),
-            "consumer queue",
-        )
+        // Producers publish to the topic; reliq sends each message to the queues tagged
+        // with it, so the consumer's queue is where its messages (and waiting retries) are.
+        let queue_name = names::queue_name(sub, fifo);
+        let queue = PlannedObject::new(ObjectKind::Queue, &queue_name, "consumer queue")
         .with(
             TARGET,
             Wanted::equals(target),
@@ -78,8 +87,28 @@ impl SqsBroker {
             Wanted::equals(whole_seconds(sub.lease).max(1)),
             Severity::Cosmetic,
             "a receive is leased for another time than the subscription's lease (reliq keeps long handlers leased)",
-        );
-        let dead_letters = PlannedObject::new(ObjectKind::Queue, dlq, "the DLQ")
+        )
+        .carrying(Channel::new(Traffic::Source, &queue_name).binding(
+            "sqs",
+            json!({
+                "queue": {
+                    "name": queue_name,
+                    "fifoQueue": fifo,
+                    "visibilityTimeout": whole_seconds(sub.lease).max(1),
+                    "redrivePolicy": {
+                        "deadLetterQueue": { "name": dlq },
+                        "maxReceiveCount": max_receive_count(sub),
+                    },
+                },
+                "deadLetterQueue": dead_letter_binding(&dlq, fifo),
+                "bindingVersion": "0.2.0",
+            }),
+        ));
+        let dead_letters = PlannedObject::new(ObjectKind::Queue, &dlq, "the DLQ")
+            .carrying(Channel::new(Traffic::DeadLetters, &dlq).binding(
+                "sqs",
+                json!({ "queue": dead_letter_binding(&dlq, fifo), "bindingVersion": "0.2.0" }),
+            ))
             .with(
                 "MessageRetentionPeriod",
                 Wanted::equals(DEAD_LETTER_RETENTION_SECS),

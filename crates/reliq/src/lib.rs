@@ -72,9 +72,11 @@ pub use reliq_core::{
     ReplayGuard, ReplayReport, ReplayTarget, RetryPolicy, Schedule, ShutdownReport, StartupCheck,
     Stats, StatsSnapshot, Subscription, TierBacklog, Transient, through_outage,
 };
-// Typed payloads: a codec, a typed consumer (`ConsumerBuilder::start_typed`), a typed publisher.
+// Typed payloads: a codec, a typed consumer (`ConsumerBuilder::start_typed`), a typed
+// publisher; and the service's AsyncAPI document (`ConsumerBuilder::asyncapi`).
 pub use reliq_core::{
-    Codec, CodecError, JsonCodec, MessageSchema, PublishError, TypedPublisher, encode_message,
+    AVRO_SCHEMA_FORMAT, AsyncApi, Codec, CodecError, JSON_SCHEMA_FORMAT, JsonCodec, MessageSchema,
+    PROTOBUF_SCHEMA_FORMAT, PublishError, TypedPublisher, encode_message,
 };
 
 /// A consumer's topology as data: the plan ([`Broker::plan`]), the broker's objects
@@ -82,8 +84,8 @@ pub use reliq_core::{
 pub mod topology {
     pub use reliq_core::seam::{compare, duration_text};
     pub use reliq_core::{
-        Difference, Drift, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan,
-        PlannedObject, Setting, Severity, TopologyReport, Wanted,
+        Channel, Difference, Drift, ExtraObject, Found, LiveObject, LiveTopology, ObjectKind, Plan,
+        PlannedObject, Setting, Severity, TopologyReport, Traffic, Wanted,
     };
 }
 

@@ -42,6 +42,7 @@ pub(crate) fn routes() -> Router<Arc<AdminState>> {
         .route("/console", get(|| async { Redirect::to("/console/") }))
         .route("/console/", get(overview))
         .route("/console/assets/console.css", get(stylesheet))
+        .route("/console/asyncapi.json", get(asyncapi))
         .route("/console/sign-in", get(sign_in_page).post(sign_in))
         .route("/console/sign-out", post(sign_out))
         .route("/console/oidc/start", get(sso::start))
@@ -176,6 +177,19 @@ async fn stylesheet() -> Response {
         .extensions_mut()
         .insert(quiet_note("console-asset"));
     response
+}
+
+/// The AsyncAPI document of the consumers (`GET /v1/asyncapi.json` for a signed-in
+/// visitor), linked from the overview.
+async fn asyncapi(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> Page {
+    let mut note = note("console-asyncapi", None);
+    if let Err(p) = visitor(&state, &headers, &mut note) {
+        return p;
+    }
+    match state.asyncapi().await {
+        Ok(doc) => with_note(axum::Json(doc).into_response(), StatusCode::OK, note),
+        Err(e) => failed(note, e),
+    }
 }
 
 async fn sign_in_page(State(state): State<Arc<AdminState>>, RawQuery(query): RawQuery) -> Page {

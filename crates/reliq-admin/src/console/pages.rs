@@ -219,6 +219,7 @@ pub fn overview(rows: &[OverviewRow]) -> Markup {
                     }
                 }
             } }
+            p.muted { "Their channels — source, retries, dead letters — as an AsyncAPI 3.0 document: " a href="/console/asyncapi.json" download="asyncapi.json" { "asyncapi.json" } }
         }
     }
 }

@@ -9,11 +9,12 @@ use super::running::{ConsumerHandle, ShutdownReport};
 use super::settle::{SettleBackoff, Settler};
 use super::signal::Signal;
 use super::stats::Stats;
+use crate::asyncapi::AsyncApi;
 use crate::batch::{Batch, BatchError};
 use crate::breaker::CircuitBreaker;
 use crate::broker::{Broker, Receiver};
 use crate::classify::{BoxError, Classifier};
-use crate::codec::Codec;
+use crate::codec::{Codec, MessageSchema};
 use crate::delivery::Delivery;
 use crate::inbox::Inbox;
 use crate::retry::RetryPolicy;
@@ -309,6 +310,35 @@ impl ConsumerBuilder {
             ));
         }
         Ok(subscription)
+    }
+
+    /// `doc` with this consumer in it: the channel it reads with `payload` as its message
+    /// (a codec's [`schema`](Codec::schema); `None`: bytes), its retry channels, its
+    /// dead-letter channel with reliq's dead-letter record, and the broker's bindings —
+    /// from the broker's [`plan`](Broker::plan) for this consumer (creates nothing).
+    /// Chain it over a service's consumers for one document.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let broker: std::sync::Arc<dyn reliq_core::Broker> = std::sync::Arc::new(reliq_memory::MemoryBroker::new());
+    /// use reliq_core::{AsyncApi, Consumer};
+    /// let billing = Consumer::builder(broker, "billing").subscribe("orders");
+    /// let doc = billing.asyncapi(AsyncApi::new("billing", "1.4.0"), None).await?;
+    /// assert!(doc.to_json()["channels"]["orders_billing_dlq"].is_object());
+    /// # Ok(()) }
+    /// ```
+    pub async fn asyncapi(
+        &self,
+        doc: AsyncApi,
+        payload: Option<MessageSchema>,
+    ) -> Result<AsyncApi, ConsumerError> {
+        let subscription = self.validate()?;
+        let plan = self
+            .broker
+            .plan(&subscription)
+            .await
+            .map_err(ConsumerError::Plan)?;
+        Ok(doc.consumer(plan, payload))
     }
 
     /// What a typed consumer ([`start_typed`](Self::start_typed)) checks at start: whether

@@ -29,6 +29,9 @@ pub enum ConsumerError {
     /// could not read the broker.
     #[error("checking the topology failed: {0}")]
     TopologyCheck(#[source] BrokerError),
+    /// The broker could not plan the consumer's topology (for its AsyncAPI document).
+    #[error("planning the topology failed: {0}")]
+    Plan(#[source] BrokerError),
     /// The start-up schema check ([`ConsumerBuilder::check_schema`](crate::ConsumerBuilder::check_schema)
     /// with [`StartupCheck::Refuse`](crate::topology::StartupCheck::Refuse)) found that what
     /// the producers write cannot be read as the handler's type; says why.

@@ -11,9 +11,10 @@
 //! API refreshes only with its statistics (every 5 s by default).
 
 use reliq_core::{
-    Found, LiveObject, ObjectKind, Plan, PlannedObject, Severity, Subscription, Wanted,
+    Channel, Found, LiveObject, ObjectKind, Plan, PlannedObject, Severity, Subscription, Traffic,
+    Wanted,
 };
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use super::spec::{ArgValue, QUEUE_TYPE, QueueSpec, dead_letter_specs, main_spec, retry_specs};
 use crate::names::Names;
@@ -135,14 +136,39 @@ fn binding_name(names: &Names) -> String {
     )
 }
 
+/// A queue reliq publishes to through the default exchange (its name is the routing key).
+fn queue_channel(traffic: Traffic, queue: &str) -> Channel {
+    Channel::new(traffic, queue).binding(
+        "amqp",
+        json!({
+            "is": "queue",
+            "queue": { "name": queue, "durable": true, "exclusive": false, "autoDelete": false },
+            "bindingVersion": "0.3.0",
+        }),
+    )
+}
+
 /// What [`Broker::subscribe`](reliq_core::Broker::subscribe) declares for `sub`, as data.
 pub(crate) fn plan(sub: &Subscription, opts: &RabbitOptions) -> Plan {
     let names = Names::of(sub);
     let mut specs = Vec::from(dead_letter_specs(&names, opts));
     specs.push(main_spec(sub, &names, opts));
     specs.extend(retry_specs(&names, opts));
+    // Producers publish to the exchange with a routing key; the consumer reads its own
+    // queue, bound with the subscription's key.
+    let source = Channel::new(Traffic::Source, &names.binding_key)
+        .binding(
+            "amqp",
+            json!({
+                "is": "routingKey",
+                "exchange": { "name": names.exchange, "type": "topic", "durable": true },
+                "bindingVersion": "0.3.0",
+            }),
+        )
+        .read_binding("amqp", json!({ "ack": true, "bindingVersion": "0.3.0" }));
     let mut plan = Plan::new("rabbit", sub).with(
         PlannedObject::new(ObjectKind::Exchange, &names.exchange, "source exchange")
+            .carrying(source)
             .with(
                 "type",
                 Wanted::equals("topic"),
@@ -157,7 +183,20 @@ pub(crate) fn plan(sub: &Subscription, opts: &RabbitOptions) -> Plan {
             ),
     );
     for spec in &specs {
-        plan = plan.with(queue_object(spec, opts));
+        let object = queue_object(spec, opts);
+        let traffic = if spec.name == names.parking {
+            Some(Traffic::DeadLetters)
+        } else {
+            names
+                .retry
+                .iter()
+                .find(|(_, name)| *name == spec.name)
+                .map(|(delay, _)| Traffic::retry([*delay]))
+        };
+        plan = plan.with(match traffic {
+            Some(traffic) => object.carrying(queue_channel(traffic, &spec.name)),
+            None => object,
+        });
     }
     plan.with(PlannedObject::new(
         ObjectKind::Binding,
