@@ -242,6 +242,7 @@ fn subscribed(broker: Arc<dyn Broker>, topic: &str) -> ConsumerBuilder {
 /// [`Envelope`]), its retry and dead-letter channels (`docs/asyncapi/` holds it for each
 /// backend).
 pub async fn asyncapi(broker: Arc<dyn Broker>, topic: &str) -> anyhow::Result<AsyncApi> {
+    // guide:asyncapi
     // The message is named for its event, not for the envelope's generic type.
     let payload = JsonCodec::<Envelope<OrderCreated>>::with_schema()
         .schema()
@@ -254,7 +255,10 @@ pub async fn asyncapi(broker: Arc<dyn Broker>, topic: &str) -> anyhow::Result<As
          each `order.created` event, retries transient failures twice (200 ms, 500 ms) and \
          parks the rest in its dead-letter queue.",
     );
-    Ok(subscribed(broker, topic).asyncapi(doc, payload).await?)
+    // The consumer's own settings (source, retry tiers): its plan names every channel.
+    let doc = subscribed(broker, topic).asyncapi(doc, payload).await?;
+    // guide:end
+    Ok(doc)
 }
 
 /// The inventory consumer's subscription on `topic` (for its DLQ).

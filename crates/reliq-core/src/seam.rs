@@ -83,8 +83,8 @@ pub use crate::faults::Faults;
 pub use crate::lease::{Renewed, keep_leased};
 pub use crate::outbox::{OutboxColumns, OutboxWakeup, PollOnly, decode_headers, encode_headers};
 pub use crate::permissions::{aws_partition, iam_policy};
-pub use crate::sync::lock;
 pub use crate::subscription::word_characters;
+pub use crate::sync::lock;
 pub use crate::topology::{compare, duration_text};
 
 /// The header names every backend writes and reads on every message, their time format,
