@@ -60,6 +60,9 @@ pub enum AdminError {
         "triage is not enabled: start the server with --triage-db FILE (or pass it to the command)"
     )]
     TriageOff,
+    /// An edit's corrected value could not be written with its dead letter's schema.
+    #[error("re-encoding the corrected value: {0}")]
+    Reencode(#[from] reliq_contracts::ReencodeError),
     /// The tokens file could not be read.
     #[error("tokens file `{path}`: {why}")]
     Tokens {
@@ -83,6 +86,8 @@ impl AdminError {
             Self::Broker(BrokerError::Config { .. }) => 400,
             Self::Broker(_) => 502,
             Self::TriageOff => 404,
+            Self::Reencode(reliq_contracts::ReencodeError::Registry(_)) => 502,
+            Self::Reencode(_) => 400,
             Self::File { .. } | Self::Tokens { .. } | Self::Store { .. } => 500,
         }
     }

@@ -459,7 +459,7 @@ fn query(raw: Option<String>) -> Result<(String, Vec<(String, String)>), AdminEr
 }
 
 fn dlq(state: &AdminState, consumer: &str, source: String) -> Result<Dlq, AdminError> {
-    Dlq::new(state.broker.clone(), Subscription::new(consumer, source))
+    state.dlq(Subscription::new(consumer, source))
 }
 
 /// What a DLQ endpoint goes on with once its caller may: the audit note, the DLQ, the
@@ -901,6 +901,9 @@ struct EditBody {
     payload: Option<serde_json::Value>,
     /// The corrected payload's bytes, base64 (for payloads that are not JSON).
     payload_base64: Option<String>,
+    /// The corrected value as JSON, written with the schema the dead letter's
+    /// registry-framed payload names (a server with `--schema-registry`).
+    value: Option<serde_json::Value>,
     /// Headers to set, `name=value`.
     headers: Vec<String>,
 }
@@ -947,6 +950,7 @@ async fn edit(
     };
     let request = EditRequest {
         payload,
+        value: edit.value,
         headers: edit.headers,
     };
     match dlq.edit(&id, &request).await {

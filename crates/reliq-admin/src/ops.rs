@@ -295,10 +295,14 @@ pub struct FailedEntry {
 }
 
 /// An edit-and-replay as the operator asks for it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct EditRequest {
     /// The corrected payload (`None`: keep the dead letter's).
     pub payload: Option<Bytes>,
+    /// Instead of `payload`: the corrected value as JSON, written with the schema the
+    /// dead letter's registry-framed payload names (same schema id; Avro and JSON
+    /// Schema). Needs [`Dlq::with_schema_registry`].
+    pub value: Option<serde_json::Value>,
     /// Headers to set on the copy, `name=value`.
     pub headers: Vec<String>,
 }
@@ -685,10 +689,18 @@ impl Dlq {
             }
             headers.push((name.to_owned(), value.to_owned()));
         }
-        let correction = Correction {
-            payload: request.payload.clone(),
-            headers,
+        let payload = match (&request.payload, &request.value) {
+            (Some(_), Some(_)) => {
+                return Err(AdminError::InvalidInput {
+                    field: "value",
+                    value: String::new(),
+                    expected: "either a payload or a value to re-encode, not both".into(),
+                });
+            }
+            (_, Some(value)) => Some(self.reencoded(id, value).await?),
+            (payload, None) => payload.clone(),
         };
+        let correction = Correction { payload, headers };
         let corrected = self
             .engine(DeadLetterFilter::default())
             .correct(&MessageId::from(id), correction)
@@ -698,6 +710,28 @@ impl Dlq {
             original: corrected.original.as_str().to_owned(),
             copy: corrected.copy.as_str().to_owned(),
         })
+    }
+
+    /// `value` written with the schema the dead letter `id`'s payload names.
+    async fn reencoded(&self, id: &str, value: &serde_json::Value) -> Result<Bytes, AdminError> {
+        let registry = self
+            .registry
+            .as_ref()
+            .ok_or_else(|| AdminError::InvalidInput {
+                field: "value",
+                value: String::new(),
+                expected: "a schema registry to re-encode with (`--schema-registry URL`); \
+                           or send the corrected payload itself"
+                    .into(),
+            })?;
+        let entry = self
+            .reader()
+            .await?
+            .get(&MessageId::from(id))
+            .await?
+            .ok_or_else(|| self.not_found(id))?;
+        let bytes = reliq_contracts::reencoded(registry, entry.payload(), value).await?;
+        Ok(Bytes::from(bytes))
     }
 
     fn engine(&self, filter: DeadLetterFilter) -> Replay {

@@ -33,6 +33,8 @@ pub struct AdminState {
     pub(crate) triage: Option<crate::triage::TriageStore>,
     /// Single sign-on for the console, when configured.
     pub(crate) oidc: Option<crate::oidc::Oidc>,
+    /// Decodes registry-framed dead letters for display and re-encodes corrected ones.
+    pub(crate) registry: Option<Arc<reliq_contracts::SchemaRegistry>>,
 }
 
 impl std::fmt::Debug for AdminState {
@@ -60,6 +62,7 @@ impl AdminState {
             ready_timeout: std::time::Duration::from_secs(3),
             triage: None,
             oidc: None,
+            registry: None,
         }
     }
 
@@ -68,6 +71,26 @@ impl AdminState {
     pub fn with_auth_budget(mut self, budget: AuthBudget) -> Self {
         self.throttle = AuthThrottle::new(budget);
         self
+    }
+
+    /// Show registry-framed dead letters decoded with their writer's schema (the API's
+    /// entry, the console's message page) and let an edit send a corrected value as JSON,
+    /// written back with that schema.
+    pub fn with_schema_registry(mut self, registry: Arc<reliq_contracts::SchemaRegistry>) -> Self {
+        self.registry = Some(registry);
+        self
+    }
+
+    /// The DLQ of `subscription`'s consumer, with this server's schema registry.
+    pub(crate) fn dlq(
+        &self,
+        subscription: Subscription,
+    ) -> Result<crate::ops::Dlq, crate::error::AdminError> {
+        let dlq = crate::ops::Dlq::new(self.broker.clone(), subscription)?;
+        Ok(match &self.registry {
+            Some(registry) => dlq.with_schema_registry(registry.clone()),
+            None => dlq,
+        })
     }
 
     /// The consumers the console's overview lists: each one's subscription as its

@@ -316,9 +316,17 @@ pub(crate) enum DlqCommand {
         /// The corrected payload.
         #[arg(long)]
         payload_file: Option<PathBuf>,
+        /// Instead of --payload-file: the corrected value as JSON, written with the schema
+        /// the dead letter's registry-framed payload names (same schema id; Avro, JSON
+        /// Schema). Needs --schema-registry.
+        #[arg(long, conflicts_with = "payload_file", requires = "schema_registry")]
+        value_file: Option<PathBuf>,
         /// A header to set on the copy, name=value (repeat for several).
         #[arg(long)]
         header: Vec<String>,
+        /// The schema registry (Confluent-compatible API) --value-file is encoded with.
+        #[arg(long, env = "RELIQ_SCHEMA_REGISTRY_URL")]
+        schema_registry: Option<String>,
     },
     /// Remove matching entries for good.
     Purge {
@@ -583,6 +591,11 @@ pub(crate) struct ServeArgs {
     /// SQLite file (created if missing); without it the triage endpoints answer 404.
     #[arg(long, env = "RELIQ_TRIAGE_DB")]
     pub(crate) triage_db: Option<PathBuf>,
+    /// A schema registry (Confluent-compatible API): registry-framed dead letters are
+    /// shown decoded with their writer's schema, and an edit may send a corrected value
+    /// as JSON, written back with that schema.
+    #[arg(long, env = "RELIQ_SCHEMA_REGISTRY_URL")]
+    pub(crate) schema_registry: Option<String>,
     /// Largest request body, bytes [default: 1048576].
     #[arg(long)]
     pub(crate) max_body_bytes: Option<usize>,

@@ -118,6 +118,11 @@ impl From<AdminError> for Failure {
     fn from(e: AdminError) -> Self {
         let code = match &e {
             AdminError::InvalidInput { .. } => BAD_INPUT,
+            AdminError::Reencode(e)
+                if !matches!(e, reliq_contracts::ReencodeError::Registry(_)) =>
+            {
+                BAD_INPUT
+            }
             AdminError::NotFound { .. }
             | AdminError::NoSuchJob(_)
             | AdminError::Broker(reliq::BrokerError::NotFound(_)) => NOT_FOUND,
@@ -258,6 +263,14 @@ fn cancel_on_ctrl_c(token: CancellationToken) {
             token.cancel();
         }
     });
+}
+
+/// `dlq` decoding (and re-encoding) registry-framed payloads with the registry at `url`.
+fn with_registry(dlq: Dlq, url: Option<String>) -> Result<Dlq, Failure> {
+    let Some(url) = url else { return Ok(dlq) };
+    let registry = reliq_contracts::SchemaRegistry::new(&url)
+        .map_err(|e| bad_input(format!("--schema-registry: {e}")))?;
+    Ok(dlq.with_schema_registry(Arc::new(registry)))
 }
 
 async fn run(cli: Cli) -> Result<u8, Failure> {
@@ -414,12 +427,7 @@ async fn dlq(command: DlqCommand) -> Result<u8, Failure> {
             id,
             schema_registry,
         } => {
-            let mut dlq = connect(&target).await?;
-            if let Some(url) = schema_registry {
-                let registry = reliq_contracts::SchemaRegistry::new(&url)
-                    .map_err(|e| bad_input(format!("--schema-registry: {e}")))?;
-                dlq = dlq.with_schema_registry(Arc::new(registry));
-            }
+            let dlq = with_registry(connect(&target).await?, schema_registry)?;
             let entry = dlq.show(&id).await?;
             answer(target.json, &entry, render::detail)?;
             Ok(0)
@@ -468,28 +476,35 @@ async fn dlq(command: DlqCommand) -> Result<u8, Failure> {
             id,
             payload_file,
             header,
+            value_file,
+            schema_registry,
         } => {
-            let dlq = connect(&target).await?;
+            let dlq = with_registry(connect(&target).await?, schema_registry)?;
+            let read = |flag: &str, path: &std::path::Path| {
+                std::fs::read(path)
+                    .map_err(|e| bad_input(format!("--{flag} `{}`: {e}", path.display())))
+            };
             let payload = match payload_file {
-                Some(path) => Some(bytes::Bytes::from(std::fs::read(&path).map_err(|e| {
-                    bad_input(format!("--payload-file `{}`: {e}", path.display()))
-                })?)),
+                Some(path) => Some(bytes::Bytes::from(read("payload-file", &path)?)),
                 None => None,
             };
-            if payload.is_none() && header.is_empty() {
+            let value = match value_file {
+                Some(path) => Some(serde_json::from_slice(&read("value-file", &path)?).map_err(
+                    |e| bad_input(format!("--value-file `{}`: not JSON: {e}", path.display())),
+                )?),
+                None => None,
+            };
+            if payload.is_none() && value.is_none() && header.is_empty() {
                 return Err(bad_input(
-                    "edit needs a correction: --payload-file and/or --header",
+                    "edit needs a correction: --payload-file or --value-file, and/or --header",
                 ));
             }
-            let outcome = dlq
-                .edit(
-                    &id,
-                    &EditRequest {
-                        payload,
-                        headers: header,
-                    },
-                )
-                .await?;
+            let request = EditRequest {
+                payload,
+                value,
+                headers: header,
+            };
+            let outcome = dlq.edit(&id, &request).await?;
             if target.json {
                 print_json(&outcome)?;
             } else {

@@ -10,6 +10,7 @@
 //! tokens = "/etc/reliq/tokens.toml"
 //! audit_log = "/var/log/reliq/audit.jsonl"
 //! triage_db = "/var/lib/reliq/triage.sqlite"
+//! schema_registry = "https://registry.example.com/apis/ccompat/v7"
 //! consumers = ["billing=orders@1s,30s", "shipping=orders"]
 //! ready_timeout = "3s"
 //! job_grace = "30s"
@@ -56,6 +57,7 @@ struct ServeFile {
     tokens: Option<PathBuf>,
     audit_log: Option<PathBuf>,
     triage_db: Option<PathBuf>,
+    schema_registry: Option<String>,
     max_body_bytes: Option<usize>,
     #[serde(default)]
     consumers: Vec<String>,
@@ -87,6 +89,7 @@ struct Settings {
     tokens: PathBuf,
     audit_log: Option<PathBuf>,
     triage_db: Option<PathBuf>,
+    schema_registry: Option<String>,
     consumers: Vec<String>,
     secure_cookies: bool,
     ready_timeout: Duration,
@@ -203,6 +206,7 @@ fn resolve(args: ServeArgs) -> Result<Settings, Failure> {
         tokens,
         audit_log: args.audit_log.or(file.audit_log),
         triage_db: args.triage_db.or(file.triage_db),
+        schema_registry: args.schema_registry.or(file.schema_registry),
         consumers: if args.consumers.is_empty() {
             file.consumers
         } else {
@@ -359,6 +363,11 @@ pub(crate) async fn serve(args: ServeArgs) -> Result<u8, Failure> {
     }
     if let Some(oidc) = oidc {
         state = state.with_oidc(oidc);
+    }
+    if let Some(url) = &settings.schema_registry {
+        let registry = reliq_contracts::SchemaRegistry::new(url)
+            .map_err(|e| bad_input(format!("schema_registry: {e}")))?;
+        state = state.with_schema_registry(Arc::new(registry));
     }
     let state = Arc::new(state);
     // The one line a supervisor (or a test) waits for.

@@ -714,10 +714,15 @@ async fn a_ramped_replay_speeds_up_on_a_healthy_consumer_and_stops_when_it_fails
 }
 
 /// An Avro order in the schema-registry wire format, parked as permanent: `dlq show
-/// --schema-registry` prints it decoded with its writer's schema, beside the bytes.
+/// --schema-registry` prints it decoded with its writer's schema, beside the bytes; `dlq
+/// edit --value-file` writes a corrected value back with that schema, and the typed
+/// consumer reads the replayed copy; a value that does not fit the schema is bad input.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rabbit_show_decodes_a_registry_framed_dead_letter() -> anyhow::Result<()> {
-    #[derive(serde::Serialize, serde::Deserialize, apache_avro::AvroSchema)]
+async fn rabbit_show_decodes_and_edit_reencodes_a_registry_framed_dead_letter() -> anyhow::Result<()>
+{
+    #[derive(
+        Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize, apache_avro::AvroSchema,
+    )]
     #[avro(namespace = "shop")]
     struct OrderCreated {
         order: String,
@@ -734,15 +739,26 @@ async fn rabbit_show_decodes_a_registry_framed_dead_letter() -> anyhow::Result<(
     };
     let (name, source) = (unique("cli-typed"), unique("cli-typed-src"));
     let broker: Arc<dyn Broker> = reliq::connect(&url).await?;
+    let handled = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = handled.clone();
     let handle = reliq_core::Consumer::builder(broker.clone(), &name)
         .subscribe(&source)
         .start_typed(
             codec(),
-            |order: OrderCreated, _d: reliq_core::Delivery| async move {
-                Err::<(), reliq_core::BoxError>(Box::new(reliq_core::Permanent::msg(format!(
-                    "order {} has no stock",
-                    order.order
-                ))))
+            move |order: OrderCreated, _d: reliq_core::Delivery| {
+                let seen = seen.clone();
+                async move {
+                    if order.cents > 1000 {
+                        return Err::<(), reliq_core::BoxError>(Box::new(
+                            reliq_core::Permanent::msg(format!(
+                                "order {} is over the limit",
+                                order.order
+                            )),
+                        ));
+                    }
+                    reliq_core::seam::lock(&seen).push(order);
+                    Ok(())
+                }
             },
         )
         .await?;
@@ -801,6 +817,40 @@ async fn rabbit_show_decodes_a_registry_framed_dead_letter() -> anyhow::Result<(
         0,
     )?;
     ensure!(plain.get("schema").is_none(), "{plain}");
+    // A corrected value, written back with the dead letter's schema and replayed.
+    let dir = tempfile::tempdir()?;
+    let value = dir.path().join("value.json");
+    let edit = |file: &std::path::Path| {
+        let mut cmd = dlq(&url, &name, &source, &["edit", id.as_str()]);
+        cmd.arg("--value-file")
+            .arg(file)
+            .args(["--schema-registry", &registry_url]);
+        cmd
+    };
+    std::fs::write(&value, r#"{"order": "o-7", "cents": "twelve"}"#)?;
+    let (code, _, err) = run(&mut edit(&value))?;
+    ensure!(
+        code == 2 && err.contains("does not fit schema"),
+        "an unfit value: {code}: {err}"
+    );
+    std::fs::write(&value, r#"{"order": "o-7", "cents": 990}"#)?;
+    let (code, text, err) = run(&mut edit(&value))?;
+    ensure!(code == 0, "{text}\n{err}");
+    wait_for(
+        "the corrected order handled",
+        Duration::from_secs(60),
+        || handle.stats().processed == 1,
+    )
+    .await?;
+    let corrected = reliq_core::seam::lock(&handled).clone();
+    ensure!(
+        corrected
+            == [OrderCreated {
+                order: "o-7".into(),
+                cents: 990
+            }],
+        "{corrected:?}"
+    );
     handle.shutdown().await;
     Ok(())
 }

@@ -407,8 +407,8 @@ pub async fn operator_edit_and_purge(b: &dyn Backend) -> anyhow::Result<()> {
         .edit(
             poison[0].as_str(),
             &EditRequest {
-                payload: None,
                 headers: vec!["reliq-attempt=1".into()],
+                ..EditRequest::default()
             },
         )
         .await;
@@ -426,6 +426,7 @@ pub async fn operator_edit_and_purge(b: &dyn Backend) -> anyhow::Result<()> {
     let edit = EditRequest {
         payload: Some(fixed.clone().into()),
         headers: vec!["x-fixed=yes".into()],
+        ..EditRequest::default()
     };
     let outcome = dlq.edit(poison[0].as_str(), &edit).await?;
     ensure!(

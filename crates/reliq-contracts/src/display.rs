@@ -1,5 +1,6 @@
-//! Registry-framed payloads decoded for people: what `reliq dlq show` and the console
-//! print for a dead letter that names its writer's schema.
+//! Registry-framed payloads for people: decoded for what `reliq dlq show` and the console
+//! print for a dead letter that names its writer's schema ([`readable`]), and a corrected
+//! value written back in that same schema for an edit ([`reencoded`]).
 
 use serde::Serialize;
 
@@ -53,6 +54,94 @@ pub async fn readable(
     }))
 }
 
+/// Why a corrected value could not be written with its dead letter's schema.
+#[derive(Debug, thiserror::Error)]
+pub enum ReencodeError {
+    /// The dead letter's payload names no schema.
+    #[error(
+        "the dead letter's payload is not in the schema registry's wire format (no magic byte \
+         and schema id): send the corrected payload itself"
+    )]
+    NotFramed,
+    /// A schema kind reliq cannot write from JSON.
+    #[error(
+        "schema {schema_id} is {schema_type:?}: reliq re-encodes Avro and JSON Schema values \
+         only; send the corrected Protobuf payload as bytes"
+    )]
+    Unsupported {
+        /// The writer's schema id.
+        schema_id: u32,
+        /// Its kind.
+        schema_type: SchemaType,
+    },
+    /// The value is not a datum of the schema.
+    #[error("the corrected value does not fit schema {schema_id}: {reason}")]
+    Unfit {
+        /// The writer's schema id.
+        schema_id: u32,
+        /// The encoder's reason (names the field where it does).
+        reason: String,
+    },
+    /// The registry could not be asked for the schema.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+}
+
+/// `value` (a corrected dead letter, as JSON) written with the schema `original` names:
+/// the same magic byte and schema id, then an Avro datum of that schema or the JSON body
+/// of a JSON Schema one — what an edit replays, so the consumer reads it with the schema
+/// it already knows. A JSON Schema body is written as given: the consumer's decoder
+/// checks it, and a body that still does not fit is parked again with its reason.
+pub async fn reencoded(
+    registry: &SchemaRegistry,
+    original: &[u8],
+    value: &serde_json::Value,
+) -> Result<Vec<u8>, ReencodeError> {
+    let framed = wire::read_header(original).map_err(|_| ReencodeError::NotFramed)?;
+    let schema_id = framed.schema_id;
+    let writer = registry.schema(schema_id).await?;
+    let mut out = Vec::with_capacity(original.len() + 16);
+    wire::write_header(&mut out, schema_id);
+    match writer.schema_type {
+        SchemaType::Json => {
+            serde_json::to_writer(&mut out, value).map_err(|e| ReencodeError::Unfit {
+                schema_id,
+                reason: e.to_string(),
+            })?
+        }
+        SchemaType::Avro => out.extend(
+            avro_datum(&writer.schema, value)
+                .map_err(|reason| ReencodeError::Unfit { schema_id, reason })?,
+        ),
+        schema_type @ SchemaType::Protobuf => {
+            return Err(ReencodeError::Unsupported {
+                schema_id,
+                schema_type,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// A JSON value as an Avro datum of `schema`: JSON's objects, numbers and strings
+/// resolved to the schema's records, ints, longs, floats, enums and unions.
+#[cfg(feature = "avro")]
+fn avro_datum(schema: &str, value: &serde_json::Value) -> Result<Vec<u8>, String> {
+    let schema = apache_avro::Schema::parse_str(schema).map_err(|e| e.to_string())?;
+    let datum = apache_avro::types::Value::try_from(value.clone())
+        .and_then(|v| v.resolve(&schema))
+        .map_err(|e| e.to_string())?;
+    apache_avro::writer::datum::GenericDatumWriter::builder(&schema)
+        .build()
+        .and_then(|writer| writer.write_value_to_vec(datum))
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "avro"))]
+fn avro_datum(_schema: &str, _value: &serde_json::Value) -> Result<Vec<u8>, String> {
+    Err("reliq-contracts was built without its `avro` feature".to_owned())
+}
+
 #[cfg(feature = "avro")]
 fn avro_json(schema: &str, mut body: &[u8]) -> (Option<serde_json::Value>, Option<String>) {
     let decoded = apache_avro::Schema::parse_str(schema).and_then(|schema| {
@@ -72,4 +161,27 @@ fn avro_json(_schema: &str, _body: &[u8]) -> (Option<serde_json::Value>, Option<
         None,
         Some("an Avro body: reliq-contracts was built without its `avro` feature".to_owned()),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A payload that names no schema is refused before the registry is asked (its URL
+    /// here answers nothing).
+    #[tokio::test]
+    async fn a_payload_without_the_wire_format_is_not_reencoded() {
+        let registry = SchemaRegistry::new("http://127.0.0.1:9").expect("a registry client");
+        let refused = reencoded(
+            &registry,
+            b"{\"order\":1}",
+            &serde_json::json!({"order": 2}),
+        )
+        .await;
+        assert!(
+            matches!(refused, Err(ReencodeError::NotFramed)),
+            "{refused:?}"
+        );
+        assert_eq!(registry.requests(), 0);
+    }
 }

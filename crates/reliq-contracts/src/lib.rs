@@ -59,7 +59,7 @@ pub mod wire;
 
 #[cfg(feature = "avro")]
 pub use avro::Avro;
-pub use display::{Readable, readable};
+pub use display::{Readable, ReencodeError, readable, reencoded};
 pub use framed::{Registration, RegistryCodec, SchemaFormat};
 pub use json::JsonSchema;
 #[cfg(feature = "protobuf")]

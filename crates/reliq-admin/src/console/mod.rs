@@ -164,7 +164,7 @@ fn known_dlq(state: &AdminState, consumer: &str) -> Result<Dlq, AdminError> {
             value: consumer.chars().take(80).collect(),
             expected: "a consumer this server was started with (--consumer name=source)".into(),
         })?;
-    Dlq::new(state.broker.clone(), sub)
+    state.dlq(sub)
 }
 
 async fn stylesheet() -> Response {
@@ -274,7 +274,7 @@ async fn overview(State(state): State<Arc<AdminState>>, headers: HeaderMap) -> P
     let mut rows = Vec::new();
     for sub in &state.consumers {
         // Errors as text: the row shows them.
-        let (all, recent, backlog) = match Dlq::new(state.broker.clone(), sub.clone()) {
+        let (all, recent, backlog) = match state.dlq(sub.clone()) {
             Ok(dlq) => {
                 let (all, recent, backlog) = tokio::join!(
                     dlq.stats(&everything),
@@ -616,6 +616,23 @@ async fn edit(
     };
     let field = |name: &str| form_field(&fields, name).unwrap_or_default();
     let payload = field("payload");
+    // A registry-framed dead letter's page offers its decoded value: written back with
+    // the same schema.
+    let value = if field("encoding") == "schema" {
+        match serde_json::from_str(&payload) {
+            Ok(value) => Some(value),
+            Err(e) => {
+                let e = AdminError::InvalidInput {
+                    field: "payload",
+                    value: String::new(),
+                    expected: format!("the corrected value as JSON: {e}"),
+                };
+                return failed(note, e);
+            }
+        }
+    } else {
+        None
+    };
     let header_lines: Vec<String> = field("headers")
         .lines()
         .map(str::trim)
@@ -623,7 +640,8 @@ async fn edit(
         .map(str::to_owned)
         .collect();
     let request = EditRequest {
-        payload: Some(bytes::Bytes::from(payload)),
+        payload: value.is_none().then(|| bytes::Bytes::from(payload)),
+        value,
         headers: header_lines,
     };
     let edited = async { known_dlq(&state, &consumer)?.edit(&id, &request).await };

@@ -5,7 +5,7 @@ use maud::{DOCTYPE, Markup, PreEscaped, html};
 
 use crate::auth::{Principal, Role};
 use crate::jobs::{JobState, JobView};
-use crate::ops::{DlqStats, EntryDetail, EntryList, RunOutcome};
+use crate::ops::{DlqStats, EntryDetail, EntryList, RunOutcome, SchemaView};
 
 /// The console's stylesheet (served at `/console/assets/console.css`).
 pub const STYLESHEET: &str = r#"
@@ -440,6 +440,18 @@ pub fn detail(consumer: &str, d: &EntryDetail, who: &Principal, csrf: &str) -> M
         (serde_json::Value::String(text), "text" | "hex") => text.clone(),
         (value, _) => serde_json::to_string_pretty(value).unwrap_or_default(),
     };
+    // A registry-framed payload decoded with its writer's schema: shown, and what the
+    // edit form starts from (written back with the same schema).
+    let decoded = match &d.schema {
+        Some(SchemaView::Decoded(r)) => r
+            .value
+            .as_ref()
+            .map(|v| (r, serde_json::to_string_pretty(v).unwrap_or_default())),
+        _ => None,
+    };
+    let editable = decoded
+        .as_ref()
+        .map_or_else(|| payload.clone(), |(_, text)| text.clone());
     let header = |name: &str| d.headers.get(name).cloned().unwrap_or_else(|| "—".into());
     let user_headers: Vec<(&String, &String)> = d
         .headers
@@ -462,6 +474,19 @@ pub fn detail(consumer: &str, d: &EntryDetail, who: &Principal, csrf: &str) -> M
         }
         h2 { "Payload (" (d.payload_encoding) ", " (s.payload_bytes) " bytes)" }
         pre data-testid="payload" { (payload) }
+        @match &d.schema {
+            Some(SchemaView::Decoded(r)) => {
+                h2 { "Decoded with schema " (r.schema_id) " (" (format!("{:?}", r.schema_type)) ")" }
+                @if let Some((_, text)) = &decoded {
+                    pre data-testid="decoded" { (text) }
+                }
+                @if let Some(note) = &r.note { p.muted { (note) } }
+            }
+            Some(SchemaView::Unavailable { error }) => {
+                p.error { "The schema registry could not decode it: " (error) }
+            }
+            None => {}
+        }
         h2 { "Headers" }
         div.scroll { table {
             thead { tr { th { "Name" } th { "Value" } } }
@@ -473,8 +498,13 @@ pub fn detail(consumer: &str, d: &EntryDetail, who: &Principal, csrf: &str) -> M
             form method="post" action={ "/console/consumers/" (consumer) "/entries/" (s.id) "/edit" } {
                 fieldset {
                     legend { "Edit and replay (a new message whose causation id is this one's)" }
-                    (hidden(csrf, &[]))
-                    p { label for="payload" { "Payload" } textarea #payload name="payload" { (payload) } }
+                    @if decoded.is_some() {
+                        (hidden(csrf, &[("encoding", "schema")]))
+                        p { label for="payload" { "Value (JSON; written with the same schema)" } textarea #payload name="payload" { (editable) } }
+                    } @else {
+                        (hidden(csrf, &[]))
+                        p { label for="payload" { "Payload" } textarea #payload name="payload" { (editable) } }
+                    }
                     p {
                         label for="headers" { "Headers to set, one " code { "name=value" } " per line" }
                         textarea #headers name="headers" rows="3" {
@@ -603,5 +633,59 @@ pub fn audit(records: &[serde_json::Value]) -> Markup {
                 }
             } }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::EntrySummary;
+
+    fn entry(schema: Option<SchemaView>) -> EntryDetail {
+        EntryDetail {
+            summary: EntrySummary {
+                id: "m-1".into(),
+                position: "offset 7".into(),
+                key: None,
+                reason: "permanent".into(),
+                class: Some("permanent".into()),
+                error: Some("over the limit".into()),
+                fingerprint: "f1".into(),
+                attempts: 1,
+                dead_lettered_at: "2026-12-08T01:00:00.000Z".into(),
+                payload_bytes: 9,
+            },
+            headers: Default::default(),
+            payload_encoding: "hex",
+            payload: serde_json::Value::String("000000002a0a6f2d37".into()),
+            schema,
+        }
+    }
+
+    /// A registry-framed dead letter's page shows its decoded value, and the operator's
+    /// edit form starts from that value and asks for it to be written with the schema;
+    /// without a decoded value the form edits the payload itself.
+    #[test]
+    fn a_decoded_dead_letter_is_edited_as_its_value() {
+        let operator = Principal {
+            name: "oscar".into(),
+            role: Role::Operator,
+        };
+        let decoded = SchemaView::Decoded(reliq_contracts::Readable {
+            schema_id: 42,
+            schema_type: reliq_contracts::SchemaType::Avro,
+            value: Some(serde_json::json!({ "order": "o-7", "cents": 1250 })),
+            note: None,
+        });
+        let page = detail("billing", &entry(Some(decoded)), &operator, "t").into_string();
+        assert!(page.contains("Decoded with schema 42 (Avro)"), "{page}");
+        assert!(page.contains(r#"name="encoding" value="schema""#), "{page}");
+        let form = &page[page
+            .find("<textarea id=\"payload\"")
+            .expect("the edit form")..];
+        assert!(form.contains("&quot;cents&quot;: 1250"), "{form}");
+        let plain = detail("billing", &entry(None), &operator, "t").into_string();
+        assert!(!plain.contains(r#"name="encoding""#), "{plain}");
+        assert!(plain.contains("000000002a0a6f2d37"));
     }
 }
