@@ -113,6 +113,10 @@ impl Default for KafkaBackend {
 
 #[async_trait]
 impl Backend for KafkaBackend {
+    fn schema_registry(&self) -> String {
+        crate::settings::get("RELIQ_SCHEMA_REGISTRY_URL")
+    }
+
     fn name(&self) -> &'static str {
         "kafka"
     }

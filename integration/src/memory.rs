@@ -23,6 +23,10 @@ impl MemoryBackend {
 
 #[async_trait]
 impl Backend for MemoryBackend {
+    fn schema_registry(&self) -> String {
+        crate::settings::get("RELIQ_SCHEMA_REGISTRY_URL")
+    }
+
     fn name(&self) -> &'static str {
         "memory"
     }

@@ -48,6 +48,10 @@ impl NatsBackend {
 
 #[async_trait]
 impl Backend for NatsBackend {
+    fn schema_registry(&self) -> String {
+        crate::settings::get("RELIQ_SCHEMA_REGISTRY_URL")
+    }
+
     fn name(&self) -> &'static str {
         "nats"
     }

@@ -183,6 +183,10 @@ impl RabbitBackend {
 
 #[async_trait]
 impl Backend for RabbitBackend {
+    fn schema_registry(&self) -> String {
+        crate::settings::get("RELIQ_SCHEMA_REGISTRY_URL")
+    }
+
     fn name(&self) -> &'static str {
         "rabbit"
     }

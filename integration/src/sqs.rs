@@ -35,6 +35,10 @@ impl SqsBackend {
 
 #[async_trait]
 impl Backend for SqsBackend {
+    fn schema_registry(&self) -> String {
+        crate::settings::get("RELIQ_SCHEMA_REGISTRY_URL")
+    }
+
     fn name(&self) -> &'static str {
         "sqs"
     }

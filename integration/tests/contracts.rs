@@ -342,6 +342,18 @@ async fn evolution_through_the_broker(b: &dyn Backend) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The conformance scenario of a registry-framed dead letter on the embedded broker, on
+/// the real clock (its conformance suite runs on a paused one, which the registry
+/// client's timeouts cannot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registry_framed_dead_letter_is_shown_decoded_and_corrected_on_memory() -> anyhow::Result<()>
+{
+    reliq_conformance::registry_framed_dead_letter_is_shown_decoded_and_corrected(
+        &MemoryBackend::new(),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn avro_evolution_through_the_registry_on_memory() -> anyhow::Result<()> {
     evolution_through_the_broker(&MemoryBackend::new()).await

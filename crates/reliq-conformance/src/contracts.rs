@@ -1,11 +1,13 @@
 //! Scenarios of typed consumers: each codec (JSON, Avro, Protobuf) round-trips a value
 //! through the broker, and a payload that does not decode is parked as poison with the
-//! decoder's reason and its bytes kept.
+//! decoder's reason and its bytes kept; a registry-framed dead letter is shown decoded
+//! and corrected as its value.
 
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, ensure};
-use reliq_contracts::{Avro, Protobuf};
+use reliq_admin::{Dlq, EditRequest, SchemaView};
+use reliq_contracts::{Avro, Protobuf, RegistryCodec, SchemaRegistry};
 use reliq_core::{
     BoxError, Codec, DeadLetterReason, Delivery, Destination, JsonCodec, Message, TypedPublisher,
     seam::headers,
@@ -160,5 +162,82 @@ pub async fn typed_codecs_round_trip_and_undecodable_is_poison(
         "cents",
     )
     .await?;
+    Ok(())
+}
+
+/// An Avro order in the schema-registry wire format (the real registry), parked as
+/// permanent: the operator's `show` decodes it with its writer's schema, and an `edit`
+/// with a corrected value writes it back with that schema — the typed consumer reads
+/// the replayed copy.
+pub async fn registry_framed_dead_letter_is_shown_decoded_and_corrected(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
+    let ctx = Ctx::new(b, "typed-registry").await?;
+    let registry = Arc::new(SchemaRegistry::new(&b.schema_registry())?);
+    let codec = || RegistryCodec::new(Avro::<OrderCreated>::new(), registry.clone());
+    let handled: Arc<Mutex<Vec<OrderCreated>>> = Arc::default();
+    let seen = handled.clone();
+    let h = ctx
+        .consumer("c")
+        .start_typed(codec(), move |order: OrderCreated, _d: Delivery| {
+            let seen = seen.clone();
+            async move {
+                if order.cents > 1000 {
+                    return Err::<(), BoxError>(
+                        reliq_core::Permanent::msg(format!(
+                            "order {} is over the limit",
+                            order.order
+                        ))
+                        .into(),
+                    );
+                }
+                seen.lock().expect("not poisoned").push(order);
+                Ok(())
+            }
+        })
+        .await?;
+    let order = OrderCreated {
+        order: "o-7".into(),
+        cents: 1250,
+        note: None,
+    };
+    let id = TypedPublisher::new(
+        ctx.broker.clone(),
+        Destination::new(ctx.topic.clone()),
+        codec(),
+    )
+    .publish(&order)
+    .await?;
+    wait_until("the order parked", soon(b), || h.stats().dead_lettered == 1).await?;
+    let dlq =
+        Dlq::new(ctx.broker.clone(), ctx.subscription("c"))?.with_schema_registry(registry.clone());
+    let shown = dlq.show(id.as_str()).await?;
+    let decoded = match &shown.schema {
+        Some(SchemaView::Decoded(readable)) => readable.value.clone(),
+        other => anyhow::bail!("the dead letter is not shown decoded: {other:?}"),
+    };
+    ensure!(
+        decoded == Some(serde_json::json!({ "order": "o-7", "cents": 1250, "note": null })),
+        "decoded with the writer's schema: {decoded:?}"
+    );
+    let edit = EditRequest {
+        value: Some(serde_json::json!({ "order": "o-7", "cents": 990, "note": "split" })),
+        ..EditRequest::default()
+    };
+    dlq.edit(id.as_str(), &edit).await?;
+    wait_until("the corrected order handled", soon(b), || {
+        !handled.lock().expect("not poisoned").is_empty()
+    })
+    .await?;
+    let got = handled.lock().expect("not poisoned").clone();
+    ensure!(
+        got == [OrderCreated {
+            order: "o-7".into(),
+            cents: 990,
+            note: Some("split".into()),
+        }],
+        "the corrected copy, read with the same schema: {got:?}"
+    );
+    h.shutdown().await;
     Ok(())
 }

@@ -139,6 +139,17 @@ macro_rules! conformance_suite {
                         $crate::$scenario(&backend).await
                     }
                 )+
+                // A scenario that also talks to a server beside the broker (the schema
+                // registry) needs the real clock: under a paused clock the client's
+                // timeouts fire at once. The embedded broker runs it in
+                // `integration/tests/contracts.rs`.
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn registry_framed_dead_letter_is_shown_decoded_and_corrected()
+                -> ::anyhow::Result<()> {
+                    let backend = $factory;
+                    $crate::registry_framed_dead_letter_is_shown_decoded_and_corrected(&backend)
+                        .await
+                }
             }
         }
     };

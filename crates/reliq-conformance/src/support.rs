@@ -31,6 +31,10 @@ pub trait Backend: Send + Sync + 'static {
     /// A connection (a new one per call where the backend has connections).
     async fn connect(&self) -> anyhow::Result<Arc<dyn Broker>>;
 
+    /// The schema registry (Confluent-compatible API) the typed scenarios register with:
+    /// the real server the project's script runs (`RELIQ_SCHEMA_REGISTRY_URL`).
+    fn schema_registry(&self) -> String;
+
     /// Two short retry delay tiers: long enough to measure on this backend's clock,
     /// short enough for CI.
     fn tiers(&self) -> [Duration; 2];

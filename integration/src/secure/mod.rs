@@ -121,6 +121,10 @@ impl<I: Issuer> Backend for Secured<I> {
         self.ready().connect().await
     }
 
+    fn schema_registry(&self) -> String {
+        self.plain.schema_registry()
+    }
+
     fn tiers(&self) -> [Duration; 2] {
         self.plain.tiers()
     }
