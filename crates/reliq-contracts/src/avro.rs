@@ -5,6 +5,8 @@ use std::marker::PhantomData;
 use std::sync::{Arc, RwLock};
 
 use apache_avro::Schema;
+use apache_avro::reader::datum::GenericDatumReader;
+use apache_avro::writer::datum::GenericDatumWriter;
 use async_trait::async_trait;
 use bytes::Bytes;
 use reliq_core::{Codec, CodecError, MessageSchema};
@@ -37,6 +39,10 @@ use reliq_core::AVRO_SCHEMA_FORMAT;
 /// ```
 pub struct Avro<T> {
     schema: Schema,
+    /// The schema's datum reader and writer, built once: the named types they resolve
+    /// are not resolved again for every datum. `None` when they cannot be built (each
+    /// datum then says why).
+    prepared: Option<Prepared>,
     text: String,
     name: String,
     /// Writers' schemas met so far, by registry id (parsed once).
@@ -83,6 +89,7 @@ impl<T> Avro<T> {
             .map(|n| n.fullname(None))
             .unwrap_or_else(|| "value".to_owned());
         Self {
+            prepared: Prepared::of(schema.clone()),
             schema,
             text,
             name,
@@ -119,16 +126,43 @@ impl<T> Avro<T> {
     }
 }
 
+/// A schema with its datum reader and writer, which borrow it.
+#[ouroboros::self_referencing]
+struct Prepared {
+    schema: Schema,
+    #[borrows(schema)]
+    #[covariant]
+    reader: GenericDatumReader<'this>,
+    #[borrows(schema)]
+    #[covariant]
+    writer: GenericDatumWriter<'this>,
+}
+
+impl Prepared {
+    fn of(schema: Schema) -> Option<Self> {
+        PreparedTryBuilder {
+            schema,
+            reader_builder: |schema: &Schema| GenericDatumReader::builder(schema).build(),
+            writer_builder: |schema: &Schema| GenericDatumWriter::builder(schema).build(),
+        }
+        .try_build()
+        .ok()
+    }
+}
+
 impl<T: Serialize> Avro<T> {
     fn write(&self, value: &T, out: &mut Vec<u8>) -> Result<(), CodecError> {
         let unencodable = |e: apache_avro::Error| {
             CodecError::Unencodable(format!("{} does not fit its Avro schema: {e}", self.name))
         };
-        apache_avro::writer::datum::GenericDatumWriter::builder(&self.schema)
-            .build()
-            .and_then(|writer| writer.write_ser(out, value))
-            .map_err(unencodable)?;
-        Ok(())
+        match &self.prepared {
+            Some(prepared) => prepared.borrow_writer().write_ser(out, value).map(drop),
+            None => GenericDatumWriter::builder(&self.schema)
+                .build()
+                .and_then(|writer| writer.write_ser(out, value))
+                .map(drop),
+        }
+        .map_err(unencodable)
     }
 }
 
@@ -137,13 +171,21 @@ impl<T: DeserializeOwned> Avro<T> {
     /// codec's own schema, else through Avro schema resolution to it.
     fn read(&self, mut body: &[u8], writer: &Schema) -> Result<T, CodecError> {
         let undecodable = |e: apache_avro::Error| CodecError::undecodable(FORMAT, e);
-        let value = if *writer == self.schema {
-            apache_avro::reader::datum::GenericDatumReader::builder(writer)
+        // This codec's own schema (the plain codec, or a registry writer that is it):
+        // the prepared reader, or one built for this datum.
+        let own = std::ptr::eq(writer, &self.schema) || *writer == self.schema;
+        let value = if own && let Some(prepared) = &self.prepared {
+            prepared
+                .borrow_reader()
+                .read_deser(&mut body)
+                .map_err(undecodable)?
+        } else if own {
+            GenericDatumReader::builder(writer)
                 .build()
                 .and_then(|reader| reader.read_deser(&mut body))
                 .map_err(undecodable)?
         } else {
-            let value = apache_avro::reader::datum::GenericDatumReader::builder(writer)
+            let value = GenericDatumReader::builder(writer)
                 .reader_schema(&self.schema)
                 .build()
                 .and_then(|reader| reader.read_value(&mut body))
@@ -177,6 +219,10 @@ where
 
     async fn decode(&self, payload: &[u8]) -> Result<T, CodecError> {
         self.read(payload, &self.schema)
+    }
+
+    fn decode_now(&self, payload: &[u8]) -> Option<Result<T, CodecError>> {
+        Some(self.read(payload, &self.schema))
     }
 
     fn schema(&self) -> Option<MessageSchema> {

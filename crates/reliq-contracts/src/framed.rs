@@ -151,18 +151,18 @@ where
             }
             Err(e) => return Err(e.into()),
         };
-        if writer.schema_type != self.format.schema_type() {
-            return Err(CodecError::undecodable(
-                "schema-registry framing",
-                format!(
-                    "the writer's schema id {} is {:?}, this consumer reads {:?}",
-                    writer.id,
-                    writer.schema_type,
-                    self.format.schema_type()
-                ),
-            ));
-        }
-        self.format.decode_body(framed.rest, &writer)
+        self.decode_with(framed.rest, &writer)
+    }
+
+    /// Without waiting when the writer's schema is cached (the steady state: the
+    /// registry is asked once per new schema id).
+    fn decode_now(&self, payload: &[u8]) -> Option<Result<T, CodecError>> {
+        let framed = match wire::read_header(payload) {
+            Ok(framed) => framed,
+            Err(e) => return Some(Err(e)),
+        };
+        let writer = self.registry.cached_schema(framed.schema_id)?;
+        Some(self.decode_with(framed.rest, &writer))
     }
 
     fn schema(&self) -> Option<MessageSchema> {
@@ -185,5 +185,28 @@ where
                 self.format.record_name()
             )
         }))
+    }
+}
+
+impl<T, F> RegistryCodec<T, F>
+where
+    T: Send + Sync + 'static,
+    F: SchemaFormat<T>,
+{
+    /// The body after the framing, read with `writer`'s schema (which must be this
+    /// codec's kind).
+    fn decode_with(&self, rest: &[u8], writer: &RegisteredSchema) -> Result<T, CodecError> {
+        if writer.schema_type != self.format.schema_type() {
+            return Err(CodecError::undecodable(
+                "schema-registry framing",
+                format!(
+                    "the writer's schema id {} is {:?}, this consumer reads {:?}",
+                    writer.id,
+                    writer.schema_type,
+                    self.format.schema_type()
+                ),
+            ));
+        }
+        self.format.decode_body(rest, writer)
     }
 }

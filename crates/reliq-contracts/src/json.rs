@@ -106,6 +106,10 @@ where
         Ok(serde_json::from_slice(payload).map_err(DecodeError::Json)?)
     }
 
+    fn decode_now(&self, payload: &[u8]) -> Option<Result<T, CodecError>> {
+        Some(serde_json::from_slice(payload).map_err(|e| DecodeError::Json(e).into()))
+    }
+
     fn schema(&self) -> Option<MessageSchema> {
         Some(self.schema.clone())
     }

@@ -80,6 +80,10 @@ where
         self.read(payload)
     }
 
+    fn decode_now(&self, payload: &[u8]) -> Option<Result<T, CodecError>> {
+        Some(self.read(payload))
+    }
+
     fn schema(&self) -> Option<MessageSchema> {
         Some(self.message_schema())
     }

@@ -284,10 +284,15 @@ impl SchemaRegistry {
         Ok(answer.id)
     }
 
+    /// The schema `id` when it is cached (asks nobody).
+    pub fn cached_schema(&self, id: u32) -> Option<Arc<RegisteredSchema>> {
+        read(&self.by_id).get(&id).cloned()
+    }
+
     /// The schema with id `id` (cached forever: an id's schema never changes).
     pub async fn schema(&self, id: u32) -> Result<Arc<RegisteredSchema>, RegistryError> {
-        if let Some(found) = read(&self.by_id).get(&id) {
-            return Ok(found.clone());
+        if let Some(found) = self.cached_schema(id) {
+            return Ok(found);
         }
         #[derive(Deserialize)]
         #[serde(rename_all = "camelCase")]

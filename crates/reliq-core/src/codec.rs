@@ -59,6 +59,15 @@ where
     /// The value in `payload`.
     async fn decode(&self, payload: &[u8]) -> Result<T, CodecError>;
 
+    /// The value in `payload` when it can be had without waiting (no registry round
+    /// trip); `None` sends the caller to [`decode`](Self::decode). A typed consumer asks
+    /// this first and builds `decode`'s boxed future only when it declines: a codec that
+    /// never waits answers here and spares each message an allocation. Default: `None`.
+    fn decode_now(&self, payload: &[u8]) -> Option<Result<T, CodecError>> {
+        let _ = payload;
+        None
+    }
+
     /// The schema, when the codec has one (for AsyncAPI and the registry).
     fn schema(&self) -> Option<MessageSchema> {
         None
@@ -257,6 +266,10 @@ where
 
     async fn decode(&self, payload: &[u8]) -> Result<T, CodecError> {
         Ok(serde_json::from_slice(payload).map_err(DecodeError::Json)?)
+    }
+
+    fn decode_now(&self, payload: &[u8]) -> Option<Result<T, CodecError>> {
+        Some(serde_json::from_slice(payload).map_err(|e| DecodeError::Json(e).into()))
     }
 
     fn schema(&self) -> Option<MessageSchema> {

@@ -1,6 +1,8 @@
 //! The consumer runtime's steady state on the embedded broker allocates nothing: a
 //! counting global allocator over a window of 10,000 messages after a warm-up of 10,000
-//! (per-message handler, no inbox, the default policy, `max_in_flight(256)`).
+//! (per-message handler, no inbox, the default policy, `max_in_flight(256)`) — and a
+//! typed consumer (`start_typed` with `JsonCodec`) of a value with no heap fields
+//! allocates nothing either (its decode answers without a boxed future).
 //!
 //! What makes it zero: deliveries recycled through the receiver's `DeliveryPool`, group
 //! tasks parked between groups with their buffers (`GroupRunners`), and the broker's
@@ -68,8 +70,13 @@ static GLOBAL: CountingAlloc = CountingAlloc;
 const WARM_UP: u64 = 10_000;
 const WINDOW: u64 = 10_000;
 
-#[test]
-fn steady_state_consume_allocates_nothing() {
+/// What a window counted: allocations between the warm-up's end and the window's, and
+/// the consumer's report.
+fn window<S, F>(payload: impl Fn(u64) -> Vec<u8>, start: S) -> (u64, reliq_core::ShutdownReport)
+where
+    S: FnOnce(reliq_core::ConsumerBuilder, Arc<dyn Fn() + Send + Sync>) -> F,
+    F: std::future::Future<Output = reliq_core::ConsumerHandle>,
+{
     // One thread, as `bench-memory` measures: what runs is the runtime's path alone.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -90,7 +97,7 @@ fn steady_state_consume_allocates_nothing() {
         let before_publish = ALLOCATIONS.load(Ordering::Relaxed);
         let dest = Destination::new("alloc");
         for i in 0..total {
-            let m = Message::with_id_and_payload(format!("m-{i}"), "x");
+            let m = Message::with_id_and_payload(format!("m-{i}"), payload(i));
             broker.publish(&dest, m).await.expect("publish");
         }
         // The counter counts: publishing made ids and queue entries.
@@ -102,41 +109,95 @@ fn steady_state_consume_allocates_nothing() {
         let at_end = Arc::new(AtomicU64::new(0));
         let handled = Arc::new(AtomicU64::new(0));
         let done = Arc::new(Notify::new());
-        let (start, end, count, finished) = (
+        let (start_at, end, count, finished) = (
             at_start.clone(),
             at_end.clone(),
             handled.clone(),
             done.clone(),
         );
-        let handle = builder
-            .start(move |_d: Delivery| {
-                let n = count.fetch_add(1, Ordering::Relaxed) + 1;
-                if n == WARM_UP {
-                    start.store(ALLOCATIONS.load(Ordering::Relaxed), Ordering::Relaxed);
-                    WATCHING.store(true, Ordering::Relaxed);
-                } else if n == WARM_UP + WINDOW {
-                    end.store(ALLOCATIONS.load(Ordering::Relaxed), Ordering::Relaxed);
-                    WATCHING.store(false, Ordering::Relaxed);
-                    finished.notify_one();
-                }
-                std::future::ready(Ok::<(), BoxError>(()))
-            })
-            .await
-            .expect("consumer starts");
+        let hook: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+            let n = count.fetch_add(1, Ordering::Relaxed) + 1;
+            if n == WARM_UP {
+                start_at.store(ALLOCATIONS.load(Ordering::Relaxed), Ordering::Relaxed);
+                WATCHING.store(true, Ordering::Relaxed);
+            } else if n == WARM_UP + WINDOW {
+                end.store(ALLOCATIONS.load(Ordering::Relaxed), Ordering::Relaxed);
+                WATCHING.store(false, Ordering::Relaxed);
+                finished.notify_one();
+            }
+        });
+        let handle = start(builder, hook).await;
         tokio::time::timeout(Duration::from_secs(60), done.notified())
             .await
             .expect("the window's messages are handled within a minute");
         let report = handle.shutdown().await;
         let allocations = at_end.load(Ordering::Relaxed) - at_start.load(Ordering::Relaxed);
-        assert_eq!(
-            allocations,
-            0,
-            "{allocations} heap allocations while handling {WINDOW} messages in steady state \
-             ({:.3} per message); the first: {}",
-            allocations as f64 / WINDOW as f64,
-            FIRST.get().map_or("(not recorded)", String::as_str)
-        );
         assert!(report.stats.processed >= WARM_UP + WINDOW, "{report:?}");
         assert_eq!(report.stats.dead_lettered, 0);
-    });
+        (allocations, report)
+    })
+}
+
+fn assert_none(allocations: u64) {
+    assert_eq!(
+        allocations,
+        0,
+        "{allocations} heap allocations while handling {WINDOW} messages in steady state \
+         ({:.3} per message); the first: {}",
+        allocations as f64 / WINDOW as f64,
+        FIRST.get().map_or("(not recorded)", String::as_str)
+    );
+}
+
+#[test]
+fn steady_state_consume_allocates_nothing() {
+    let (allocations, _) = window(
+        |_| b"x".to_vec(),
+        |builder, hook| async move {
+            builder
+                .start(move |_d: Delivery| {
+                    hook();
+                    std::future::ready(Ok::<(), BoxError>(()))
+                })
+                .await
+                .expect("consumer starts")
+        },
+    );
+    assert_none(allocations);
+}
+
+/// A value whose fields live on the stack: decoding it allocates nothing.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Reading {
+    sensor: u32,
+    value: f64,
+    at_ms: u64,
+}
+
+#[test]
+fn steady_state_typed_json_consume_allocates_nothing() {
+    let (allocations, _) = window(
+        |i| {
+            serde_json::to_vec(&Reading {
+                sensor: 7,
+                value: 21.5,
+                at_ms: i,
+            })
+            .expect("JSON")
+        },
+        |builder, hook| async move {
+            builder
+                .start_typed(
+                    reliq_core::JsonCodec::<Reading>::new(),
+                    move |reading: Reading, _d: Delivery| {
+                        std::hint::black_box(reading.value);
+                        hook();
+                        std::future::ready(Ok::<(), BoxError>(()))
+                    },
+                )
+                .await
+                .expect("consumer starts")
+        },
+    );
+    assert_none(allocations);
 }

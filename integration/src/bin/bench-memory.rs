@@ -9,7 +9,11 @@
 //!
 //! `--only runtime|raw` runs one side (for callgrind); `--only publish` only builds and
 //! publishes the runtime side's messages (what callgrind subtracts to leave the consume
-//! path); `--repeat` repeats the pair.
+//! path); `--repeat` repeats the pair. The typed paths: `--only typed-json|typed-avro`
+//! consume an order event through `start_typed` with `JsonCodec` / `Avro` (the handler
+//! gets the decoded value), `--only bytes` the same JSON payloads through `start` (the
+//! handler gets the bytes), and `--only publish-json|publish-avro` their set-up alone;
+//! without `--only` the three are measured after the pair.
 #![allow(unsafe_code)] // the counting allocator
 
 use reliq_integration::settings;
@@ -152,6 +156,118 @@ async fn raw(n: usize) -> anyhow::Result<Run> {
     })
 }
 
+/// The event the typed paths carry.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, apache_avro::AvroSchema)]
+struct OrderCreated {
+    order: String,
+    sku: String,
+    qty: i32,
+    cents: i64,
+}
+
+/// How a typed run's consumer reads the payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Payload {
+    /// `start`: the handler gets the (JSON) bytes and does not read them.
+    Bytes,
+    /// `start_typed` with `JsonCodec`.
+    Json,
+    /// `start_typed` with `Avro` (the plain codec: no registry).
+    Avro,
+}
+
+/// `n` order events encoded for `payload`, published before the consumer starts; then
+/// (when `run_consumer`) consumed through the path `payload` names.
+async fn typed(n: usize, payload: Payload, run_consumer: bool) -> anyhow::Result<Run> {
+    use reliq_core::{Codec, JsonCodec};
+    let broker = MemoryBroker::new();
+    let shared: Arc<dyn Broker> = Arc::new(broker.clone());
+    let topic = "bench-typed";
+    let builder = Consumer::builder(shared.clone(), "bench")
+        .subscribe(topic)
+        .retry(RetryPolicy::tiers([Duration::from_secs(1)]))
+        .max_in_flight(256);
+    drop(shared.subscribe(&builder.subscription()?).await?);
+    let json = JsonCodec::<OrderCreated>::new();
+    let avro = reliq_contracts::Avro::<OrderCreated>::new();
+    let dest = Destination::new(topic);
+    for i in 0..n {
+        let order = OrderCreated {
+            order: format!("o-{i:07}"),
+            sku: "sku-3".into(),
+            qty: 2,
+            cents: 1250,
+        };
+        let bytes = match payload {
+            Payload::Avro => avro.encode(&order, topic).await?,
+            Payload::Bytes | Payload::Json => json.encode(&order, topic).await?,
+        };
+        shared
+            .publish(&dest, Message::with_id_and_payload(format!("m-{i}"), bytes))
+            .await?;
+    }
+    if !run_consumer {
+        return Ok(Run {
+            msgs_per_sec: 0.0,
+            allocs_per_msg: 0.0,
+        });
+    }
+    let done = Arc::new(Notify::new());
+    let handled = Arc::new(AtomicU64::new(0));
+    let target = n as u64;
+    let counted = move |done: Arc<Notify>, handled: Arc<AtomicU64>| {
+        if handled.fetch_add(1, Ordering::Relaxed) + 1 == target {
+            done.notify_one();
+        }
+    };
+    let allocs0 = ALLOCS.load(Ordering::Relaxed);
+    let t0 = Instant::now();
+    let (d, h) = (done.clone(), handled.clone());
+    let handle = match payload {
+        Payload::Bytes => {
+            builder
+                .start(move |_d: Delivery| {
+                    counted(d.clone(), h.clone());
+                    async { Ok::<(), BoxError>(()) }
+                })
+                .await?
+        }
+        Payload::Json => {
+            builder
+                .start_typed(json, move |order: OrderCreated, _d: Delivery| {
+                    std::hint::black_box(&order);
+                    counted(d.clone(), h.clone());
+                    async { Ok::<(), BoxError>(()) }
+                })
+                .await?
+        }
+        Payload::Avro => {
+            builder
+                .start_typed(avro, move |order: OrderCreated, _d: Delivery| {
+                    std::hint::black_box(&order);
+                    counted(d.clone(), h.clone());
+                    async { Ok::<(), BoxError>(()) }
+                })
+                .await?
+        }
+    };
+    done.notified().await;
+    let elapsed = t0.elapsed();
+    let allocs = ALLOCS.load(Ordering::Relaxed) - allocs0;
+    while handle.stats().processed < target {
+        tokio::task::yield_now().await;
+    }
+    anyhow::ensure!(
+        handle.stats().dead_lettered == 0,
+        "{payload:?}: nothing parks"
+    );
+    handle.shutdown().await;
+    Ok(Run {
+        msgs_per_sec: n as f64 / elapsed.as_secs_f64(),
+        allocs_per_msg: allocs as f64 / n as f64,
+    })
+}
+
 fn main() -> anyhow::Result<()> {
     let n: usize = settings::arg("--messages")
         .map(|v| v.parse())
@@ -176,7 +292,14 @@ fn main() -> anyhow::Result<()> {
                 return Ok(());
             }
             Some("publish") => return publish_only(n).await,
-            Some(other) => anyhow::bail!("--only runtime|raw|publish, not {other}"),
+            Some("bytes") => return typed(n, Payload::Bytes, true).await.map(drop),
+            Some("typed-json") => return typed(n, Payload::Json, true).await.map(drop),
+            Some("typed-avro") => return typed(n, Payload::Avro, true).await.map(drop),
+            Some("publish-json") => return typed(n, Payload::Json, false).await.map(drop),
+            Some("publish-avro") => return typed(n, Payload::Avro, false).await.map(drop),
+            Some(other) => anyhow::bail!(
+                "--only runtime|raw|publish|bytes|typed-json|typed-avro|publish-json|publish-avro, not {other}"
+            ),
             None => {}
         }
         // warm-up
@@ -193,6 +316,23 @@ fn main() -> anyhow::Result<()> {
                 b.msgs_per_sec,
                 b.allocs_per_msg,
                 r.msgs_per_sec / b.msgs_per_sec
+            );
+        }
+        println!("typed paths: an order event (JSON 56 bytes, Avro 19), no-op handler");
+        for i in 1..=repeat {
+            let bytes = typed(n, Payload::Bytes, true).await?;
+            let json = typed(n, Payload::Json, true).await?;
+            let avro = typed(n, Payload::Avro, true).await?;
+            println!(
+                "run {i}: bytes {:>10.0} msg/s ({:.3} allocs/msg) | typed JSON {:>10.0} msg/s ({:.3} allocs/msg, {:.3}×) | typed Avro {:>10.0} msg/s ({:.3} allocs/msg, {:.3}×)",
+                bytes.msgs_per_sec,
+                bytes.allocs_per_msg,
+                json.msgs_per_sec,
+                json.allocs_per_msg,
+                json.msgs_per_sec / bytes.msgs_per_sec,
+                avro.msgs_per_sec,
+                avro.allocs_per_msg,
+                avro.msgs_per_sec / bytes.msgs_per_sec
             );
         }
         Ok(())

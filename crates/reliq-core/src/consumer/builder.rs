@@ -396,7 +396,10 @@ impl ConsumerBuilder {
             let typed = typed.clone();
             async move {
                 let (codec, handler) = &*typed;
-                let value = codec.decode(delivery.payload()).await?;
+                let value = match codec.decode_now(delivery.payload()) {
+                    Some(decoded) => decoded?,
+                    None => codec.decode(delivery.payload()).await?,
+                };
                 handler(value, delivery).await
             }
         })
