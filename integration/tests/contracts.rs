@@ -216,10 +216,11 @@ async fn the_cache_asks_the_registry_once_per_new_schema_id() -> anyhow::Result<
 }
 
 /// At start, a consumer whose type cannot read what the producers registered is refused
-/// with `Refuse` (naming the topic) and started with `Warn`; a compatible evolution
-/// starts with `Refuse`.
+/// with `Refuse` (naming the topic) and started with `Warn`, which logs why; a compatible
+/// evolution starts with `Refuse`.
 #[tokio::test]
 async fn an_incompatible_consumer_is_refused_at_start_or_warned() -> anyhow::Result<()> {
+    let log = reliq_conformance::support::captured_log()?;
     let registry = registry()?;
     let backend = MemoryBackend::new();
     let broker = backend.connect().await?;
@@ -265,6 +266,17 @@ async fn an_incompatible_consumer_is_refused_at_start_or_warned() -> anyhow::Res
         .await
         .context("Warn starts an incompatible consumer")?;
     warned.shutdown().await;
+    let said: Vec<String> = log
+        .warnings()
+        .into_iter()
+        .filter(|l| l.contains("compat-warn"))
+        .collect();
+    ensure!(
+        said.len() == 1
+            && said[0].contains("cannot be read by this consumer")
+            && said[0].contains(&format!("{topic}-value")),
+        "Warn logs the incompatibility once, naming the subject: {said:?}"
+    );
     let compatible = Consumer::builder(broker, "compat-ok")
         .subscribe(&topic)
         .check_schema(StartupCheck::Refuse)
