@@ -488,16 +488,47 @@ async fn the_orders_asyncapi_document_has_the_failure_path_on_every_backend() ->
         ensure!(binding, "{backend}: {source}");
         let file = docs.join(format!("orders.{backend}.json"));
         let text = doc.to_string();
+        same_as_committed(&file, &text, write)?;
+    }
+    // An Avro payload (the schema in its own format, for the parser's Avro schema parser).
+    let broker = reliq_integration::connect_by_name("kafka").await?;
+    let doc = Consumer::builder(broker, "billing")
+        .subscribe("orders")
+        .retry(reliq_core::RetryPolicy::tiers([
+            std::time::Duration::from_secs(5),
+        ]))
+        .asyncapi(
+            reliq_core::AsyncApi::new("billing", "1.0.0"),
+            Codec::<OrderV2>::schema(&Avro::<OrderV2>::new()),
+        )
+        .await?;
+    let json = doc.to_json();
+    let payload = &json["components"]["messages"]["shop_OrderCreated_deadLetter"]["payload"];
+    ensure!(
+        payload["schemaFormat"] == reliq_core::AVRO_SCHEMA_FORMAT
+            && payload["schema"]["name"] == "OrderCreated",
+        "{payload}"
+    );
+    same_as_committed(
+        &docs.join("billing-avro.kafka.json"),
+        &doc.to_string(),
+        write,
+    )
+}
+
+/// `text` is what `file` holds (or, with `write`, becomes it).
+fn same_as_committed(file: &std::path::Path, text: &str, write: bool) -> anyhow::Result<()> {
+    {
         if write {
-            std::fs::write(&file, &text)?;
-            continue;
+            std::fs::write(file, text)?;
+            return Ok(());
         }
-        let committed = std::fs::read_to_string(&file)
-            .with_context(|| format!("reading {}", file.display()))?;
+        let committed =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
         ensure!(
             committed == text,
-            "{} is not the document reliq generates for the orders example on {backend}; \
-             regenerate it with `RELIQ_WRITE_ASYNCAPI=1 cargo nextest run --workspace -E \
+            "{} is not the document reliq generates; regenerate it with \
+             `RELIQ_WRITE_ASYNCAPI=1 cargo nextest run --workspace -E \
              'test(the_orders_asyncapi_document)'`",
             file.display()
         );
