@@ -42,6 +42,12 @@
 //!   shows it once, count counts it once, remove takes every copy — [`CopyIndex`] does
 //!   that bookkeeping where the broker cannot deduplicate the writes, [`IdCounts`] the
 //!   one-per-id bookkeeping where it can.
+//! - `plan` lists every object `subscribe` declares, with the settings that matter
+//!   ([`Plan`](crate::topology::Plan)); mark each object that holds the consumer's
+//!   messages with [`PlannedObject::carrying`](crate::topology::PlannedObject::carrying) —
+//!   the source, each retry tier (or the one object that holds them all), the DLQ — with
+//!   the address producers use and the broker's AsyncAPI bindings: the service's AsyncAPI
+//!   document ([`AsyncApi`](crate::AsyncApi)) is built from those marks alone.
 //! - Errors: return [`BrokerError`] and keep the client's error as the source
 //!   ([`BrokerError::connection`], [`BrokerError::rejected`], `.caused_by(e)`); the
 //!   classifier maps the variants to transient or permanent for handlers that publish.
