@@ -334,8 +334,9 @@ impl Dlq {
     }
 
     /// `show` decodes a payload in the schema-registry wire format with the writer's
-    /// schema it names, from `registry` (Avro and JSON Schema bodies to JSON; Protobuf
-    /// is named, not decoded). The bytes are shown as they are besides.
+    /// schema it names, from `registry` (Avro, JSON Schema and Protobuf bodies to JSON),
+    /// and `edit` may take the corrected value as JSON. The bytes are shown as they are
+    /// besides.
     pub fn with_schema_registry(mut self, registry: Arc<reliq_contracts::SchemaRegistry>) -> Self {
         self.registry = Some(registry);
         self

@@ -262,7 +262,7 @@ pub(crate) enum DlqCommand {
         /// The message id.
         id: String,
         /// A schema registry (Confluent-compatible API): a payload in its wire format is
-        /// also shown decoded with its writer's schema (Avro, JSON Schema).
+        /// also shown decoded with its writer's schema (Avro, JSON Schema, Protobuf).
         #[arg(long, env = "RELIQ_SCHEMA_REGISTRY_URL")]
         schema_registry: Option<String>,
     },
@@ -317,8 +317,8 @@ pub(crate) enum DlqCommand {
         #[arg(long)]
         payload_file: Option<PathBuf>,
         /// Instead of --payload-file: the corrected value as JSON, written with the schema
-        /// the dead letter's registry-framed payload names (same schema id; Avro, JSON
-        /// Schema). Needs --schema-registry.
+        /// the dead letter's registry-framed payload names (same schema id and, for
+        /// Protobuf, message). Needs --schema-registry.
         #[arg(long, conflicts_with = "payload_file", requires = "schema_registry")]
         value_file: Option<PathBuf>,
         /// A header to set on the copy, name=value (repeat for several).

@@ -165,30 +165,35 @@ pub async fn typed_codecs_round_trip_and_undecodable_is_poison(
     Ok(())
 }
 
-/// An Avro order in the schema-registry wire format (the real registry), parked as
-/// permanent: the operator's `show` decodes it with its writer's schema, and an `edit`
-/// with a corrected value writes it back with that schema — the typed consumer reads
-/// the replayed copy.
-pub async fn registry_framed_dead_letter_is_shown_decoded_and_corrected(
+/// One codec's registry-framed dead letter: `parked` (over the limit) is dead-lettered
+/// as permanent; `show` decodes it to `decoded`; an edit with `correction` is written back
+/// with the same schema and the typed consumer reads `corrected`.
+#[allow(clippy::too_many_arguments)]
+async fn registry_case<T, F>(
     b: &dyn Backend,
-) -> anyhow::Result<()> {
-    let ctx = Ctx::new(b, "typed-registry").await?;
-    let registry = Arc::new(SchemaRegistry::new(&b.schema_registry())?);
-    let codec = || RegistryCodec::new(Avro::<OrderCreated>::new(), registry.clone());
-    let handled: Arc<Mutex<Vec<OrderCreated>>> = Arc::default();
+    name: &str,
+    codec: impl Fn() -> RegistryCodec<T, F>,
+    cents: fn(&T) -> i64,
+    parked: T,
+    decoded: serde_json::Value,
+    correction: serde_json::Value,
+    corrected: T,
+) -> anyhow::Result<()>
+where
+    T: Clone + PartialEq + std::fmt::Debug + Send + Sync + 'static,
+    F: reliq_contracts::SchemaFormat<T>,
+{
+    let ctx = Ctx::new(b, name).await?;
+    let handled: Arc<Mutex<Vec<T>>> = Arc::default();
     let seen = handled.clone();
     let h = ctx
         .consumer("c")
-        .start_typed(codec(), move |order: OrderCreated, _d: Delivery| {
+        .start_typed(codec(), move |order: T, _d: Delivery| {
             let seen = seen.clone();
             async move {
-                if order.cents > 1000 {
+                if cents(&order) > 1000 {
                     return Err::<(), BoxError>(
-                        reliq_core::Permanent::msg(format!(
-                            "order {} is over the limit",
-                            order.order
-                        ))
-                        .into(),
+                        reliq_core::Permanent::msg("the order is over the limit").into(),
                     );
                 }
                 seen.lock().expect("not poisoned").push(order);
@@ -196,48 +201,91 @@ pub async fn registry_framed_dead_letter_is_shown_decoded_and_corrected(
             }
         })
         .await?;
-    let order = OrderCreated {
-        order: "o-7".into(),
-        cents: 1250,
-        note: None,
-    };
     let id = TypedPublisher::new(
         ctx.broker.clone(),
         Destination::new(ctx.topic.clone()),
         codec(),
     )
-    .publish(&order)
+    .publish(&parked)
     .await?;
-    wait_until("the order parked", soon(b), || h.stats().dead_lettered == 1).await?;
-    let dlq =
-        Dlq::new(ctx.broker.clone(), ctx.subscription("c"))?.with_schema_registry(registry.clone());
+    wait_until(&format!("{name}: the order parked"), soon(b), || {
+        h.stats().dead_lettered == 1
+    })
+    .await?;
+    let registry = codec().registry().clone();
+    let dlq = Dlq::new(ctx.broker.clone(), ctx.subscription("c"))?.with_schema_registry(registry);
     let shown = dlq.show(id.as_str()).await?;
-    let decoded = match &shown.schema {
+    let value = match &shown.schema {
         Some(SchemaView::Decoded(readable)) => readable.value.clone(),
-        other => anyhow::bail!("the dead letter is not shown decoded: {other:?}"),
+        other => anyhow::bail!("{name}: the dead letter is not shown decoded: {other:?}"),
     };
     ensure!(
-        decoded == Some(serde_json::json!({ "order": "o-7", "cents": 1250, "note": null })),
-        "decoded with the writer's schema: {decoded:?}"
+        value == Some(decoded),
+        "{name}: decoded with the writer's schema: {value:?}"
     );
     let edit = EditRequest {
-        value: Some(serde_json::json!({ "order": "o-7", "cents": 990, "note": "split" })),
+        value: Some(correction),
         ..EditRequest::default()
     };
     dlq.edit(id.as_str(), &edit).await?;
-    wait_until("the corrected order handled", soon(b), || {
-        !handled.lock().expect("not poisoned").is_empty()
-    })
+    wait_until(
+        &format!("{name}: the corrected order handled"),
+        soon(b),
+        || !handled.lock().expect("not poisoned").is_empty(),
+    )
     .await?;
     let got = handled.lock().expect("not poisoned").clone();
     ensure!(
-        got == [OrderCreated {
-            order: "o-7".into(),
-            cents: 990,
-            note: Some("split".into()),
-        }],
-        "the corrected copy, read with the same schema: {got:?}"
+        got == [corrected],
+        "{name}: the corrected copy, read with the same schema: {got:?}"
     );
     h.shutdown().await;
     Ok(())
+}
+
+/// A registry-framed order (the real registry) in Avro and in Protobuf, parked as
+/// permanent: the operator's `show` decodes it with its writer's schema (Protobuf through
+/// the registry's `.proto` text, in its canonical JSON mapping: int64 as a string), and an
+/// `edit` with a corrected value writes it back with that schema — the typed consumer
+/// reads the replayed copy.
+pub async fn registry_framed_dead_letter_is_shown_decoded_and_corrected(
+    b: &dyn Backend,
+) -> anyhow::Result<()> {
+    let registry = Arc::new(SchemaRegistry::new(&b.schema_registry())?);
+    let order = |cents, note: Option<&str>| OrderCreated {
+        order: "o-7".into(),
+        cents,
+        note: note.map(str::to_owned),
+    };
+    registry_case(
+        b,
+        "typed-registry-avro",
+        || RegistryCodec::new(Avro::<OrderCreated>::new(), registry.clone()),
+        |o| o.cents,
+        order(1250, None),
+        serde_json::json!({ "order": "o-7", "cents": 1250, "note": null }),
+        serde_json::json!({ "order": "o-7", "cents": 990, "note": "split" }),
+        order(990, Some("split")),
+    )
+    .await?;
+    let proto = |cents| OrderCreatedProto {
+        order: "o-7".into(),
+        cents,
+    };
+    registry_case(
+        b,
+        "typed-registry-protobuf",
+        || {
+            RegistryCodec::new(
+                Protobuf::<OrderCreatedProto>::new(ORDER_PROTO, "shop.OrderCreated"),
+                registry.clone(),
+            )
+        },
+        |o| o.cents,
+        proto(1250),
+        serde_json::json!({ "order": "o-7", "cents": "1250" }),
+        serde_json::json!({ "order": "o-7", "cents": 990 }),
+        proto(990),
+    )
+    .await
 }

@@ -14,9 +14,9 @@ pub struct Readable {
     pub schema_id: u32,
     /// The schema's kind.
     pub schema_type: SchemaType,
-    /// The body as JSON: an Avro datum or a JSON body decoded with the writer's schema.
-    /// `None` for Protobuf, whose `.proto` text the registry holds but which reliq does
-    /// not interpret without the generated type.
+    /// The body as JSON, decoded with the writer's schema: an Avro datum, a JSON body, or
+    /// a Protobuf message in its canonical JSON mapping (through the registry's `.proto`
+    /// text; int64 fields as strings). `None` when it does not decode (see `note`).
     pub value: Option<serde_json::Value>,
     /// Why `value` is missing, when it is.
     pub note: Option<String>,
@@ -41,10 +41,10 @@ pub async fn readable(
             Err(e) => (None, Some(format!("the body is not JSON: {e}"))),
         },
         SchemaType::Avro => avro_json(&writer.schema, framed.rest),
-        SchemaType::Protobuf => (
-            None,
-            Some("a Protobuf body: decode it with the message's generated type".to_owned()),
-        ),
+        SchemaType::Protobuf => match protobuf::to_json(&writer.schema, framed.rest) {
+            Ok(value) => (Some(value), None),
+            Err(e) => (None, Some(e)),
+        },
     };
     Ok(Some(Readable {
         schema_id: framed.schema_id,
@@ -63,10 +63,11 @@ pub enum ReencodeError {
          and schema id): send the corrected payload itself"
     )]
     NotFramed,
-    /// A schema kind reliq cannot write from JSON.
+    /// A schema kind this build cannot write from JSON (Protobuf without the
+    /// `protobuf` feature).
     #[error(
-        "schema {schema_id} is {schema_type:?}: reliq re-encodes Avro and JSON Schema values \
-         only; send the corrected Protobuf payload as bytes"
+        "schema {schema_id} is {schema_type:?}, which this build of reliq-contracts cannot \
+         re-encode (its `protobuf` feature is off): send the corrected payload as bytes"
     )]
     Unsupported {
         /// The writer's schema id.
@@ -113,12 +114,18 @@ pub async fn reencoded(
             avro_datum(&writer.schema, value)
                 .map_err(|reason| ReencodeError::Unfit { schema_id, reason })?,
         ),
-        schema_type @ SchemaType::Protobuf => {
-            return Err(ReencodeError::Unsupported {
-                schema_id,
-                schema_type,
-            });
-        }
+        SchemaType::Protobuf => match protobuf::from_json(&writer.schema, framed.rest, value) {
+            Ok(body) => out.extend(body),
+            Err(protobuf::Refused::Unfit(reason)) => {
+                return Err(ReencodeError::Unfit { schema_id, reason });
+            }
+            Err(protobuf::Refused::Unsupported) => {
+                return Err(ReencodeError::Unsupported {
+                    schema_id,
+                    schema_type: SchemaType::Protobuf,
+                });
+            }
+        },
     }
     Ok(out)
 }
@@ -140,6 +147,100 @@ fn avro_datum(schema: &str, value: &serde_json::Value) -> Result<Vec<u8>, String
 #[cfg(not(feature = "avro"))]
 fn avro_datum(_schema: &str, _value: &serde_json::Value) -> Result<Vec<u8>, String> {
     Err("reliq-contracts was built without its `avro` feature".to_owned())
+}
+
+/// Protobuf bodies through the registry's `.proto` text: parsed into descriptors
+/// (protox-parse), the message the framing's indexes name, a dynamic message
+/// (prost-reflect) to and from Protobuf's canonical JSON mapping.
+#[cfg(feature = "protobuf")]
+mod protobuf {
+    use prost::Message as _;
+    use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor};
+
+    use crate::wire;
+
+    /// Why a corrected value could not be written.
+    pub(super) enum Refused {
+        Unfit(String),
+        #[allow(dead_code)] // built only without the feature
+        Unsupported,
+    }
+
+    /// The message at `indexes` (top-level index, then nested ones) of the `.proto` text.
+    fn message(proto: &str, indexes: &[i32]) -> Result<MessageDescriptor, String> {
+        let file = protox_parse::parse("registry.proto", proto)
+            .map_err(|e| format!("the writer's .proto does not parse: {e}"))?;
+        let mut pool = DescriptorPool::new();
+        pool.add_file_descriptor_proto(file).map_err(|e| {
+            format!("the writer's .proto does not resolve (imports are not fetched): {e}")
+        })?;
+        let file = pool
+            .get_file_by_name("registry.proto")
+            .ok_or_else(|| "the writer's .proto holds no file".to_owned())?;
+        let missing = || format!("no message at index path {indexes:?} of the writer's .proto");
+        let (first, nested) = indexes.split_first().ok_or_else(missing)?;
+        let mut found = file
+            .messages()
+            .nth(usize::try_from(*first).map_err(|_| missing())?)
+            .ok_or_else(missing)?;
+        for index in nested {
+            let index = usize::try_from(*index).map_err(|_| missing())?;
+            let child = found.child_messages().nth(index);
+            found = child.ok_or_else(missing)?;
+        }
+        Ok(found)
+    }
+
+    /// `rest` (message indexes, then the body) as JSON.
+    pub(super) fn to_json(proto: &str, rest: &[u8]) -> Result<serde_json::Value, String> {
+        let (indexes, body) = wire::read_message_indexes(rest).map_err(|e| e.to_string())?;
+        let descriptor = message(proto, &indexes)?;
+        let name = descriptor.full_name().to_owned();
+        let decoded = DynamicMessage::decode(descriptor, body)
+            .map_err(|e| format!("the Protobuf body does not decode as {name}: {e}"))?;
+        serde_json::to_value(&decoded).map_err(|e| e.to_string())
+    }
+
+    /// `value` as the message the original's indexes (in `rest`) name: the indexes, then
+    /// the body.
+    pub(super) fn from_json(
+        proto: &str,
+        rest: &[u8],
+        value: &serde_json::Value,
+    ) -> Result<Vec<u8>, Refused> {
+        let (indexes, _) =
+            wire::read_message_indexes(rest).map_err(|e| Refused::Unfit(e.to_string()))?;
+        let descriptor = message(proto, &indexes).map_err(Refused::Unfit)?;
+        let corrected = DynamicMessage::deserialize(descriptor, value)
+            .map_err(|e| Refused::Unfit(e.to_string()))?;
+        let mut out = Vec::new();
+        wire::write_message_indexes(&mut out, &indexes);
+        corrected
+            .encode(&mut out)
+            .map_err(|e| Refused::Unfit(e.to_string()))?;
+        Ok(out)
+    }
+}
+
+#[cfg(not(feature = "protobuf"))]
+mod protobuf {
+    pub(super) enum Refused {
+        #[allow(dead_code)] // built only with the feature
+        Unfit(String),
+        Unsupported,
+    }
+
+    pub(super) fn to_json(_proto: &str, _rest: &[u8]) -> Result<serde_json::Value, String> {
+        Err("a Protobuf body: reliq-contracts was built without its `protobuf` feature".to_owned())
+    }
+
+    pub(super) fn from_json(
+        _proto: &str,
+        _rest: &[u8],
+        _value: &serde_json::Value,
+    ) -> Result<Vec<u8>, Refused> {
+        Err(Refused::Unsupported)
+    }
 }
 
 #[cfg(feature = "avro")]
